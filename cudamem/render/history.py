@@ -1,0 +1,51 @@
+"""Text rendering of the span history."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .text import format_bytes, format_duration, render_table
+
+if TYPE_CHECKING:
+    from .._history import History
+
+__all__ = ["render_history"]
+
+
+def _mib(value: float | None, *, signed: bool = False) -> str:
+    return "n/a" if value is None else format_bytes(round(value), signed=signed)
+
+
+def render_history(history: History) -> str:
+    """One row per span name: calls, mean/max allocated delta, reserved delta, peak, time."""
+    if not history.stats:
+        return "no finished spans"
+    rows = [
+        [
+            s.name,
+            str(s.calls),
+            _mib(s.mean_allocated_delta, signed=True),
+            _mib(s.max_allocated_delta, signed=True),
+            _mib(s.mean_reserved_delta, signed=True),
+            _mib(s.max_peak),
+            _mib(s.max_peak_delta, signed=True),
+            format_duration(s.mean_duration),
+            str(s.errors),
+        ]
+        for s in history.stats
+    ]
+    headers = [
+        "span",
+        "calls",
+        "alloc Δ mean",
+        "alloc Δ max",
+        "reserved Δ mean",
+        "peak max",
+        "peak Δ max",
+        "time mean",
+        "errors",
+    ]
+    table = render_table(headers, rows)
+    if history.dropped:
+        table += f"\n({history.dropped} older spans left the ring; aggregates count them)"
+    return table

@@ -1,0 +1,43 @@
+"""Shared fixtures. Tests marked ``cuda`` skip cleanly on machines without a GPU."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import cudamem
+from cudamem import span as _span
+
+
+def _has_cuda() -> bool:
+    try:
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+HAS_CUDA = _has_cuda()
+GPU_COUNT = torch.cuda.device_count() if HAS_CUDA else 0
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip_multi = pytest.mark.skip(reason="needs two CUDA GPUs")
+    for item in items:
+        if "cuda" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip_cuda)
+        if "multigpu" in item.keywords and GPU_COUNT < 2:
+            item.add_marker(skip_multi)
+
+
+@pytest.fixture(autouse=True)
+def _clean_cudamem_state() -> Iterator[None]:
+    """Every test starts with an empty history and no folded peaks."""
+    cudamem.clear_history()
+    with _span._state.lock:
+        _span._state.process_peak.clear()
+        _span._state.open.clear()
+    yield
+    cudamem.clear_history()
