@@ -10,9 +10,10 @@ from __future__ import annotations
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .span import SpanRecord
+if TYPE_CHECKING:
+    from .span import SpanRecord
 
 __all__ = ["History", "SpanStats", "clear_history", "history", "record", "set_history_size"]
 
@@ -69,22 +70,29 @@ class _Aggregate:
         self.dur_sum = self.dur_max = 0.0
 
     def add(self, r: SpanRecord) -> None:
+        # Plain comparisons instead of max(): this runs once per top-level span.
         self.calls += 1
-        self.errors += r.exception is not None
-        a, res = r.allocated_delta, r.reserved_delta
+        if r.exception is not None:
+            self.errors += 1
+        a, res, dur = r.allocated_delta, r.reserved_delta, r.duration
         self.alloc_sum += a
         self.res_sum += res
-        self.alloc_max = max(self.alloc_max, a)
-        self.res_max = max(self.res_max, res)
-        self.dur_sum += r.duration
-        self.dur_max = max(self.dur_max, r.duration)
+        self.dur_sum += dur
+        if a > self.alloc_max:
+            self.alloc_max = a
+        if res > self.res_max:
+            self.res_max = res
+        if dur > self.dur_max:
+            self.dur_max = dur
         peak, peakd = r.peak, r.peak_delta
         if peak is not None and peakd is not None:
             self.peak_calls += 1
             self.peak_sum += peak
             self.peakd_sum += peakd
-            self.peak_max = max(self.peak_max, peak)
-            self.peakd_max = max(self.peakd_max, peakd)
+            if peak > self.peak_max:
+                self.peak_max = peak
+            if peakd > self.peakd_max:
+                self.peakd_max = peakd
 
     def freeze(self, name: str) -> SpanStats:
         n, pn = self.calls, self.peak_calls

@@ -13,6 +13,7 @@ process-wide peak.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import inspect
@@ -20,7 +21,7 @@ import threading
 import time
 import warnings
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar, cast, overload
 
 from typing_extensions import ParamSpec
@@ -136,7 +137,12 @@ class ExceptionInfo:
 
 @dataclass(frozen=True, slots=True)
 class SpanRecord:
-    """The frozen result of one finished span."""
+    """The frozen result of one finished span.
+
+    ``allocated_delta``, ``reserved_delta``, ``peak`` and ``peak_delta`` sum over devices
+    (``peak`` is then the sum of per-device peaks; see ``devices`` for each one). ``peak``
+    and ``peak_delta`` are ``None`` for spans run with ``peak=False``.
+    """
 
     name: str
     devices: tuple[DeviceSpan, ...]
@@ -149,33 +155,56 @@ class SpanRecord:
     thread: str
     synced: bool
     peak_tracked: bool
+    allocated_delta: int
+    reserved_delta: int
+    peak: int | None
+    peak_delta: int | None
     dropped_children: int = 0
     #: Problems of cudamem's own bookkeeping (never raised into the user's code).
     notes: tuple[str, ...] = ()
 
-    @property
-    def allocated_delta(self) -> int:
-        """Allocated bytes at exit minus at entry, summed over devices."""
-        return sum(d.allocated_delta for d in self.devices)
-
-    @property
-    def reserved_delta(self) -> int:
-        """Reserved bytes at exit minus at entry, summed over devices."""
-        return sum(d.reserved_delta for d in self.devices)
-
-    @property
-    def peak(self) -> int | None:
-        """Highest allocated during the span (summed per-device peaks on several devices)."""
-        if not self.peak_tracked or not self.devices:
-            return None if not self.peak_tracked else 0
-        return sum(d.peak or 0 for d in self.devices)
-
-    @property
-    def peak_delta(self) -> int | None:
-        """Peak minus allocated at entry (summed over devices)."""
-        if not self.peak_tracked:
-            return None
-        return sum(d.peak_delta or 0 for d in self.devices)
+    @classmethod
+    def build(
+        cls,
+        name: str,
+        devices: tuple[DeviceSpan, ...],
+        *,
+        duration: float,
+        started_at: float = 0.0,
+        exception: ExceptionInfo | None = None,
+        children: tuple[SpanRecord, ...] = (),
+        thread: str = "MainThread",
+        synced: bool = True,
+        peak_tracked: bool = True,
+        dropped_children: int = 0,
+        notes: tuple[str, ...] = (),
+    ) -> SpanRecord:
+        """A record whose totals are computed from ``devices``."""
+        alloc = res = peak = peakd = 0
+        for d in devices:
+            before = d.before.allocated
+            alloc += d.after.allocated - before
+            res += d.after.reserved - d.before.reserved
+            if d.peak is not None:
+                peak += d.peak
+                peakd += d.peak - before
+        return cls(
+            name,
+            devices,
+            duration,
+            started_at,
+            exception,
+            children,
+            thread,
+            synced,
+            peak_tracked,
+            alloc,
+            res,
+            peak if peak_tracked else None,
+            peakd if peak_tracked else None,
+            dropped_children,
+            notes,
+        )
 
     def device(self, device: DeviceLike) -> DeviceSpan:
         """The result for one device (``KeyError`` if the span did not see it)."""
@@ -219,25 +248,52 @@ class SpanRecord:
 # --------------------------------------------------------------------------- collection
 
 
-@dataclass(eq=False)
 class _OpenSpan:
     """Mutable collection state of a span while it is open."""
 
-    name: str
-    device: int | None
-    sync: bool
-    peak: bool
-    before: dict[int, AllocatorStats] = field(default_factory=dict)
-    folded: dict[int, int] = field(default_factory=dict)
-    children: list[SpanRecord] = field(default_factory=list)
-    dropped_children: int = 0
-    notes: list[str] = field(default_factory=list)
-    started_at: float = 0.0
-    start_ns: int = 0
+    __slots__ = (
+        "before",
+        "children",
+        "device",
+        "dropped_children",
+        "folded",
+        "name",
+        "notes",
+        "peak",
+        "start_ns",
+        "started_at",
+        "sync",
+    )
+
+    def __init__(self, name: str, device: int | None, sync: bool, peak: bool) -> None:
+        self.name = name
+        self.device = device
+        self.sync = sync
+        self.peak = peak
+        self.before: dict[int, AllocatorStats] = {}
+        self.folded: dict[int, int] = {}
+        self.children: list[SpanRecord] | None = None
+        self.dropped_children = 0
+        self.notes: list[str] | None = None
+        self.started_at = 0.0
+        self.start_ns = 0
 
     def fold(self, device: int, value: int) -> None:
         if value > self.folded.get(device, -1):
             self.folded[device] = value
+
+    def note(self, text: str) -> None:
+        if self.notes is None:
+            self.notes = []
+        self.notes.append(text)
+
+    def add_child(self, record: SpanRecord) -> None:
+        if self.children is None:
+            self.children = []
+        if len(self.children) < MAX_CHILDREN:
+            self.children.append(record)
+        else:
+            self.dropped_children += 1
 
 
 class _State:
@@ -303,7 +359,7 @@ def max_allocated(device: DeviceLike = 0) -> int:
 
 
 def _enter(span: _OpenSpan) -> None:
-    backend = _backend.get()
+    backend = _backend._active
     devices = (span.device,) if span.device is not None else backend.initialized_devices()
     if span.sync:
         for d in devices:
@@ -317,12 +373,13 @@ def _enter(span: _OpenSpan) -> None:
 
 
 def _exit(span: _OpenSpan) -> tuple[DeviceSpan, ...]:
-    backend = _backend.get()
+    backend = _backend._active
     if span.device is not None:
         devices: tuple[int, ...] = (span.device,)
     else:
-        now = backend.initialized_devices()
-        devices = tuple(sorted(set(now) | set(span.before)))
+        devices = backend.initialized_devices()
+        if len(devices) != len(span.before) or any(d not in devices for d in span.before):
+            devices = tuple(sorted(set(devices) | set(span.before)))
     if span.sync:
         for d in devices:
             if span.device is not None or backend.has_context(d):
@@ -381,15 +438,17 @@ class MemorySpan:
                 f"span {self.name!r} has already measured a block; create a new span "
                 "(or decorate a function to record one span per call)"
             )
-        span = _OpenSpan(self.name, self._device, self._sync, self._peak)
+        span = _OpenSpan(self._name or "span", self._device, self._sync, self._peak)
         self._open = span
         try:
             _enter(span)
         except Exception as exc:  # cudamem's bookkeeping must never break the user's code
-            span.notes.append(f"entry measurement failed: {type(exc).__name__}: {exc}")
+            span.note(f"entry measurement failed: {type(exc).__name__}: {exc}")
             _warn_once("enter", f"cudamem: span entry measurement failed: {exc!r}")
-        with _state.lock:
-            _state.open.append(span)
+        if span.peak:
+            # Only spans that track peaks need folding when another span resets the counter.
+            with _state.lock:
+                _state.open.append(span)
         _stack.set((*_stack.get(), span))
         span.started_at = time.time()
         span.start_ns = time.perf_counter_ns()
@@ -401,53 +460,53 @@ class MemorySpan:
         if span is None:
             return
         try:
-            with _state.lock:
-                if span in _state.open:
+            if span.peak:
+                with _state.lock, contextlib.suppress(ValueError):
                     _state.open.remove(span)
             stack = _stack.get()
-            index = next((i for i, s in enumerate(stack) if s is span), None)
             parent = None
-            if index is not None:
-                parent = stack[index - 1] if index > 0 else None
-                _stack.set(stack[:index] + stack[index + 1 :])
+            if stack and stack[-1] is span:
+                _stack.set(stack[:-1])
+                parent = stack[-2] if len(stack) > 1 else None
+            else:  # closed out of order (generators, manual __exit__): find it
+                index = next((i for i, s in enumerate(stack) if s is span), None)
+                if index is not None:
+                    parent = stack[index - 1] if index > 0 else None
+                    _stack.set(stack[:index] + stack[index + 1 :])
             try:
                 devices = _exit(span)
             except Exception as err:
-                span.notes.append(f"exit measurement failed: {type(err).__name__}: {err}")
+                span.note(f"exit measurement failed: {type(err).__name__}: {err}")
                 _warn_once("exit", f"cudamem: span exit measurement failed: {err!r}")
                 devices = ()
             info = None
             if exc is not None:
-                info = ExceptionInfo.from_exception(exc, is_oom=_backend.get().is_oom(exc))
-            record = SpanRecord(
-                name=span.name,
-                devices=devices,
+                info = ExceptionInfo.from_exception(exc, is_oom=_backend._active.is_oom(exc))
+            record = SpanRecord.build(
+                span.name,
+                devices,
                 duration=(end_ns - span.start_ns) / 1e9,
                 started_at=span.started_at,
                 exception=info,
-                children=tuple(span.children),
+                children=tuple(span.children) if span.children else (),
                 thread=threading.current_thread().name,
                 synced=span.sync,
                 peak_tracked=span.peak,
                 dropped_children=span.dropped_children,
-                notes=tuple(span.notes),
+                notes=tuple(span.notes) if span.notes else (),
             )
             self._record = record
             self._open = None
             if parent is not None:
-                if len(parent.children) < MAX_CHILDREN:
-                    parent.children.append(record)
-                else:
-                    parent.dropped_children += 1
+                parent.add_child(record)
             else:
-                from ._history import record as record_history
-
-                record_history(record)
-            for hook in tuple(_state.exit_hooks):
-                try:
-                    hook(record, parent is None)
-                except Exception as err:
-                    _warn_once(f"hook{id(hook)}", f"cudamem: span hook failed: {err!r}")
+                _record_history(record)
+            if _state.exit_hooks:
+                for hook in tuple(_state.exit_hooks):
+                    try:
+                        hook(record, parent is None)
+                    except Exception as err:
+                        _warn_once(f"hook{id(hook)}", f"cudamem: span hook failed: {err!r}")
         except Exception as err:  # pragma: no cover - last line of defence
             self._open = None
             _warn_once("exit-outer", f"cudamem: span bookkeeping failed: {err!r}")
@@ -602,3 +661,6 @@ def track(
             f"not {type(name).__name__}"
         )
     return MemorySpan(name, device=device, sync=sync, peak=peak)
+
+
+from ._history import record as _record_history  # noqa: E402  (history imports this module)

@@ -1,0 +1,91 @@
+"""A fake allocator at the ``_backend`` seam, for span logic without a GPU.
+
+It models what spans rely on: per-device allocated/reserved counters, a peak counter that
+``reset_peak`` sets back to the current allocated value, contexts that appear when a device is
+first used, and call counts (to assert that nothing syncs or resets what it should not).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+from cudamem._backend import Backend
+from cudamem.stats import AllocatorStats
+
+
+class FakeAllocator(Backend):
+    def __init__(self, devices: int = 1, contexts: tuple[int, ...] = (0,)) -> None:
+        self.count = devices
+        self.contexts = set(contexts)
+        self.allocated = dict.fromkeys(range(devices), 0)
+        self.reserved = dict.fromkeys(range(devices), 0)
+        self.peak = dict.fromkeys(range(devices), 0)
+        self.calls: Counter[str] = Counter()
+        self.synced: list[int] = []
+        self.lock = threading.Lock()
+        self.clock = 0
+
+    # -- what tests do to the "GPU" ------------------------------------------------------
+    def alloc(self, nbytes: int, device: int = 0) -> None:
+        with self.lock:
+            self.contexts.add(device)
+            self.allocated[device] += nbytes
+            if self.allocated[device] > self.reserved[device]:
+                self.reserved[device] = self.allocated[device]
+            self.peak[device] = max(self.peak[device], self.allocated[device])
+
+    def free(self, nbytes: int, device: int = 0) -> None:
+        with self.lock:
+            self.allocated[device] -= nbytes
+
+    def empty_cache(self, device: int = 0) -> None:
+        with self.lock:
+            self.reserved[device] = self.allocated[device]
+
+    # -- Backend -----------------------------------------------------------------------
+    def device_count(self) -> int:
+        return self.count
+
+    def initialized_devices(self) -> tuple[int, ...]:
+        return tuple(sorted(self.contexts))
+
+    def has_context(self, device: int) -> bool:
+        return device in self.contexts
+
+    def current_device(self) -> int:
+        return 0
+
+    def read(self, device: int) -> AllocatorStats:
+        with self.lock:
+            self.calls["read"] += 1
+            self.clock += 1
+            if device not in self.contexts:
+                return AllocatorStats.zero(device, self.clock)
+            return AllocatorStats(
+                device=device,
+                allocated=self.allocated[device],
+                reserved=self.reserved[device],
+                active=self.allocated[device],
+                requested=self.allocated[device],
+                peak_allocated=self.peak[device],
+                peak_reserved=self.reserved[device],
+                inactive_split=0,
+                alloc_count=0,
+                free_count=0,
+                segments=0,
+                alloc_retries=0,
+                ooms=0,
+                timestamp_ns=self.clock,
+            )
+
+    def synchronize(self, device: int) -> None:
+        with self.lock:
+            self.calls["synchronize"] += 1
+            self.synced.append(device)
+            self.contexts.add(device)
+
+    def reset_peak(self, device: int) -> None:
+        with self.lock:
+            self.calls["reset_peak"] += 1
+            self.peak[device] = self.allocated[device]
