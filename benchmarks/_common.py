@@ -14,7 +14,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from cudamem.render.text import render_table  # noqa: E402
+from cudamem.render.text import render_table
 
 
 def machine() -> dict[str, Any]:

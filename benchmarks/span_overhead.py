@@ -24,6 +24,7 @@ import torch
 from _common import emit, median
 
 import cudamem
+from cudamem.render.text import render_table
 
 CUDA = torch.cuda.is_available()
 
@@ -145,121 +146,123 @@ def time_steps(step: Callable[[], None], wrap: Callable[[], Any], n: int) -> flo
     return (time.perf_counter() - t0) * 1e3 / n
 
 
-def step_benchmarks(n: int, rounds: int) -> dict[str, list[float]]:
+@contextlib.contextmanager
+def profiler_on() -> Iterator[None]:
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if CUDA:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities, profile_memory=True):
+        yield
+
+
+@contextlib.contextmanager
+def memory_history_on() -> Iterator[None]:
+    torch.cuda.memory._record_memory_history(max_entries=100_000)
+    try:
+        yield
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+
+#: Step cases: name -> (per-step wrapper factory, whole-run context). Other benchmark families
+#: (e.g. growth detection, issue 6) add theirs here before main() runs.
+STEP_CASES: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
+    "inside track(sync=False)": (lambda: cudamem.track("step", sync=False), nothing),
+    "inside track() (sync=True)": (lambda: cudamem.track("step"), nothing),
+    "inside track(sync=False, peak=False)": (
+        lambda: cudamem.track("step", sync=False, peak=False),
+        nothing,
+    ),
+    "under profiler(profile_memory=True)": (nothing, profiler_on),
+}
+if CUDA:
+    STEP_CASES["under _record_memory_history()"] = (nothing, memory_history_on)
+
+
+def step_benchmarks(n: int, rounds: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Per case: ms per step of each round, and the ratio to a bare run right before it.
+
+    A launch-bound 1 ms step drifts by ±10 % between runs on a shared host, far more than the
+    effect measured; pairing every case run with an adjacent bare run and taking the median of
+    the ratios cancels the drift.
+    """
     device = "cuda:0" if CUDA else "cpu"
     step = make_step(device)
-    for _ in range(20):
+    for _ in range(30):
         step()
-
-    def span_nosync() -> Any:
-        return cudamem.track("step", sync=False)
-
-    def span_sync() -> Any:
-        return cudamem.track("step")
-
-    cases: dict[str, Callable[[], Any]] = {
-        "bare step": nothing,
-        "inside track(sync=False)": span_nosync,
-        "inside track() (sync=True)": span_sync,
-    }
-    results: dict[str, list[float]] = {k: [] for k in cases}
+    times: dict[str, list[float]] = {"bare step": []}
+    ratios: dict[str, list[float]] = {}
     for _ in range(rounds):
-        for name, wrap in cases.items():
-            results[name].append(time_steps(step, wrap, n))
-    cudamem.clear_history()
-
-    # The heavy peers run once per round after the cheap ones (they cannot be nested in a
-    # span-per-step loop without distorting each other).
-    prof_ms: list[float] = []
-    hist_ms: list[float] = []
-    for _ in range(rounds):
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if CUDA:
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        with torch.profiler.profile(activities=activities, profile_memory=True):
-            prof_ms.append(time_steps(step, nothing, n))
-        if CUDA:
-            torch.cuda.memory._record_memory_history(max_entries=100_000)
-            try:
-                hist_ms.append(time_steps(step, nothing, n))
-            finally:
-                torch.cuda.memory._record_memory_history(enabled=None)
-    results["under profiler(profile_memory=True)"] = prof_ms
-    if hist_ms:
-        results["under _record_memory_history()"] = hist_ms
-    return results
-
-
-# Other benchmark families register here (e.g. growth detection, issue 6).
-EXTRA_STEP_CASES: list[Callable[[Callable[[], None], int, int], dict[str, list[float]]]] = []
+        for name, (wrap, around) in STEP_CASES.items():
+            bare = time_steps(step, nothing, n)
+            times["bare step"].append(bare)
+            with around():
+                t = time_steps(step, wrap, n)
+            times.setdefault(name, []).append(t)
+            ratios.setdefault(name, []).append(t / bare)
+        cudamem.clear_history()
+    return times, ratios
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default="benchmarks/results/span_overhead.json")
     parser.add_argument("--edge-calls", type=int, default=2000)
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args()
     if not CUDA:
         print("no CUDA GPU: CPU smoke run; the figures below do not describe GPU overhead\n")
 
     edges = edge_benchmarks(args.edge_calls, args.rounds)
     base_edge = median(edges["memory_allocated()+memory_reserved() at both edges"])
-    rows = []
-    for name, xs in edges.items():
-        rows.append(
-            [
-                name,
-                f"{median(xs):.1f}",
-                f"{min(xs):.1f}",
-                f"{max(xs):.1f}",
-                f"{median(xs) / base_edge:.2f}x" if base_edge else "n/a",
-            ]
-        )
-    emit_rows = rows
-
-    steps = step_benchmarks(args.steps, args.rounds)
-    device = "cuda:0" if CUDA else "cpu"
-    for extra in EXTRA_STEP_CASES:
-        steps.update(extra(make_step(device), args.steps, args.rounds))
+    edge_rows = [
+        [
+            name,
+            f"{median(xs):.1f}",
+            f"{min(xs):.1f}",
+            f"{max(xs):.1f}",
+            f"{median(xs) / base_edge:.2f}x" if base_edge else "n/a",
+        ]
+        for name, xs in edges.items()
+    ]
+    steps, ratios = step_benchmarks(args.steps, args.rounds)
     bare = median(steps["bare step"])
-    step_rows = []
-    for name, xs in steps.items():
-        med = median(xs)
+    step_rows = [["bare step", f"{bare:.3f}", f"{min(steps['bare step']):.3f}", "", ""]]
+    for name, xs in ratios.items():
         step_rows.append(
             [
                 name,
-                f"{med:.3f}",
-                f"{min(xs):.3f}",
-                f"{max(xs):.3f}",
-                f"{(med / bare - 1) * 100:+.1f} %",
+                f"{median(steps[name]):.3f}",
+                f"{min(steps[name]):.3f}",
+                f"{(median(xs) - 1) * 100:+.1f} %",
+                f"{(min(xs) - 1) * 100:+.1f} .. {(max(xs) - 1) * 100:+.1f} %",
             ]
         )
-
+    summary = {
+        "span_nosync_us": median(edges["track(sync=False)"]),
+        "span_sync_us": median(edges["track() (sync=True)"]),
+        "public_accessors_us": base_edge,
+        "bare_step_ms": bare,
+        "step_overhead_pct": {k: (median(v) - 1) * 100 for k, v in ratios.items()},
+    }
     emit(
         "span enter+exit (µs per span, median of rounds)",
         ["case", "median µs", "min", "max", "vs public accessors"],
-        emit_rows,
-        {
-            "edges_us": edges,
-            "steps_ms": steps,
-            "summary": {
-                "span_nosync_us": median(edges["track(sync=False)"]),
-                "span_sync_us": median(edges["track() (sync=True)"]),
-                "public_accessors_us": base_edge,
-                "bare_step_ms": bare,
-                "step_overhead_pct": {k: (median(v) / bare - 1) * 100 for k, v in steps.items()},
-            },
-        },
+        edge_rows,
+        {"edges_us": edges, "steps_ms": steps, "step_ratios": ratios, "summary": summary},
         args.out,
     )
     print()
-    from cudamem.render.text import render_table
-
     print(
         render_table(
-            ["training step (1024-wide MLP, batch 256)", "median ms", "min", "max", "vs bare"],
+            [
+                "training step (1024-wide MLP, batch 256)",
+                "median ms",
+                "min ms",
+                "vs adjacent bare (median)",
+                "range",
+            ],
             step_rows,
             title=f"training step, {args.steps} steps x {args.rounds} rounds, CUDA events",
         )

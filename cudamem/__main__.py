@@ -36,6 +36,33 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _cmd_run(args: argparse.Namespace) -> int:
+    from .render.json import to_json
+    from .runner import ScriptError, run_script
+
+    def progress(text: str) -> None:
+        print(f"[cudamem] {text} ...", file=sys.stderr)
+
+    try:
+        report = run_script(args.script, args.args, top=args.top, progress=progress)
+    except ScriptError as exc:
+        print(f"cudamem run: {exc}", file=sys.stderr)
+        return 2
+    if report.traceback:
+        print(report.traceback, file=sys.stderr, end="")
+    if args.json:
+        print(to_json(report))
+    else:
+        print(report, file=sys.stderr)
+    if args.html:
+        from .render.html import render_html
+
+        with open(args.html, "w", encoding="utf-8") as fh:
+            fh.write(render_html(report))
+        print(f"[cudamem] wrote {args.html}", file=sys.stderr)
+    return report.exit_code
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``python -m cudamem``."""
     parser = argparse.ArgumentParser(
@@ -46,6 +73,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--json", action="store_true", help="print the results as JSON")
     demo.add_argument("--only", action="append", metavar="KEY", help="run only this experiment")
     demo.set_defaults(func=_cmd_demo)
+    run = sub.add_parser(
+        "run",
+        help="run a script like `python script.py`, with leak detection and an end report",
+    )
+    run.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
+    run.add_argument("--html", metavar="FILE", help="also write a self-contained HTML report")
+    run.add_argument("--top", type=int, default=10, help="live storages listed (default 10)")
+    run.add_argument("script", help="the Python script to run")
+    run.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
+    run.set_defaults(func=_cmd_run)
     return parser
 
 

@@ -1,0 +1,47 @@
+"""The data behind the memory picture: one point per finished span, in time order.
+
+``cudamem.plot()`` (matplotlib) and the HTML report (inline SVG) both draw from these
+points, so they show the same picture.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..span import SpanRecord
+
+__all__ = ["Point", "points"]
+
+
+@dataclass(frozen=True, slots=True)
+class Point:
+    """One span's levels at exit (summed over its devices). Bytes are ints."""
+
+    name: str
+    #: Seconds since the first span's start.
+    t: float
+    allocated: int
+    reserved: int
+    peak: int | None
+    #: The span's name had a leak warning.
+    leak: bool
+
+
+def points(spans: Iterable[SpanRecord], leak_names: Iterable[str] = ()) -> list[Point]:
+    """Points for ``spans`` (a history's ``spans``), marking names in ``leak_names``."""
+    records = sorted(spans, key=lambda r: r.started_at + r.duration)
+    if not records:
+        return []
+    t0 = records[0].started_at
+    leaking = set(leak_names)
+    out = []
+    for r in records:
+        alloc = sum(d.after.allocated for d in r.devices)
+        reserved = sum(d.after.reserved for d in r.devices)
+        out.append(
+            Point(r.name, r.started_at + r.duration - t0, alloc, reserved, r.peak, r.name in leaking)
+        )
+    return out

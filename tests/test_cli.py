@@ -1,0 +1,160 @@
+"""The command line end to end, in subprocesses, on the CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cudamem(*args: str, cwd: Path | None = None, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    return subprocess.run(
+        [sys.executable, "-m", "cudamem", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=cwd,
+    )
+
+
+def write(tmp_path: Path, name: str, code: str) -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(code))
+    return path
+
+
+LEAKY = """
+    import sys
+    import torch
+
+    print("argv", sys.argv[1:], __name__)
+    loss_history = []
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(8):
+        x = torch.randn(256, 64)
+        loss = torch.sigmoid(model(x) * 2).mean()
+        opt.zero_grad()
+        loss_history.append(loss)
+        opt.step()
+    del x, loss
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_demo_without_gpu_exits_0_and_says_so() -> None:
+    out = cudamem("demo")
+    assert out.returncode == 0, out.stderr
+    assert "no CUDA GPU" in out.stderr
+    assert "SKIP: needs a CUDA GPU" in out.stdout
+    assert "FAIL" not in out.stdout
+
+
+def test_demo_json() -> None:
+    out = cudamem("demo", "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert isinstance(data, list) and data
+    assert {"key", "title", "checks", "skipped"} <= set(data[0])
+
+
+def test_run_names_the_holder_and_keeps_argv(tmp_path: Path) -> None:
+    script = write(tmp_path, "leaky.py", LEAKY)
+    out = cudamem("run", str(script), "--lr", "3")
+    assert out.returncode == 0, out.stderr
+    assert "argv ['--lr', '3'] __main__" in out.stdout
+    assert "training steps seen (optimizer.step() calls): 8" in out.stderr
+    assert "__main__.loss_history[" in out.stderr
+    assert "storages still alive at exit" in out.stderr
+
+
+def test_run_json_report(tmp_path: Path) -> None:
+    script = write(tmp_path, "leaky.py", LEAKY)
+    out = cudamem("run", "--json", str(script))
+    assert out.returncode == 0, out.stderr
+    start = out.stdout.index("{")
+    data = json.loads(out.stdout[start:])
+    assert data["exit_code"] == 0
+    assert data["steps"] == 8
+    paths = [h["path"] for s in data["live"]["storages"] for h in (s["holders"] or {}).get("holders", [])]
+    assert any(p.startswith("__main__.loss_history[") for p in paths), paths
+    assert data["history"]["stats"][0]["name"] == "training step"
+    assert data["history"]["stats"][0]["calls"] == 7  # the steps between 8 optimizer steps
+
+
+def test_run_script_that_raises(tmp_path: Path) -> None:
+    script = write(
+        tmp_path,
+        "boom.py",
+        """
+        def inner():
+            raise ValueError("bad batch 7")
+
+        inner()
+        """,
+    )
+    out = cudamem("run", str(script))
+    assert out.returncode == 1
+    assert "Traceback (most recent call last)" in out.stderr
+    assert 'boom.py", line 3, in inner' in out.stderr
+    assert "ValueError: bad batch 7" in out.stderr
+    assert "cudamem/runner.py" not in out.stderr  # cudamem's own frames are cut
+    assert "raised ValueError (bad batch 7)" in out.stderr
+
+
+def test_run_keeps_exit_codes(tmp_path: Path) -> None:
+    assert cudamem("run", str(write(tmp_path, "a.py", "import sys; sys.exit(3)"))).returncode == 3
+    out = cudamem("run", str(write(tmp_path, "b.py", "import sys; sys.exit('bye')")))
+    assert out.returncode == 1 and "bye" in out.stderr
+    assert cudamem("run", str(write(tmp_path, "c.py", "raise SystemExit"))).returncode == 0
+
+
+def test_run_missing_script_and_bad_syntax(tmp_path: Path) -> None:
+    out = cudamem("run", str(tmp_path / "nope.py"))
+    assert out.returncode == 2
+    assert "no such script" in out.stderr
+    out = cudamem("run", str(write(tmp_path, "bad.py", "def (:\n")))
+    assert out.returncode == 2
+    assert "SyntaxError" in out.stderr
+    out = cudamem("run", str(tmp_path))
+    assert out.returncode == 2 and "directory" in out.stderr
+
+
+def test_run_html_escapes_hostile_names(tmp_path: Path) -> None:
+    script = write(
+        tmp_path,
+        "hostile.py",
+        """
+        import torch, cudamem
+        store = {"<img src=x onerror=alert(1)>": torch.ones(1000)}
+        with cudamem.track("<script>alert('span')</script>"):
+            pass
+        raise RuntimeError("<b>not bold</b>")
+        """,
+    )
+    html_path = tmp_path / "report.html"
+    out = cudamem("run", "--html", str(html_path), str(script))
+    assert out.returncode == 1
+    page = html_path.read_text()
+    assert page.startswith("<!DOCTYPE html>")
+    assert "<script>" not in page and "<img src=x" not in page and "<b>not bold" not in page
+    assert "&lt;img src=x onerror=alert(1)&gt;" in page
+    assert "&lt;script&gt;alert(&#x27;span&#x27;)&lt;/script&gt;" in page
+    assert "&lt;b&gt;not bold&lt;/b&gt;" in page
+    assert "http://" not in page.replace('xmlns="http://www.w3.org/2000/svg"', "")
+
+
+def test_unknown_command() -> None:
+    out = cudamem("frobnicate")
+    assert out.returncode == 2
+    assert "invalid choice" in out.stderr
