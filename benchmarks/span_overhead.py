@@ -179,6 +179,36 @@ if CUDA:
     STEP_CASES["under _record_memory_history()"] = (nothing, memory_history_on)
 
 
+# -- growth detection (issue 6) --
+@contextlib.contextmanager
+def growth_detection(enabled: bool) -> Iterator[None]:
+    """Growth detection on or off for a run, then the settings as they were."""
+    previous = cudamem.leak_settings()
+    cudamem.configure_leaks(enabled=enabled)
+    try:
+        yield
+    finally:
+        cudamem.configure_leaks(**previous.to_dict())
+
+
+def add_growth_detection_cases() -> None:
+    """The training step inside ``track()`` with growth detection on (a clean loop: the
+    detector only compares levels, no census ever runs) and off. Goal: the same <= 2 % as a
+    plain span, i.e. no difference between the two."""
+    span = lambda: cudamem.track("step", sync=False)  # noqa: E731
+    STEP_CASES["inside track(sync=False), growth detection off"] = (
+        span,
+        lambda: growth_detection(False),
+    )
+    STEP_CASES["inside track(sync=False), growth detection on"] = (
+        span,
+        lambda: growth_detection(True),
+    )
+
+
+add_growth_detection_cases()
+
+
 def step_benchmarks(n: int, rounds: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     """Per case: ms per step of each round, and the ratio to a bare run right before it.
 

@@ -8,33 +8,110 @@ graphs; ``explain``/``release`` reconcile nvidia-smi with PyTorch.
 from __future__ import annotations
 
 from ._history import History, SpanStats, clear_history, history, set_history_size
+from .census import Census, LiveStorage, Unaccounted, live_tensors, unaccounted
+from .device import (
+    DeviceLedger,
+    DeviceRelease,
+    Explanation,
+    LedgerLine,
+    MachineStatus,
+    ReleaseResult,
+    RemainingStorage,
+    explain,
+    machine_status,
+    release,
+)
+from .holders import Holder, Holders, who_holds
+from .leaks import (
+    Culprit,
+    Growth,
+    LeakedStorage,
+    LeakReport,
+    LeakSettings,
+    LeakWarning,
+    configure_leaks,
+    leak_settings,
+    leaks,
+)
+from .oom import OomEvent, OomGuard, OomReport, OomStorage, on_oom, oom_report
+from .plot import plot
+from .scalars import (
+    GraphHolder,
+    GraphHolders,
+    HostCopy,
+    LoggerStats,
+    ScalarLogger,
+    Series,
+    SeriesSummary,
+    find_graph_holders,
+    log_scalar,
+    to_host,
+)
+from .snapshot import UnsafeSnapshotError, load_snapshot
 from .span import DeviceSpan, ExceptionInfo, MemorySpan, SpanRecord, max_allocated, track
 from .stats import AllocatorStats, StatsDelta
-
-# -- holders and census (issue 3) --
-# -- scalars (issue 4) --
-# -- device ledger (issue 5) --
-# -- leaks (issue 6) --
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AllocatorStats",
+    "Census",
+    "Culprit",
+    "DeviceLedger",
+    "DeviceRelease",
     "DeviceSpan",
     "ExceptionInfo",
+    "Explanation",
+    "GraphHolder",
+    "GraphHolders",
+    "Growth",
     "History",
+    "Holder",
+    "Holders",
+    "HostCopy",
+    "LeakReport",
+    "LeakSettings",
+    "LeakWarning",
+    "LeakedStorage",
+    "LedgerLine",
+    "LiveStorage",
+    "LoggerStats",
+    "MachineStatus",
     "MemorySpan",
+    "OomEvent",
+    "OomGuard",
+    "OomReport",
+    "OomStorage",
+    "ReleaseResult",
+    "RemainingStorage",
+    "ScalarLogger",
+    "Series",
+    "SeriesSummary",
     "SpanRecord",
     "SpanStats",
     "StatsDelta",
+    "Unaccounted",
+    "UnsafeSnapshotError",
     "__version__",
     "clear_history",
+    "configure_leaks",
+    "explain",
+    "find_graph_holders",
     "history",
+    "leak_settings",
+    "leaks",
+    "live_tensors",
+    "load_snapshot",
+    "log_scalar",
+    "machine_status",
     "max_allocated",
+    "on_oom",
+    "oom_report",
+    "plot",
+    "release",
     "set_history_size",
+    "to_host",
     "track",
-    # -- holders and census (issue 3) --
-    # -- scalars (issue 4) --
-    # -- device ledger (issue 5) --
-    # -- leaks (issue 6) --
+    "unaccounted",
+    "who_holds",
 ]

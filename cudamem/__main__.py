@@ -63,6 +63,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return report.exit_code
 
 
+def _cmd_status(args: argparse.Namespace) -> int:
+    from .device import machine_status
+    from .render.json import to_json
+
+    status = machine_status()
+    print(to_json(status) if args.json else status)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``python -m cudamem``."""
     parser = argparse.ArgumentParser(
@@ -83,6 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("script", help="the Python script to run")
     run.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     run.set_defaults(func=_cmd_run)
+    status = sub.add_parser(
+        "status", help="this machine's GPUs as NVML sees them, reconciled (all processes)"
+    )
+    status.add_argument("--json", action="store_true", help="print the status as JSON")
+    status.set_defaults(func=_cmd_status)
     return parser
 
 

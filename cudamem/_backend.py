@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -42,7 +42,33 @@ def _raw_get(raw: dict[str, Any], key: str, metric: str = "current") -> int:
 
 
 def stats_from_raw(device: int, raw: dict[str, Any], timestamp_ns: int) -> AllocatorStats:
-    """Build :class:`AllocatorStats` from the nested dict of ``_cuda_memoryStats``."""
+    """Build :class:`AllocatorStats` from the nested dict of ``_cuda_memoryStats``.
+
+    Direct indexing first (~1.5 µs; spans call this twice per device per block), then a
+    tolerant slow path for allocator backends that leave keys out (cudaMallocAsync).
+    """
+    try:
+        a = raw["allocated_bytes"]["all"]
+        r = raw["reserved_bytes"]["all"]
+        n = raw["allocation"]["all"]
+        return AllocatorStats(
+            device,
+            a["current"],
+            r["current"],
+            raw["active_bytes"]["all"]["current"],
+            raw["requested_bytes"]["all"]["current"],
+            a["peak"],
+            r["peak"],
+            raw["inactive_split_bytes"]["all"]["current"],
+            n["allocated"],
+            n["freed"],
+            raw["segment"]["all"]["current"],
+            raw["num_alloc_retries"],
+            raw["num_ooms"],
+            timestamp_ns,
+        )
+    except (KeyError, TypeError):
+        pass
     retries = raw.get("num_alloc_retries", 0)
     ooms = raw.get("num_ooms", 0)
     return AllocatorStats(
@@ -98,6 +124,75 @@ class Backend:
         """Whether ``exc`` is a CUDA out-of-memory error."""
         return _is_oom_exception(exc)
 
+    def empty_cache(self) -> None:
+        """Return every device's unused cached blocks to CUDA (``torch.cuda.empty_cache``)."""
+
+    # -- scalars (issue 4) --
+    def record_event(self, device: int, event: Any = None) -> Any:
+        """Record an event on ``device``'s current stream (reusing ``event`` when given) and
+        return it; the host can later ask whether the work queued before it has finished."""
+        raise NotImplementedError
+
+    def event_done(self, event: Any) -> bool:
+        """Whether the work queued before ``event`` has finished (never blocks)."""
+        raise NotImplementedError
+
+    def wait_event(self, event: Any) -> None:
+        """Block the host until the work queued before ``event`` has finished. Unlike
+        ``synchronize`` this waits for that point only, not for everything queued since."""
+        raise NotImplementedError
+
+    # -- device ledger (issue 5) --
+    def device_uuid(self, device: int) -> str | None:
+        """torch's UUID of ``device`` (no ``GPU-`` prefix), ``None`` before CUDA is initialised
+        (reading device properties would initialise it)."""
+        return None
+
+    def memory_segments(self, device: int) -> list[dict[str, Any]] | None:
+        """``torch.cuda.memory_snapshot()`` segments of ``device`` without traces, ``None``
+        when unavailable. Never turns history recording on."""
+        return None
+
+    def current_stream_handle(self, device: int) -> int | None:
+        """The ``cudaStream_t`` of this thread's current stream on ``device`` (0 = default)."""
+        return 0
+
+    def clear_cublas_workspaces(self) -> bool:
+        """Free cuBLAS/cuBLASLt workspaces (``empty_cache`` never does); whether it ran."""
+        return False
+
+    def is_recording_history(self) -> bool:
+        """Whether allocator history recording (``_record_memory_history``) is on."""
+        return False
+
+    # -- census (issue 3) --
+    def cublas_workspace_sizes(self, device: int) -> tuple[int, ...]:
+        """Bytes PyTorch requests for one cuBLAS / cuBLASLt workspace on ``device`` (``()``
+        when unknown). Workspaces are held by no tensor; the census recognises them by size."""
+        return ()
+
+    # -- leaks and OOM (issue 6) --
+    def storage_device_type(self) -> str:
+        """The torch device type whose storages this backend's counters measure."""
+        return "cuda"
+
+    def attach_oom_observer(self, observer: Callable[[int, int, int, int], None]) -> bool:
+        """Have the allocator call ``observer(device, requested, total, free)`` inside
+        ``malloc`` on out-of-memory (now, or when CUDA initialises); whether it could."""
+        return False
+
+    def set_history(
+        self, enabled: bool, max_entries: int, still_wanted: Callable[[], bool] | None
+    ) -> bool:
+        """Turn allocation-history recording on (bounded ring of ``max_entries``, Python
+        stacks at allocation) or off; before CUDA initialises, the request waits for it and
+        runs only if ``still_wanted()``. Whether recording was (or will be) changed."""
+        return False
+
+    def history_snapshot(self) -> dict[str, Any] | None:
+        """``torch.cuda.memory._snapshot()`` with the recorded stacks, ``None`` when none."""
+        return None
+
 
 def _is_oom_exception(exc: BaseException) -> bool:
     oom_type = getattr(torch, "OutOfMemoryError", None) or getattr(
@@ -116,6 +211,9 @@ class TorchBackend(Backend):
         self._c = torch._C
         self._compiled = bool(getattr(self._c, "_cuda_getDeviceCount", None))
         self._count: int | None = None
+        # A primary context, once created, lives until the process ends: remember the
+        # devices that have one so the hot path does not probe them again.
+        self._with_context: tuple[int, ...] = ()
 
     def device_count(self) -> int:
         if not self._compiled:
@@ -134,6 +232,8 @@ class TorchBackend(Backend):
             return False
 
     def has_context(self, device: int) -> bool:
+        if device in self._with_context:
+            return True
         if not self._compiled or not self._initialized():
             return False
         probe = getattr(self._c, "_cuda_hasPrimaryContext", None)
@@ -150,16 +250,21 @@ class TorchBackend(Backend):
         return int(torch.cuda.current_device())
 
     def initialized_devices(self) -> tuple[int, ...]:
-        if not self._compiled or not self._initialized():
+        known = self._with_context
+        if not self._compiled or (not known and not self._initialized()):
             return ()
-        return tuple(i for i in range(self.device_count()) if self.has_context(i))
+        count = self.device_count()
+        if len(known) == count:
+            return known
+        found = tuple(i for i in range(count) if i in known or self.has_context(i))
+        self._with_context = found
+        return found
 
     def read(self, device: int) -> AllocatorStats:
         now = time.perf_counter_ns()
-        if not self._compiled or not self._initialized():
+        if device not in self._with_context and (not self._compiled or not self._initialized()):
             return AllocatorStats.zero(device, now)
-        raw = self._c._cuda_memoryStats(device)
-        return stats_from_raw(device, raw, now)
+        return stats_from_raw(device, self._c._cuda_memoryStats(device), now)
 
     def synchronize(self, device: int) -> None:
         if self._compiled and self._initialized():
@@ -170,6 +275,144 @@ class TorchBackend(Backend):
     def reset_peak(self, device: int) -> None:
         if self._compiled and self._initialized():
             self._c._cuda_resetPeakMemoryStats(device)
+
+    def empty_cache(self) -> None:
+        # torch.cuda.empty_cache() is a no-op before CUDA is initialised: no context made.
+        if self._compiled and self._initialized():
+            torch.cuda.empty_cache()
+
+    # -- scalars (issue 4) --
+    def record_event(self, device: int, event: Any = None) -> Any:
+        # The caller holds a tensor on ``device``, so its context exists: nothing is created.
+        ev = event if event is not None else torch.cuda.Event()  # type: ignore[no-untyped-call]
+        ev.record(torch.cuda.current_stream(device))
+        return ev
+
+    def event_done(self, event: Any) -> bool:
+        return bool(event.query())
+
+    def wait_event(self, event: Any) -> None:
+        event.synchronize()
+
+    # -- device ledger (issue 5) --
+    def device_uuid(self, device: int) -> str | None:
+        if not self._compiled or not self._initialized():
+            return None
+        try:
+            # Device properties come from the runtime's cache: no context is created.
+            uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+        except Exception:
+            return None
+        return None if uuid is None else str(uuid)
+
+    def memory_segments(self, device: int) -> list[dict[str, Any]] | None:
+        if not self._compiled or not self._initialized():
+            return None
+        snapshot: Any = torch.cuda.memory_snapshot  # untyped in PyTorch
+        try:
+            try:
+                # include_traces=False (PyTorch >= 2.12) skips the history ring buffer.
+                segments = snapshot(include_traces=False)
+            except TypeError:
+                segments = snapshot()
+        except Exception:
+            return None
+        return [s for s in segments if isinstance(s, dict) and s.get("device") == device]
+
+    def current_stream_handle(self, device: int) -> int | None:
+        if not self.has_context(device):
+            return None
+        try:
+            # The current stream of a device with a context: reading it creates nothing.
+            return int(torch.cuda.current_stream(device).cuda_stream)
+        except Exception:
+            return None
+
+    def clear_cublas_workspaces(self) -> bool:
+        clear = getattr(self._c, "_cuda_clearCublasWorkspaces", None)
+        if not self._compiled or not self._initialized() or not callable(clear):
+            return False
+        clear()
+        return True
+
+    def is_recording_history(self) -> bool:
+        probe = getattr(self._c, "_cuda_isHistoryEnabled", None)
+        if not self._compiled or not self._initialized() or not callable(probe):
+            return False
+        try:
+            return bool(probe())
+        except Exception:
+            return False
+
+    # -- census (issue 3) --
+    def cublas_workspace_sizes(self, device: int) -> tuple[int, ...]:
+        # PyTorch exposes neither the workspaces nor their size to Python, so this repeats
+        # the rule of aten/src/ATen/cuda/CublasHandlePool.cpp: getChosenWorkspaceSize() is
+        # CUBLAS_WORKSPACE_CONFIG (":SIZE_KiB:COUNT" pairs, summed) or, by default, 32 MiB on
+        # compute capability 9.x-12.x (Hopper, Blackwell) and 4096 KiB * 2 + 16 KiB * 8
+        # before; cuBLASLt's is CUBLASLT_WORKSPACE_SIZE KiB (default 1024), and recent
+        # releases give Lt the cuBLAS workspace (unified) instead.
+        if not self.has_context(device):
+            return ()
+        import os
+        import re
+
+        sizes: list[int] = []
+        config = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+        pairs = re.findall(r":([0-9]+):([0-9]+)", config or "")
+        if pairs:
+            sizes.append(sum(int(size) * 1024 * int(count) for size, count in pairs))
+        else:
+            try:
+                # The device has a context: its cached properties create nothing.
+                major = int(torch.cuda.get_device_capability(device)[0])
+            except Exception:
+                return ()
+            sizes.append(32 * 1024**2 if 9 <= major <= 12 else 4096 * 1024 * 2 + 16 * 1024 * 8)
+        lt = os.environ.get("CUBLASLT_WORKSPACE_SIZE", "")
+        sizes.append(int(lt) * 1024 if lt.isdigit() else 1024 * 1024)
+        return tuple(dict.fromkeys(sizes))
+
+    # -- leaks and OOM (issue 6) --
+    def attach_oom_observer(self, observer: Callable[[int, int, int, int], None]) -> bool:
+        attach = getattr(self._c, "_cuda_attach_out_of_memory_observer", None)
+        if not self._compiled or not callable(attach):
+            return False
+        # Device allocators exist only after CUDA initialises; an observer attached before
+        # would reach none of them, so wait for initialisation (no context is created).
+        torch.cuda._lazy_call(lambda: attach(observer))  # type: ignore[no-untyped-call]
+        return True
+
+    def set_history(
+        self, enabled: bool, max_entries: int, still_wanted: Callable[[], bool] | None
+    ) -> bool:
+        record = getattr(torch.cuda.memory, "_record_memory_history", None)
+        if not self._compiled or not callable(record):
+            return False
+
+        def apply() -> None:
+            if still_wanted is not None and not still_wanted():
+                return
+            if enabled:
+                # context="alloc", stacks="python": where each block was allocated, without
+                # the C++ unwinding that makes "all" slow.
+                record(enabled="all", context="alloc", stacks="python", max_entries=max_entries)
+            else:
+                record(enabled=None)
+
+        if not enabled and not self._initialized():
+            return True  # nothing was recorded yet; a queued "on" checks still_wanted()
+        torch.cuda._lazy_call(apply)  # type: ignore[no-untyped-call]
+        return True
+
+    def history_snapshot(self) -> dict[str, Any] | None:
+        if not self._compiled or not self._initialized():
+            return None
+        try:
+            snap = torch.cuda.memory._snapshot()
+        except Exception:
+            return None
+        return snap if isinstance(snap, dict) else None
 
 
 _lock = threading.Lock()

@@ -34,9 +34,7 @@ def plot(
     try:
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise ImportError(
-            "cudamem.plot() needs matplotlib: pip install 'cudamem[plot]'"
-        ) from exc
+        raise ImportError("cudamem.plot() needs matplotlib: pip install 'cudamem[plot]'") from exc
     hist = history() if hist is None else hist
     names = []
     for item in leaks:

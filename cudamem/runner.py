@@ -178,7 +178,9 @@ def _script_traceback(exc: BaseException) -> str:
     """The traceback as Python would print it, starting at the script's own frames."""
     tb = exc.__traceback__
     here = os.path.dirname(os.path.abspath(__file__))
-    while tb is not None and os.path.dirname(os.path.abspath(tb.tb_frame.f_code.co_filename)) == here:
+    while (
+        tb is not None and os.path.dirname(os.path.abspath(tb.tb_frame.f_code.co_filename)) == here
+    ):
         tb = tb.tb_next
     return "".join(traceback.format_exception(type(exc), exc, tb))
 
@@ -329,4 +331,3 @@ def run_script(
         history=hist,
         notes=tuple(notes),
     )
-

@@ -22,13 +22,16 @@ import time
 import warnings
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar, cast, overload
+from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
 
 from typing_extensions import ParamSpec
 
 from . import _backend
 from ._device_arg import DeviceLike, resolve_device
 from .stats import AllocatorStats, device_name
+
+if TYPE_CHECKING:  # -- leaks (issue 6) --
+    from .leaks import LeakReport
 
 __all__ = [
     "DeviceSpan",
@@ -308,6 +311,11 @@ class _State:
 
 
 _state = _State()
+
+# -- leaks (issue 6) --
+#: Span names whose next call the growth detector wants captured (see ``cudamem.leaks``).
+#: Replaced, never mutated, so the hot path reads it without a lock.
+_leak_names: frozenset[str] = frozenset()
 _stack: contextvars.ContextVar[tuple[_OpenSpan, ...]] = contextvars.ContextVar(
     "cudamem_span_stack", default=()
 )
@@ -409,7 +417,18 @@ class MemorySpan:
     span per call).
     """
 
-    __slots__ = ("__weakref__", "_device", "_name", "_open", "_peak", "_record", "_sync")
+    __slots__ = (
+        "__weakref__",
+        "_detached",
+        "_device",
+        "_leak",
+        "_leaks",
+        "_name",
+        "_open",
+        "_peak",
+        "_record",
+        "_sync",
+    )
 
     def __init__(
         self,
@@ -418,6 +437,7 @@ class MemorySpan:
         device: DeviceLike | None = None,
         sync: bool = True,
         peak: bool = True,
+        leaks: bool = False,
     ) -> None:
         if name is not None and not isinstance(name, str):
             raise TypeError(f"span name must be a str, not {type(name).__name__}")
@@ -427,6 +447,10 @@ class MemorySpan:
         self._peak = bool(peak)
         self._open: _OpenSpan | None = None
         self._record: SpanRecord | None = None
+        self._detached = False
+        self._leaks = bool(leaks)
+        # Storage keys at entry while open, the leak capture after exit (issue 6).
+        self._leak: Any = None
 
     # -- context manager ------------------------------------------------------------
 
@@ -449,7 +473,12 @@ class MemorySpan:
             # Only spans that track peaks need folding when another span resets the counter.
             with _state.lock:
                 _state.open.append(span)
-        _stack.set((*_stack.get(), span))
+        if not self._detached:
+            _stack.set((*_stack.get(), span))
+        if self._leaks or (_leak_names and span.name in _leak_names):
+            from .leaks import begin as _leak_begin
+
+            self._leak = _leak_begin(span.name)
         span.started_at = time.time()
         span.start_ns = time.perf_counter_ns()
         return self
@@ -495,6 +524,10 @@ class MemorySpan:
                 dropped_children=span.dropped_children,
                 notes=tuple(span.notes) if span.notes else (),
             )
+            if self._leaks or self._leak is not None:
+                from .leaks import end as _leak_end
+
+                self._leak = _leak_end(span.name, self._leak, explicit=self._leaks)
             self._record = record
             self._open = None
             if parent is not None:
@@ -511,6 +544,11 @@ class MemorySpan:
             self._open = None
             _warn_once("exit-outer", f"cudamem: span bookkeeping failed: {err!r}")
 
+    def _detach(self) -> None:
+        """Open without joining the span stack: a top-level span that never becomes anyone's
+        parent (``cudamem run`` uses it for the span between two optimizer steps)."""
+        self._detached = True
+
     # -- decorator ------------------------------------------------------------------
 
     def __call__(self, func: Callable[P, R]) -> Callable[P, R]:
@@ -520,21 +558,21 @@ class MemorySpan:
                 f"cudamem.track used as a decorator on a non-callable {type(func).__name__}"
             )
         name = self._name or getattr(func, "__qualname__", None) or repr(func)
-        device, sync, peak = self._device, self._sync, self._peak
+        device, sync, peak, leaks = self._device, self._sync, self._peak, self._leaks
 
         if inspect.iscoroutinefunction(func):
             afunc = cast(Callable[P, Awaitable[Any]], func)
 
             @functools.wraps(func)
             async def awrapper(*args: P.args, **kwargs: P.kwargs) -> Any:
-                with MemorySpan(name, device=device, sync=sync, peak=peak):
+                with MemorySpan(name, device=device, sync=sync, peak=peak, leaks=leaks):
                     return await afunc(*args, **kwargs)
 
             return cast(Callable[P, R], awrapper)
 
         @functools.wraps(func)
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-            with MemorySpan(name, device=device, sync=sync, peak=peak):
+            with MemorySpan(name, device=device, sync=sync, peak=peak, leaks=leaks):
                 return func(*args, **kwargs)
 
         return wrapper
@@ -599,6 +637,27 @@ class MemorySpan:
         """Spans that opened and closed inside this one, on the same thread or task."""
         return self.record.children
 
+    # -- leaks (issue 6) --
+    @property
+    def leaks(self) -> LeakReport:
+        """Storages created inside the block and still alive at its exit, with holders.
+
+        Needs ``leaks=True``; ``cudamem.leaks(since=span)`` asks again later.
+        """
+        report: LeakReport | None = self._leak_capture().report
+        if report is None:  # pragma: no cover - explicit captures always carry a report
+            raise RuntimeError(f"span {self.name!r} has no leak report")
+        return report
+
+    def _leak_capture(self) -> Any:
+        self.record  # noqa: B018 - raises while the span is open or unused
+        if not self._leaks or self._leak is None:
+            raise ValueError(
+                f"span {self.name!r} did not record storages: use "
+                f"cudamem.track({self.name!r}, leaks=True)"
+            )
+        return self._leak
+
     def device(self, device: DeviceLike) -> DeviceSpan:
         """The result for one device."""
         return self.record.device(device)
@@ -627,6 +686,7 @@ def track(
     device: DeviceLike | None = None,
     sync: bool = True,
     peak: bool = True,
+    leaks: bool = False,
 ) -> MemorySpan: ...
 
 
@@ -636,6 +696,7 @@ def track(
     device: DeviceLike | None = None,
     sync: bool = True,
     peak: bool = True,
+    leaks: bool = False,
 ) -> Any:
     """Measure a block or a function: ``with cudamem.track("step") as span:``,
     ``@cudamem.track`` or ``@cudamem.track("fwd")``.
@@ -652,15 +713,19 @@ def track(
         peak: track the highest allocated during the span. This resets PyTorch's
             per-device peak counter on entry; use :func:`cudamem.max_allocated` for the
             process-wide peak. ``False`` leaves the counter alone (``span.peak`` is None).
+        leaks: record which storages exist at entry and exit, so that ``span.leaks`` lists
+            those created inside the block and still alive after it, with their holders
+            (and ``cudamem.leaks(since=span)`` asks again later). This runs the census twice
+            per call: for investigating, not for every step of a long run.
     """
     if name is not None and not isinstance(name, str):
         if callable(name):
-            return MemorySpan(None, device=device, sync=sync, peak=peak)(name)
+            return MemorySpan(None, device=device, sync=sync, peak=peak, leaks=leaks)(name)
         raise TypeError(
             f"cudamem.track() takes a span name (str) or a function to decorate, "
             f"not {type(name).__name__}"
         )
-    return MemorySpan(name, device=device, sync=sync, peak=peak)
+    return MemorySpan(name, device=device, sync=sync, peak=peak, leaks=leaks)
 
 
 from ._history import record as _record_history  # noqa: E402  (history imports this module)

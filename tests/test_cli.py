@@ -15,7 +15,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def cudamem(*args: str, cwd: Path | None = None, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+def cudamem(
+    *args: str, cwd: Path | None = None, timeout: float = 180
+) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
     return subprocess.run(
         [sys.executable, "-m", "cudamem", *args],
@@ -86,7 +88,9 @@ def test_run_json_report(tmp_path: Path) -> None:
     data = json.loads(out.stdout[start:])
     assert data["exit_code"] == 0
     assert data["steps"] == 8
-    paths = [h["path"] for s in data["live"]["storages"] for h in (s["holders"] or {}).get("holders", [])]
+    paths = [
+        h["path"] for s in data["live"]["storages"] for h in (s["holders"] or {}).get("holders", [])
+    ]
     assert any(p.startswith("__main__.loss_history[") for p in paths), paths
     assert data["history"]["stats"][0]["name"] == "training step"
     assert data["history"]["stats"][0]["calls"] == 7  # the steps between 8 optimizer steps

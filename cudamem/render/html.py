@@ -73,9 +73,7 @@ def render_html(report: RunReport, *, leak_names: tuple[str, ...] | None = None)
         f"<p>training steps seen (optimizer.step() calls): {report.steps}</p>",
     ]
     if report.peaks:
-        items = "".join(
-            f"<li>cuda:{d}: {_e(format_bytes(b))}</li>" for d, b in report.peaks
-        )
+        items = "".join(f"<li>cuda:{d}: {_e(format_bytes(b))}</li>" for d, b in report.peaks)
         body.append(f"<h2>Peak allocated</h2><ul>{items}</ul>")
     body.append("<h2>Memory per span</h2>")
     spans = report.history.spans if report.history is not None else ()

@@ -42,6 +42,8 @@ def points(spans: Iterable[SpanRecord], leak_names: Iterable[str] = ()) -> list[
         alloc = sum(d.after.allocated for d in r.devices)
         reserved = sum(d.after.reserved for d in r.devices)
         out.append(
-            Point(r.name, r.started_at + r.duration - t0, alloc, reserved, r.peak, r.name in leaking)
+            Point(
+                r.name, r.started_at + r.duration - t0, alloc, reserved, r.peak, r.name in leaking
+            )
         )
     return out

@@ -1,0 +1,399 @@
+"""Tensor storages and autograd graphs, read without running user code or unpack hooks.
+
+gc cannot see tensor → ``grad_fn`` → saved tensors, nor ``.grad``; this module reads them
+through torch's own C descriptors (``TensorBase.__dict__[...]``), never through attributes a
+tensor subclass could override, and with ``__torch_function__`` dispatch disabled.
+
+Saved tensors are read through ``SavedTensor.data`` (the packed value), never ``_saved_*``:
+``_saved_*`` unpacks, and under saved-tensor hooks (non-reentrant activation checkpointing,
+``save_on_cpu``) unpacking runs the hook, which recomputes the forward or copies to the GPU.
+A node whose saved tensor has an unpack hook and whose packed value is not a tensor is
+reported as *not inspected*.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import weakref
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ._naming import is_sub, type_name
+
+__all__ = [
+    "GraphWalk",
+    "StorageKey",
+    "all_tensors",
+    "describe_tensor",
+    "storage_of",
+    "walk_graphs",
+]
+
+#: ``(device type, device index or -1, data_ptr)``: what identifies memory.
+StorageKey = tuple[str, int, int]
+
+_TB = torch._C.TensorBase
+_TB_DICT = _TB.__dict__
+_GRAD_FN = _TB_DICT["grad_fn"]
+_GRAD = _TB_DICT["_grad"] if "_grad" in _TB_DICT else _TB_DICT["grad"]
+_BASE = _TB_DICT.get("_base")
+_IS_LEAF = _TB_DICT["is_leaf"]
+_RETAINS = _TB_DICT["retains_grad"]
+_STORAGE = _TB_DICT["untyped_storage"]
+_DTYPE = _TB_DICT["dtype"]
+_SHAPE = _TB_DICT["shape"]
+_FUNCTION_BASE = torch._C._FunctionBase
+_FB_DICT = _FUNCTION_BASE.__dict__
+_SAVED_NAMES = {"result": "saved result", "self": "saved self", "other": "saved other"}
+
+
+def _no_torch_function() -> Any:
+    return torch._C.DisableTorchFunctionSubclass()
+
+
+def storage_of(t: Any) -> tuple[StorageKey, int] | None:
+    """``(key, nbytes)`` of a tensor's storage, or ``None`` (no storage, empty, wrapper)."""
+    try:
+        with _no_torch_function():
+            st = _STORAGE(t)
+            ptr = int(st.data_ptr())
+            nbytes = int(st.nbytes())
+            dev = st.device
+    except Exception:
+        return None
+    if ptr == 0:
+        return None
+    index = dev.index
+    return (str(dev.type), -1 if index is None else int(index), ptr), nbytes
+
+
+def describe_tensor(t: Any) -> tuple[str, tuple[int, ...], int]:
+    """``(dtype, shape, numel)`` of a tensor, read through torch's descriptors."""
+    try:
+        with _no_torch_function():
+            dtype = str(_DTYPE.__get__(t)).replace("torch.", "")
+            shape = tuple(int(s) for s in _SHAPE.__get__(t))
+    except Exception:
+        return "?", (), 0
+    numel = 1
+    for s in shape:
+        numel *= s
+    return dtype, shape, numel
+
+
+def is_view(t: Any) -> bool:
+    """Whether ``t`` is a view of another tensor (``t._base`` is set)."""
+    if _BASE is None:
+        return False
+    try:
+        with _no_torch_function():
+            return _BASE.__get__(t) is not None
+    except Exception:
+        return False
+
+
+def grad_of(t: Any) -> Any:
+    """``t.grad`` without the non-leaf warning of the public property."""
+    try:
+        with _no_torch_function():
+            # A non-leaf has a .grad only with retain_grad(); asking otherwise warns.
+            if not _IS_LEAF.__get__(t) and not _RETAINS.__get__(t):
+                return None
+            return _GRAD.__get__(t)
+    except Exception:
+        return None
+
+
+def tensor_types() -> tuple[type, ...]:
+    """``torch.Tensor`` and every subclass alive now (``nn.Parameter``, ``Buffer``, ...)."""
+    seen: list[type] = []
+    stack: list[type] = [torch.Tensor]
+    while stack:
+        tp = stack.pop()
+        if any(tp is s for s in seen):
+            continue
+        seen.append(tp)
+        try:
+            stack.extend(type.__subclasses__(tp))
+        except Exception:
+            continue
+    return tuple(seen)
+
+
+def all_tensors() -> list[Any]:
+    """Every tensor object gc tracks, in one heap scan.
+
+    A tensor's ``tp_traverse`` visits its class, so ``gc.get_referrers`` on the tensor types
+    finds every tensor in one C-level pass (~2× one referrer scan) instead of a Python loop
+    over all objects.
+    """
+    import gc
+
+    types_ = tensor_types()
+    return [
+        o
+        for o in gc.get_referrers(*types_)
+        if is_sub(type(o), torch.Tensor) and not _is_our_wrapper(o)
+    ]
+
+
+# Reading a saved tensor (``SavedTensor.data``, ``AccumulateGrad.variable``) makes a Python
+# wrapper for a C++ tensor that had none. When we drop it, PyTorch keeps ("preserves") the
+# wrapper alive for as long as C++ holds the tensor, so it would show up in every later scan
+# as a tensor object nobody refers to. We note the wrappers we made (weakly, by id) and leave
+# them out of later scans. (A user who later fetches that very wrapper, e.g. through
+# ``grad_fn._saved_result``, gets the same object; it is then missed as an alias holder.)
+_our_wrappers: dict[int, weakref.ref[Any]] = {}
+
+
+def _is_our_wrapper(t: Any) -> bool:
+    ref = _our_wrappers.get(id(t))
+    return ref is not None and ref() is t
+
+
+def _note_wrapper(t: Any, known: set[int] | None) -> None:
+    if known is None or id(t) in known:
+        return
+    key = id(t)
+
+    def forget(_ref: weakref.ref[Any], k: int = key) -> None:
+        _our_wrappers.pop(k, None)
+
+    with contextlib.suppress(TypeError):
+        _our_wrappers[key] = weakref.ref(t, forget)
+
+
+@dataclass
+class GraphWalk:
+    """What the walk of every live graph found."""
+
+    #: ``(owner tensor, chain text, storage key, nbytes, label)`` for each saved tensor.
+    saved: list[tuple[Any, str, StorageKey, int, str]] = field(default_factory=list)
+    #: ``(owner tensor, chain text, storage key, nbytes)`` for ``.grad`` of any tensor.
+    grads: list[tuple[Any, str, StorageKey, int]] = field(default_factory=list)
+    #: gc-visible nodes (custom ``Function`` contexts) → ``(owner, chain text)``.
+    py_nodes: dict[int, tuple[Any, Any, str]] = field(default_factory=dict)
+    #: Node names whose saved tensors were not inspected (unpack hooks).
+    not_inspected: list[tuple[Any, str]] = field(default_factory=list)
+    nodes: int = 0
+    truncated: bool = False
+    #: ids of the tensor objects that existed before the walk (to spot wrappers it makes).
+    known: set[int] | None = None
+    #: Bytes of saved storages already counted, by key (for the census).
+    saved_meta: dict[StorageKey, tuple[str, tuple[int, ...], int]] = field(default_factory=dict)
+
+
+def _node_attr(node: Any, name: str) -> Any:
+    """A node's attribute through the descriptor of torch's own class (no user override)."""
+    tp = type(node)
+    descr = _FB_DICT.get(name) if is_sub(tp, _FUNCTION_BASE) else tp.__dict__.get(name)
+    if descr is None:
+        return None
+    return descr.__get__(node, tp)
+
+
+def _saved_slots(node: Any) -> list[tuple[str, Any]]:
+    """``(label, SavedTensor)`` of a node, without unpacking anything."""
+    tp = type(node)
+    out: list[tuple[str, Any]] = []
+    if is_sub(tp, _FUNCTION_BASE):
+        raw = _node_attr(node, "_raw_saved_tensors")
+        for i, st in enumerate(raw or ()):
+            out.append((f"saved_tensors[{i}]", st))
+        return out
+    for name, descr in list(tp.__dict__.items()):
+        if not name.startswith("_raw_saved_"):
+            continue
+        short = name[len("_raw_saved_") :]
+        value = descr.__get__(node, tp)
+        label = _SAVED_NAMES.get(short, f"saved {short}")
+        if isinstance(value, (list, tuple)):
+            out.extend((f"{label}[{i}]", st) for i, st in enumerate(value))
+        else:
+            out.append((label, value))
+    return out
+
+
+def _packed_tensor(st: Any) -> tuple[Any, bool]:
+    """``(tensor or None, inspected)`` for one ``SavedTensor``, never calling its unpack hook."""
+    if st is None:
+        return None, True
+    st_type = type(st)
+    if "data" not in st_type.__dict__ or "unpack_hook" not in st_type.__dict__:
+        # This PyTorch cannot hand out the packed value without unpacking: stay safe.
+        return None, False
+    hook = st.unpack_hook
+    data = st.data
+    if data is None or is_sub(type(data), torch.Tensor):
+        return data, True  # freed by backward() (None), or a plain/packed tensor
+    return None, hook is None
+
+
+def walk_graphs(
+    owners: Iterable[Any],
+    *,
+    max_nodes: int = 200_000,
+    deadline: float | None = None,
+    known: set[int] | None = None,
+) -> GraphWalk:
+    """Walk every graph reachable from ``owners``' ``grad_fn`` once (multi-source BFS).
+
+    A node shared by several owners is named through the first owner that reaches it.
+    """
+    walk = GraphWalk(known=known)
+    queue: deque[tuple[Any, Any, str]] = deque()
+    seen: set[int] = set()
+    keep: list[Any] = []  # nodes stay alive while their ids are in ``seen``
+    outer, inner = _outermost_first(list(owners), max_nodes, deadline)
+    # Outer owners' graphs are walked to the end before inner owners start, so a node
+    # shared with an intermediate tensor is named through the outermost one.
+    for group in (outer, inner):
+        for owner in group:
+            try:
+                with _no_torch_function():
+                    fn = _GRAD_FN.__get__(owner)
+            except Exception:
+                fn = None
+            grad = grad_of(owner)
+            if grad is not None:
+                info = storage_of(grad)
+                if info is not None:
+                    walk.grads.append((owner, ".grad", info[0], info[1]))
+            if fn is not None and id(fn) not in seen:
+                seen.add(id(fn))
+                keep.append(fn)
+                queue.append((fn, owner, f"grad_fn {type_name(type(fn))}"))
+        _drain(queue, seen, keep, walk, max_nodes, deadline)
+    keep.clear()
+    return walk
+
+
+def _drain(
+    queue: deque[tuple[Any, Any, str]],
+    seen: set[int],
+    keep: list[Any],
+    walk: GraphWalk,
+    max_nodes: int,
+    deadline: float | None,
+) -> None:
+    """Walk the queued nodes breadth-first, queueing their ``next_functions``."""
+    while queue:
+        if walk.nodes >= max_nodes or (deadline is not None and time.perf_counter() > deadline):
+            walk.truncated = True
+            break
+        node, owner, chain = queue.popleft()
+        walk.nodes += 1
+        try:
+            _visit(node, owner, chain, walk)
+            nexts = _node_attr(node, "next_functions") or ()
+        except Exception:
+            continue
+        for pair in nexts:
+            try:
+                nxt = pair[0]
+            except Exception:
+                continue
+            if nxt is None or id(nxt) in seen:
+                continue
+            seen.add(id(nxt))
+            keep.append(nxt)
+            queue.append((nxt, owner, f"{chain} → {type_name(type(nxt))}"))
+
+
+def _outermost_first(
+    owners: list[Any], max_nodes: int, deadline: float | None
+) -> tuple[list[Any], list[Any]]:
+    """Owners whose ``grad_fn`` no other owner's graph reaches come first.
+
+    The walk names a shared node through the first owner that reaches it; the outermost
+    tensor (``loss_history[3]``, not an intermediate alias inside its graph) is the useful
+    name, so owners that are inside another owner's graph go last.
+    """
+    fns: dict[int, int] = {}
+    # Node wrappers are cached only while a Python reference lives: keep them, or ids lie.
+    keep: list[Any] = []
+    for i, owner in enumerate(owners):
+        try:
+            with _no_torch_function():
+                fn = _GRAD_FN.__get__(owner)
+        except Exception:
+            fn = None
+        if fn is not None:
+            keep.append(fn)
+            fns.setdefault(id(fn), i)
+    if len(fns) < 2:
+        return owners, []
+    inner: set[int] = set()
+    seen: set[int] = set()
+    stack: list[Any] = []
+    for owner in owners:
+        try:
+            with _no_torch_function():
+                fn = _GRAD_FN.__get__(owner)
+        except Exception:
+            continue
+        if fn is not None:
+            stack.append(fn)
+    count = 0
+    while stack and count < max_nodes:
+        if deadline is not None and time.perf_counter() > deadline:
+            break
+        node = stack.pop()
+        count += 1
+        try:
+            nexts = _node_attr(node, "next_functions") or ()
+        except Exception:
+            continue
+        for pair in nexts:
+            nxt = pair[0] if isinstance(pair, tuple) and pair else None
+            if nxt is None:
+                continue
+            if id(nxt) in fns:
+                inner.add(fns[id(nxt)])
+            if id(nxt) not in seen:
+                seen.add(id(nxt))
+                keep.append(nxt)
+                stack.append(nxt)
+    keep.clear()
+    return [o for i, o in enumerate(owners) if i not in inner], [
+        o for i, o in enumerate(owners) if i in inner
+    ]
+
+
+def _visit(node: Any, owner: Any, chain: str, walk: GraphWalk) -> None:
+    tp = type(node)
+    if is_sub(tp, _FUNCTION_BASE):
+        walk.py_nodes[id(node)] = (node, owner, chain)
+    if type_name(tp) == "AccumulateGrad":
+        var = _node_attr(node, "variable")
+        if var is not None:
+            _note_wrapper(var, walk.known)
+            info = storage_of(var)
+            if info is not None:
+                walk.saved.append((owner, chain, info[0], info[1], "variable"))
+                walk.saved_meta.setdefault(info[0], describe_tensor(var))
+        return
+    skipped = False
+    for label, st in _saved_slots(node):
+        try:
+            tensor, inspected = _packed_tensor(st)
+        except Exception:
+            continue  # freed by backward(): skip quietly
+        if not inspected:
+            skipped = True
+            continue
+        if tensor is None:
+            continue
+        _note_wrapper(tensor, walk.known)
+        info = storage_of(tensor)
+        if info is None:
+            continue
+        walk.saved.append((owner, chain, info[0], info[1], label))
+        walk.saved_meta.setdefault(info[0], describe_tensor(tensor))
+    if skipped:
+        walk.not_inspected.append((owner, chain))

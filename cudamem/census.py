@@ -1,0 +1,471 @@
+"""The live-tensor census: every live storage once, and what the allocator holds beyond it.
+
+``live_tensors()`` counts storages, not tensors: views, ``detach()`` and saved tensors share
+one. Bytes come from ``untyped_storage().nbytes()`` (never numel × element size, which
+misreads views and non-contiguous tensors). Storages come from two places: tensor objects
+gc tracks, and tensors saved inside autograd graphs (which may have no Python object at all).
+
+``unaccounted(device)`` sets the allocator's ``allocated`` bytes against the census. With the
+allocator's snapshot it works per block: every active block is attributed to the storages
+that live inside it (so allocator rounding is attributed too), and blocks no storage lives in
+are cuBLAS workspaces when they match PyTorch's workspace size rule, else unknown.
+"""
+
+from __future__ import annotations
+
+import bisect
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, overload
+
+import torch
+
+from . import _autograd, _backend
+from ._autograd import StorageKey
+from ._device_arg import DeviceLike, resolve_device
+from ._search import SearchLimits
+from .holders import Holders, find_holders
+
+__all__ = [
+    "Census",
+    "LiveStorage",
+    "Unaccounted",
+    "live_storage_keys",
+    "live_tensors",
+    "unaccounted",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class LiveStorage:
+    """One live storage and what is known about it."""
+
+    device: str
+    nbytes: int
+    dtype: str
+    #: Shape of the largest tensor found on this storage.
+    shape: tuple[int, ...]
+    #: Tensor objects sharing it (0: only an autograd graph holds it).
+    tensors: int
+    #: Whether an autograd graph saved it.
+    saved_by_autograd: bool
+    data_ptr: int
+    #: Its holders, when ``live_tensors(holders=True)`` asked for them.
+    holders: Holders | None = None
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """``(device, data_ptr)``: identifies the storage while it lives (plain data)."""
+        return (self.device, self.data_ptr)
+
+    @property
+    def truncated(self) -> bool:
+        """Whether the holder search was cut short or left graph nodes uninspected."""
+        return self.holders is not None and bool(self.holders.notes)
+
+    @property
+    def python(self) -> bool:
+        """Whether a Python tensor object refers to it (else only a graph does)."""
+        return self.tensors > 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready mapping."""
+        return {
+            "device": self.device,
+            "nbytes": self.nbytes,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "tensors": self.tensors,
+            "saved_by_autograd": self.saved_by_autograd,
+            "data_ptr": self.data_ptr,
+            "holders": None if self.holders is None else self.holders.to_dict(),
+        }
+
+    def __str__(self) -> str:
+        from .render.text import format_bytes
+
+        shape = "×".join(map(str, self.shape)) or "scalar"
+        return f"{format_bytes(self.nbytes)} {self.dtype}[{shape}] on {self.device}"
+
+
+@dataclass(frozen=True, slots=True)
+class Census(Sequence[LiveStorage]):
+    """Every live storage once, largest first."""
+
+    storages: tuple[LiveStorage, ...]
+    notes: tuple[str, ...] = ()
+    elapsed: float = 0.0
+
+    @overload
+    def __getitem__(self, index: int) -> LiveStorage: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[LiveStorage]: ...
+    def __getitem__(self, index: int | slice) -> LiveStorage | Sequence[LiveStorage]:
+        return self.storages[index]
+
+    def __len__(self) -> int:
+        return len(self.storages)
+
+    def __iter__(self) -> Iterator[LiveStorage]:
+        return iter(self.storages)
+
+    @property
+    def total(self) -> int:
+        """Bytes of all storages."""
+        return sum(s.nbytes for s in self.storages)
+
+    def by_device(self) -> dict[str, int]:
+        """Bytes per device."""
+        out: dict[str, int] = {}
+        for s in self.storages:
+            out[s.device] = out.get(s.device, 0) + s.nbytes
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready mapping."""
+        return {
+            "total": self.total,
+            "by_device": self.by_device(),
+            "storages": [s.to_dict() for s in self.storages],
+            "notes": list(self.notes),
+            "elapsed": self.elapsed,
+        }
+
+    def __str__(self) -> str:
+        from .render.holders import render_census
+
+        return render_census(self)
+
+
+@dataclass(frozen=True, slots=True)
+class Unaccounted:
+    """A device's allocated bytes, split by what holds them. Bytes are ints."""
+
+    device: int
+    #: The allocator's ``allocated_bytes`` now.
+    allocated: int
+    #: Bytes of storages a Python tensor object refers to.
+    python: int
+    #: Bytes of storages only autograd graphs hold (saved tensors with no Python object).
+    autograd: int
+    #: Bytes of cuBLAS/cuBLASLt workspaces (one per handle and stream).
+    cublas_workspaces: int
+    workspace_count: int
+    #: The rest: no live storage found in it (saved tensors with no Python object at all,
+    #: C++ extensions, blocks freed on another stream but not yet reusable).
+    unknown: int
+    #: ``snapshot`` (per allocator block) or ``counters`` (storage bytes against the total).
+    method: str
+    notes: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready mapping."""
+        return {
+            "device": f"cuda:{self.device}",
+            "allocated": self.allocated,
+            "python": self.python,
+            "autograd": self.autograd,
+            "cublas_workspaces": self.cublas_workspaces,
+            "workspace_count": self.workspace_count,
+            "unknown": self.unknown,
+            "method": self.method,
+            "notes": list(self.notes),
+        }
+
+    def __str__(self) -> str:
+        from .render.holders import render_unaccounted
+
+        return render_unaccounted(self)
+
+
+# --------------------------------------------------------------------------- collection
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """One active allocator block: where it starts, its size, what was asked for."""
+
+    address: int
+    size: int
+    requested: int
+    #: Function names of its allocation stack (only while memory history is recorded).
+    frames: tuple[str, ...] = ()
+
+
+def _active_blocks(segments: Sequence[Any]) -> list[Block]:
+    """Active blocks of ``torch.cuda.memory_snapshot()`` segments (plain dicts)."""
+    out: list[Block] = []
+    for seg in segments:
+        blocks = seg.get("blocks") if isinstance(seg, dict) else None
+        for b in blocks or ():
+            if not isinstance(b, dict) or b.get("state") != "active_allocated":
+                continue
+            try:
+                size = int(b["size"])
+                frames = tuple(
+                    str(f.get("name", "")) for f in b.get("frames") or () if isinstance(f, dict)
+                )
+                out.append(
+                    Block(int(b["address"]), size, int(b.get("requested_size", size)), frames)
+                )
+            except (KeyError, TypeError, ValueError):
+                continue
+    return out
+
+
+@dataclass
+class _Acc:
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+    numel: int
+    tensors: int
+    saved: bool
+    first: Any  # a tensor on this storage (for holders); released before returning
+
+
+def _gather(device: str | None) -> tuple[dict[StorageKey, _Acc], list[str]]:
+    notes: list[str] = []
+    acc: dict[StorageKey, _Acc] = {}
+    tensors = _autograd.all_tensors()
+    for t in tensors:
+        info = _autograd.storage_of(t)
+        if info is None:
+            continue
+        key, nbytes = info
+        if device is not None and _device_text(key) != device:
+            continue
+        dtype, shape, numel = _autograd.describe_tensor(t)
+        a = acc.get(key)
+        if a is None:
+            acc[key] = _Acc(nbytes, dtype, shape, numel, 1, False, t)
+        else:
+            a.tensors += 1
+            a.nbytes = max(a.nbytes, nbytes)
+            if numel > a.numel:
+                a.dtype, a.shape, a.numel = dtype, shape, numel
+    owners = [t for t in tensors if _has_grad_fn(t)]
+    walk = _autograd.walk_graphs(owners, known={id(t) for t in tensors})
+    for _owner, _chain, key, nbytes, _label in walk.saved:
+        if device is not None and _device_text(key) != device:
+            continue
+        a = acc.get(key)
+        if a is None:
+            dtype, shape, numel = walk.saved_meta.get(key, ("?", (), 0))
+            acc[key] = _Acc(nbytes, dtype, shape, numel, 0, True, None)
+        else:
+            a.saved = True
+    for _owner, _label, key, nbytes in walk.grads:
+        if (device is None or _device_text(key) == device) and key not in acc:
+            acc[key] = _Acc(nbytes, "?", (), 0, 0, False, None)
+    if walk.truncated:
+        notes.append(f"autograd walk stopped after {walk.nodes} nodes")
+    if walk.not_inspected:
+        notes.append(
+            f"{len(walk.not_inspected)} autograd node(s) not inspected (saved-tensor hooks)"
+        )
+    tensors.clear()
+    owners.clear()
+    return acc, notes
+
+
+def _label(a: _Acc, key: StorageKey) -> str:
+    shape = ", ".join(map(str, a.shape))
+    what = "Tensor" if a.tensors else "Saved tensor"
+    return f"{what} {a.dtype}[{shape}] on {_device_text(key)}"
+
+
+def _has_grad_fn(t: Any) -> bool:
+    try:
+        with torch._C.DisableTorchFunctionSubclass():
+            return torch._C.TensorBase.__dict__["grad_fn"].__get__(t) is not None or (
+                _autograd.grad_of(t) is not None
+            )
+    except Exception:
+        return False
+
+
+def _device_text(key: StorageKey) -> str:
+    return key[0] if key[1] < 0 else f"{key[0]}:{key[1]}"
+
+
+def _device_filter(device: DeviceLike | None) -> str | None:
+    if device is None:
+        return None
+    if isinstance(device, str) and device == "cpu":
+        return "cpu"
+    if isinstance(device, torch.device) and device.type == "cpu":
+        return "cpu"
+    return f"cuda:{resolve_device(device)}"
+
+
+def live_storage_keys(device_type: str | None = None) -> dict[tuple[str, int], int]:
+    """``(device, data_ptr) → bytes`` of every live storage on devices of ``device_type``
+    (``'cuda'``, ``'cpu'``, ``None`` for all): the cheap pass, no holders."""
+    acc, _ = _gather(None)
+    out: dict[tuple[str, int], int] = {}
+    for key, a in acc.items():
+        if device_type is None or key[0] == device_type:
+            out[(_device_text(key), key[2])] = a.nbytes
+        a.first = None
+    return out
+
+
+def live_tensors(device: DeviceLike | None = None, *, holders: bool = False) -> Census:
+    """Every live storage once, largest first.
+
+    Args:
+        device: ``None`` for all devices (CPU included), ``'cpu'``, or a CUDA device
+            (``0``, ``'cuda:1'``, ``torch.device('cuda', 0)``).
+        holders: also find each storage's holders (one search for all of them).
+    """
+    t0 = time.perf_counter()
+    acc, notes = _gather(_device_filter(device))
+    keys = sorted(acc, key=lambda k: (-acc[k].nbytes, k))
+    found: dict[StorageKey, Holders] = {}
+    if holders and keys:
+        frame = sys._getframe(1)
+        objs = [acc[k].first for k in keys]
+        labels = [_label(acc[k], k) for k in keys]
+        for a in acc.values():
+            a.first = None  # our own bookkeeping must not show up as a holder
+        results = find_holders(
+            objs,
+            SearchLimits(),
+            frame,
+            keys=list[StorageKey | None](keys),
+            nbytes=list[int | None](acc[k].nbytes for k in keys),
+            labels=labels,
+        )
+        found = dict(zip(keys, results, strict=True))
+        objs.clear()
+    storages = tuple(
+        LiveStorage(
+            _device_text(k),
+            acc[k].nbytes,
+            acc[k].dtype,
+            acc[k].shape,
+            acc[k].tensors,
+            acc[k].saved,
+            k[2],
+            found.get(k),
+        )
+        for k in keys
+    )
+    for a in acc.values():
+        a.first = None
+    return Census(storages, tuple(notes), time.perf_counter() - t0)
+
+
+def unaccounted(device: DeviceLike = "cuda") -> Unaccounted:
+    """The allocator's allocated bytes on ``device``, split by what holds them.
+
+    Storages a Python tensor refers to, storages only autograd graphs hold, cuBLAS workspaces,
+    and the rest as unknown. Reads only a device that already has a CUDA context.
+    """
+    index = resolve_device(device)
+    backend = _backend.get()
+    notes: list[str] = []
+    stats = backend.read(index)
+    acc, gather_notes = _gather(f"cuda:{index}")
+    notes.extend(gather_notes)
+    segments = backend.memory_segments(index)
+    blocks = None if segments is None else _active_blocks(segments)
+    sizes = backend.cublas_workspace_sizes(index)
+    if blocks is None:
+        python = sum(a.nbytes for a in acc.values() if a.tensors > 0)
+        autograd = sum(a.nbytes for a in acc.values() if a.tensors == 0)
+        notes.append("no allocator snapshot: cuBLAS workspaces are counted as unknown")
+        return Unaccounted(
+            index,
+            stats.allocated,
+            python,
+            autograd,
+            0,
+            0,
+            max(0, stats.allocated - python - autograd),
+            "counters",
+            tuple(notes),
+        )
+    return _classify_blocks(index, stats.allocated, blocks, acc, sizes, notes)
+
+
+def _classify_blocks(
+    index: int,
+    allocated: int,
+    blocks: Sequence[Block],
+    acc: dict[StorageKey, _Acc],
+    workspace_sizes: tuple[int, ...],
+    notes: list[str],
+) -> Unaccounted:
+    """Attribute each active block to the storages inside it, or to a cuBLAS workspace.
+
+    cuBLAS workspaces are allocated by ``CublasHandlePool.cpp`` through the caching allocator
+    (``getChosenWorkspaceSize()`` bytes per (handle, stream), and ``getCUDABlasLtWorkspace``
+    for cuBLASLt) and no tensor ever refers to them, so no live storage points into their
+    block. PyTorch exposes neither their addresses nor their size to Python, so a block is a
+    workspace when (1) the allocator recorded its allocation stack (memory history on) and a
+    frame names the workspace functions, or (2) no storage lives in it and its requested size
+    is exactly the workspace size PyTorch chooses for this GPU (see
+    :meth:`cudamem._backend.TorchBackend.cublas_workspace_sizes`).
+    """
+    ordered = sorted(blocks, key=lambda b: b.address)
+    starts = [b.address for b in ordered]
+    python_blocks: set[int] = set()
+    saved_blocks: set[int] = set()
+    for key, a in acc.items():
+        ptr = key[2]
+        pos = bisect.bisect_right(starts, ptr) - 1
+        if pos < 0:
+            continue
+        block = ordered[pos]
+        if ptr >= block.address + block.size:
+            continue
+        (python_blocks if a.tensors > 0 else saved_blocks).add(block.address)
+    python = autograd = workspaces = count = unknown = 0
+    by_size = 0
+    for b in ordered:
+        if b.address in python_blocks:
+            python += b.size
+        elif b.address in saved_blocks:
+            autograd += b.size
+        elif _is_workspace(b, workspace_sizes):
+            workspaces += b.size
+            count += 1
+            if not b.frames:
+                by_size += 1
+        else:
+            unknown += b.size
+    covered = python + autograd + workspaces + unknown
+    if covered != allocated:
+        notes.append(
+            f"allocator blocks add up to {covered} B, allocated is {allocated} B "
+            "(allocations between the two reads, or blocks pending free)"
+        )
+        unknown = max(0, unknown + allocated - covered)
+    if by_size:
+        notes.append(
+            f"{by_size} workspace(s) recognised by size ({', '.join(map(str, workspace_sizes))} B)"
+            "; torch.cuda.memory._record_memory_history() makes this certain"
+        )
+    return Unaccounted(
+        index, allocated, python, autograd, workspaces, count, unknown, "snapshot", tuple(notes)
+    )
+
+
+_WORKSPACE_FRAMES = (
+    "CublasHandlePool",
+    "getCurrentCUDABlasHandle",
+    "getCUDABlasLtWorkspace",
+    "setWorkspaceForHandle",
+    "getNewWorkspace",
+    "allocateCUDABlasWorkspace",
+)
+
+
+def _is_workspace(block: Block, sizes: tuple[int, ...]) -> bool:
+    if block.frames:
+        return any(w in f for f in block.frames for w in _WORKSPACE_FRAMES)
+    return block.requested in sizes

@@ -1,0 +1,95 @@
+"""Text rendering of holders, the live-tensor census and unaccounted bytes."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .text import format_bytes, render_table
+
+if TYPE_CHECKING:
+    from ..census import Census, Unaccounted
+    from ..holders import Holder, Holders
+
+__all__ = ["render_census", "render_holder", "render_holders", "render_unaccounted"]
+
+_VIA = {
+    "view": "view",
+    "alias": "alias",
+    "saved": "saved by autograd",
+    "grad": ".grad",
+}
+
+
+def render_holder(holder: Holder) -> str:
+    """``__main__.saved[0]  (view)``: the path, what it holds if not the tensor itself, and
+    whether it is the caller's own reference."""
+    marks = []
+    if holder.via in _VIA:
+        marks.append(_VIA[holder.via])
+    if holder.root_kind == "cycle":
+        marks.append("unreachable cycle, freed by gc.collect()")
+    elif holder.root_kind == "unknown":
+        marks.append("held by a reference gc cannot see (C code or an unread frame)")
+    if holder.caller:
+        marks.append("your own reference")
+    return holder.path + (f"  ({'; '.join(marks)})" if marks else "")
+
+
+def render_holders(holders: Holders) -> str:
+    """A header naming the target and its bytes, one line per holder, then notes."""
+    size = "" if holders.nbytes is None else f", {format_bytes(holders.nbytes)}"
+    count = len(holders.holders)
+    lines = [f"{holders.target}{size}: {count} holder{'s' if count != 1 else ''}"]
+    lines.extend(f"  {render_holder(h)}" for h in holders.holders)
+    if not holders.holders:
+        lines.append("  (nothing found: only the caller's temporaries hold it)")
+    lines.extend(f"  note: {n}" for n in holders.notes)
+    return "\n".join(lines)
+
+
+def render_census(census: Census, *, limit: int = 30) -> str:
+    """One row per storage, largest first: bytes, device, dtype, shape, tensors, holders."""
+    if not census.storages:
+        return "no live tensors"
+    rows = []
+    for s in census.storages[:limit]:
+        holder = ""
+        if s.holders is not None:
+            holder = s.holders.holders[0].path if s.holders.holders else "?"
+            if len(s.holders.holders) > 1:
+                holder += f" (+{len(s.holders.holders) - 1})"
+        rows.append(
+            [
+                format_bytes(s.nbytes),
+                s.device,
+                s.dtype,
+                "×".join(map(str, s.shape)) or "()",
+                str(s.tensors),
+                "yes" if s.saved_by_autograd else "",
+                holder,
+            ]
+        )
+    headers = ["bytes", "device", "dtype", "shape", "tensors", "autograd", "held by"]
+    table = render_table(headers, rows, align="rllrrll")
+    lines = [table]
+    if len(census.storages) > limit:
+        lines.append(f"... {len(census.storages) - limit} smaller storages not shown")
+    totals = ", ".join(f"{dev} {format_bytes(n)}" for dev, n in census.by_device().items())
+    lines.append(f"{len(census.storages)} storages: {totals}")
+    lines.extend(f"note: {n}" for n in census.notes)
+    return "\n".join(lines)
+
+
+def render_unaccounted(u: Unaccounted) -> str:
+    """The allocated bytes of one device, split by what holds them."""
+    rows = [
+        ["reachable from Python", format_bytes(u.python)],
+        ["saved by autograd graphs", format_bytes(u.autograd)],
+        [f"cuBLAS workspaces ({u.workspace_count})", format_bytes(u.cublas_workspaces)],
+        ["unknown", format_bytes(u.unknown)],
+        ["allocated", format_bytes(u.allocated)],
+    ]
+    title = f"cuda:{u.device} allocated memory by holder ({u.method})"
+    lines = [render_table(["held by", "bytes"], rows, title=title)]
+    lines.extend(f"note: {n}" for n in u.notes)
+    return "\n".join(lines)

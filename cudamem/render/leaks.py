@@ -1,0 +1,99 @@
+"""Text rendering of growth findings and leak reports."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .text import format_bytes, render_table
+
+if TYPE_CHECKING:
+    from ..leaks import Culprit, Growth, LeakReport
+
+__all__ = ["render_culprit", "render_growth", "render_leak_report"]
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def render_culprit(c: Culprit) -> str:
+    """``__main__.loss_history: 10 tensors, 40.0 MiB held through autograd graphs``."""
+    text = f"{c.holder}: {_plural(c.tensors, 'tensor')}, {format_bytes(c.nbytes)}"
+    if c.autograd_bytes and c.autograd_bytes * 2 >= c.nbytes:
+        text += " held through autograd graphs"
+    elif c.autograd_bytes:
+        text += f" ({format_bytes(c.autograd_bytes)} through autograd graphs)"
+    return text
+
+
+def _hint(c: Culprit) -> str | None:
+    """One concrete fix for the kind of holder."""
+    if c.autograd_bytes * 2 >= c.nbytes and c.autograd_bytes:
+        return (
+            "each item keeps its autograd graph: store loss.item() or log through "
+            "cudamem.ScalarLogger instead of the tensor"
+        )
+    if c.holder.startswith("("):
+        return None
+    if ": local " in c.holder or "local '" in c.holder:
+        return "a local variable of a running function keeps it: del it or let the call return"
+    return (
+        "a container keeps GPU tensors: keep fewer, or copies on the CPU "
+        "(cudamem.to_host / .detach().cpu())"
+    )
+
+
+def render_growth(g: Growth) -> str:
+    """The text of a :class:`~cudamem.LeakWarning`: the rate, then one line per culprit."""
+    lines = [
+        f"{g.name} retains {format_bytes(g.per_call, signed=True)} per call "
+        f"({_plural(g.calls, 'call')})"
+    ]
+    for c in g.culprits:
+        lines.append(f"  {render_culprit(c)}")
+        if c.example and c.example != c.holder:
+            lines.append(f"    e.g. {c.example}")
+        hint = _hint(c)
+        if hint:
+            lines.append(f"    fix: {hint}")
+    if g.retained is not None and g.culprits and g.retained * 2 < g.per_call:
+        lines.append(
+            f"  only {format_bytes(g.retained)} of each call's growth is held by storages it "
+            "created; the rest is memory no live tensor accounts for (cudamem.unaccounted())"
+        )
+    lines.extend(f"  note: {n}" for n in g.notes)
+    return "\n".join(lines)
+
+
+def _holders_text(holders: tuple[str, ...]) -> str:
+    if not holders:
+        return "no holder reachable from Python"
+    more = f" (+{len(holders) - 1} more)" if len(holders) > 1 else ""
+    return holders[0] + more
+
+
+def render_leak_report(r: LeakReport) -> str:
+    """Storages a span left behind: a summary line, culprits, the largest storages."""
+    if not r.count:
+        head = f"{r.span}: no storage created inside is alive {r.checked}"
+        return "\n".join([head, *(f"  note: {n}" for n in r.notes)])
+    lines = [
+        f"{r.span}: {_plural(r.count, 'storage')} created inside, "
+        f"{format_bytes(r.nbytes)}, alive {r.checked}"
+    ]
+    lines.extend(f"  {render_culprit(c)}" for c in r.culprits)
+    rows = [
+        [
+            format_bytes(s.nbytes),
+            s.device,
+            f"{s.dtype or '?'}[{'×'.join(map(str, s.shape or ())) or 'scalar'}]",
+            _holders_text(s.holders),
+        ]
+        for s in r.storages
+    ]
+    table = render_table(["bytes", "device", "tensor", "held by"], rows, align="rlll")
+    lines.extend("  " + line for line in table.splitlines())
+    if r.count > len(r.storages):
+        lines.append(f"  ... and {r.count - len(r.storages)} smaller")
+    lines.extend(f"  note: {n}" for n in r.notes)
+    return "\n".join(lines)

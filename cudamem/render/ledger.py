@@ -1,0 +1,144 @@
+"""Text rendering of the device ledger (:func:`cudamem.explain`) and of :func:`cudamem.release`."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .text import format_bytes, render_table
+
+if TYPE_CHECKING:
+    from ..device import (
+        DeviceLedger,
+        DeviceRelease,
+        Explanation,
+        MachineStatus,
+        ReleaseResult,
+    )
+
+__all__ = ["render_explanation", "render_ledger", "render_machine_status", "render_release"]
+
+_GROUP_ORDER = ("device", "this process", "other processes")
+
+
+def _title(ledger: DeviceLedger) -> str:
+    name = f"cuda:{ledger.device}"
+    if ledger.name:
+        name += f" {ledger.name}"
+    if ledger.nvml_used is None:
+        return f"{name}: NVML used n/a"
+    head = f"{name}: NVML used {format_bytes(ledger.nvml_used)}"
+    if ledger.nvml_total is not None:
+        head += f" of {format_bytes(ledger.nvml_total)}"
+    if ledger.smi_used is not None:
+        head += f" (nvidia-smi shows {format_bytes(ledger.smi_used)}: driver reserve excluded)"
+    return head
+
+
+def render_ledger(ledger: DeviceLedger) -> str:
+    """One device's ledger: a line per item, grouped, with what frees each, then notes."""
+    rows: list[list[str]] = []
+    groups: dict[str, list[int]] = {}
+    for i, line in enumerate(ledger.lines):
+        key = line.group if line.group in ("device", "other processes") else "this process"
+        groups.setdefault(key, []).append(i)
+    for group in _GROUP_ORDER:
+        members = [ledger.lines[i] for i in groups.get(group, [])]
+        if not members:
+            continue
+        if group == "device":
+            for line in members:
+                rows.append([line.label, format_bytes(line.nbytes), line.basis, line.frees])
+            continue
+        label = members[0].group if group == "this process" else group
+        sizes = [m.nbytes for m in members]
+        subtotal = None if any(s is None for s in sizes) else sum(s for s in sizes if s is not None)
+        rows.append([label, format_bytes(subtotal), "", ""])
+        for line in members:
+            rows.append(["  " + line.label, format_bytes(line.nbytes), line.basis, line.frees])
+    # Keep the difference line last, after the groups, where a reader checks the sum.
+    diff = [r for r in rows if r[0] == "unattributed"]
+    rows = [r for r in rows if r[0] != "unattributed"] + diff
+    rows.append(["total of the lines", format_bytes(ledger.accounted), "", ""])
+    table = render_table(
+        ["line", "bytes", "basis", "freed by"], rows, align="lrll", title=_title(ledger)
+    )
+    details = [
+        f"  {line.label}: {line.note}"
+        for line in ledger.lines
+        if line.note
+        and (line.nbytes is None or line.basis == "inferred" or line.key.startswith("cache"))
+    ]
+    notes = [f"  note: {n}" for n in ledger.notes]
+    return "\n".join([table, *details, *notes])
+
+
+def render_explanation(explanation: Explanation) -> str:
+    """Every device's ledger, then the process-wide notes."""
+    parts = [render_ledger(d) for d in explanation.devices]
+    if not explanation.nvml.available:
+        parts.append(f"NVML unavailable: {explanation.nvml.reason}")
+    parts.extend(f"note: {n}" for n in explanation.notes)
+    return "\n\n".join(parts) if parts else "nothing to explain"
+
+
+def _device_release(r: DeviceRelease) -> str:
+    lines = [
+        f"cuda:{r.device}: freed {format_bytes(r.freed_reserved)} of cache "
+        f"(allocated {format_bytes(r.freed_allocated, signed=False)} freed by gc/cuBLAS), "
+        f"still allocated {format_bytes(r.still_allocated)}, "
+        f"still reserved {format_bytes(r.after.reserved)}"
+    ]
+    if r.nvml_freed is not None:
+        lines.append(
+            f"  NVML used {format_bytes(r.nvml_used_before)} → {format_bytes(r.nvml_used_after)}"
+        )
+    if r.remaining:
+        rows = [
+            [format_bytes(s.nbytes), s.description, "; ".join(s.holders) or "no holder found"]
+            for s in r.remaining
+        ]
+        lines.append(
+            render_table(
+                ["bytes", "storage", "held by"], rows, align="rll", title="  largest remaining"
+            )
+        )
+    return "\n".join(lines)
+
+
+def render_release(result: ReleaseResult) -> str:
+    """What :func:`cudamem.release` freed per device and who holds what is left."""
+    parts = [_device_release(r) for r in result.devices]
+    head = f"gc collected {result.gc_collected} objects; cuBLAS workspaces " + (
+        "cleared" if result.cublas_cleared else "not cleared"
+    )
+    return "\n".join([head, *parts, *(f"note: {n}" for n in result.notes)])
+
+
+def render_machine_status(status: MachineStatus) -> str:
+    """``cudamem status``: one table per GPU whose lines add up to NVML's used."""
+    if not status.nvml.available:
+        return f"cudamem status: {status.nvml}"
+    if not status.devices:
+        return "cudamem status: NVML sees no GPU on this machine"
+    parts = []
+    if status.nvml.warning:
+        parts.append(status.nvml.warning)
+    for dev in status.devices:
+        mem = dev.memory
+        head = f"GPU {dev.index} {dev.name or ''}".rstrip()
+        if mem is None:
+            parts.append(f"{head}: memory n/a ({dev.memory_reason})")
+            continue
+        head += (
+            f": used {format_bytes(mem.used)} of {format_bytes(mem.total)}, "
+            f"free {format_bytes(mem.free)}"
+        )
+        if mem.used_excluding_reserve is not None:
+            head += f" (nvidia-smi shows {format_bytes(mem.used_excluding_reserve)})"
+        rows = [[label, format_bytes(n), frees] for label, n, frees in status.lines(dev)]
+        rows.append(["total (NVML used)", format_bytes(mem.used), ""])
+        table = render_table(["line", "bytes", "freed by"], rows, align="lrl", title=head)
+        if dev.processes is None:
+            table += f"\n  processes n/a: {dev.processes_reason}"
+        parts.append(table)
+    return "\n\n".join(parts)

@@ -1,0 +1,63 @@
+"""Text rendering of out-of-memory post-mortems."""
+
+from __future__ import annotations
+
+import datetime
+from typing import TYPE_CHECKING
+
+from .text import format_bytes, render_table
+
+if TYPE_CHECKING:
+    from ..oom import OomReport
+
+__all__ = ["render_oom"]
+
+
+def _b(n: int | None) -> str:
+    return format_bytes(n)
+
+
+def render_oom(r: OomReport) -> str:
+    """The post-mortem as a person reads it: facts, the largest holders, then advice."""
+    when = datetime.datetime.fromtimestamp(r.created_at).isoformat(timespec="seconds")
+    device = "cuda:?" if r.device is None else f"cuda:{r.device}"
+    short = r.exception_type.rsplit(".", 1)[-1]
+    lines = [
+        f"=== cudamem OOM post-mortem ({when}, {r.source}) ===",
+        f"{short} on {device}: tried to allocate {_b(r.requested)}",
+        f"  device: {_b(r.total)} total, {_b(r.free)} free",
+        f"  PyTorch: {_b(r.allocated)} allocated, {_b(r.reserved)} reserved, {_b(r.cache)} cached",
+    ]
+    if r.inactive_split is not None or r.largest_free_block is not None:
+        frag = "n/a" if r.fragmentation is None else f"{r.fragmentation:.0%}"
+        lines.append(
+            f"  fragmentation: {frag} (largest free block {_b(r.largest_free_block)}, "
+            f"{_b(r.inactive_split)} free inside segments still in use)"
+        )
+    if r.non_pytorch is not None:
+        lines.append(f"  this process outside PyTorch's allocator: {_b(r.non_pytorch)}")
+    if r.other_processes is not None:
+        lines.append(f"  other processes: {_b(r.other_processes)}")
+    for st in r.stranded:
+        lines.append(
+            f"  stranded cache: {_b(st.reserved)} on stream {st.stream:#x} "
+            f"({st.segments} segment(s), no live tensor)"
+        )
+    if r.storages:
+        lines.append("largest live storages:")
+        rows = []
+        for s in r.storages:
+            shape = "×".join(map(str, s.shape or ())) or "scalar"
+            holder = s.holders[0] if s.holders else "no holder reachable from Python"
+            more = f" (+{len(s.holders) - 1} more)" if len(s.holders) > 1 else ""
+            where = f"  [allocated at {s.allocated_at}]" if s.allocated_at else ""
+            rows.append([_b(s.nbytes), f"{s.dtype or '?'}[{shape}]", holder + more + where])
+        table = render_table(["bytes", "tensor", "held by"], rows, align="rll")
+        lines.extend("  " + line for line in table.splitlines())
+    if r.advice:
+        lines.append("what to do:")
+        lines.extend(f"  - {a}" for a in r.advice)
+    lines.extend(f"note: {n}" for n in r.notes)
+    if r.file:
+        lines.append(f"(also written to {r.file})")
+    return "\n".join(lines)

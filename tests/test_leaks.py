@@ -1,0 +1,468 @@
+"""Growth detection and leak capture through the fake allocator, culprits on real CPU tensors.
+
+The fake allocator plays the GPU's allocated level; its ``storage_device_type`` is ``cpu``,
+so the census names real CPU tensors as the culprits of a level the test drives.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import warnings
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+import cudamem
+from cudamem import _backend, _storages
+from cudamem.leaks import (
+    _WATCH,
+    Culprit,
+    LeakWarning,
+    _detector,
+    group_culprits,
+    holder_group,
+    theil_sen,
+)
+from cudamem.render.json import to_json
+
+from .fakes import FakeAllocator
+
+MiB = 1024**2
+
+# Module globals: what the seed's training loop keeps (the census names them by path).
+loss_history: list[torch.Tensor] = []
+outputs: list[torch.Tensor] = []
+X = torch.randn(256, 1024, requires_grad=True)  # 1 MiB of float32 per activation
+
+
+class CpuFake(FakeAllocator):
+    """The fake GPU, whose storages the census looks for on the CPU."""
+
+    def storage_device_type(self) -> str:
+        return "cpu"
+
+    def set_level(self, level: int) -> None:
+        now = self.allocated[0]
+        if level > now:
+            self.alloc(level - now)
+        else:
+            self.free(now - level)
+
+
+@pytest.fixture
+def fake() -> Iterator[CpuFake]:
+    alloc = CpuFake(devices=1, contexts=(0,))
+    cudamem.configure_leaks()
+    loss_history.clear()
+    outputs.clear()
+    with _backend.use(alloc):
+        yield alloc
+    cudamem.configure_leaks()
+    loss_history.clear()
+    outputs.clear()
+
+
+def leak_warnings(record: list[warnings.WarningMessage]) -> list[LeakWarning]:
+    return [w.message for w in record if isinstance(w.message, LeakWarning)]
+
+
+def run_levels(fake: CpuFake, levels: list[int], name: str = "step") -> list[LeakWarning]:
+    """One span per level; the level is the allocated bytes at the span's exit."""
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for level in levels:
+            with cudamem.track(name, sync=False):
+                fake.set_level(level)
+    return leak_warnings(record)
+
+
+# --------------------------------------------------------------------------- the rule
+
+
+def test_theil_sen_is_robust_to_one_outlier() -> None:
+    assert theil_sen([0, 4, 8, 12, 16]) == 4
+    assert theil_sen([0, 4, 8, 100, 16, 20]) == 4
+    assert theil_sen([5, 5, 5, 5, 5]) == 0
+    assert theil_sen([7]) == 0
+
+
+def test_warmup_step_is_not_a_leak(fake: CpuFake) -> None:
+    # The first step allocates optimizer state (+300 MiB), then the level is flat.
+    levels = [300 * MiB] + [300 * MiB + 4 * MiB] * 3 + [300 * MiB] * 40
+    assert run_levels(fake, levels) == []
+
+
+def test_one_off_jumps_are_not_a_leak(fake: CpuFake) -> None:
+    # A cuBLAS workspace at step 3 and a validation buffer at step 7: two rises, then flat.
+    levels = [0, 0, 32 * MiB, 32 * MiB, 32 * MiB, 32 * MiB, 96 * MiB] + [96 * MiB] * 30
+    assert run_levels(fake, levels) == []
+
+
+def test_allocator_noise_is_not_a_leak(fake: CpuFake) -> None:
+    rng = random.Random(6)
+    levels = [100 * MiB + rng.randrange(0, 48 * 1024, 512) for _ in range(300)]
+    assert run_levels(fake, levels) == []
+
+
+def test_small_bounded_buffer_is_not_a_leak(fake: CpuFake) -> None:
+    # A logger's device buffer: +512 B per step for 100 steps, then flushed.
+    levels = [(i % 100) * 512 for i in range(300)]
+    assert run_levels(fake, levels) == []
+
+
+def test_steady_leak_warns_within_five_calls(fake: CpuFake) -> None:
+    found = run_levels(fake, [i * 4 * MiB for i in range(5)])
+    assert len(found) == 1
+    growth = found[0].growth
+    assert growth is not None
+    assert growth.name == "step"
+    assert growth.per_call == 4 * MiB
+    assert growth.calls == 5
+    assert str(found[0]).startswith("step retains +4.0 MiB per call (5 calls)")
+
+
+def test_leak_every_other_call_is_caught(fake: CpuFake) -> None:
+    # Gradient accumulation keeping a tensor every second step.
+    levels = [(i // 2) * 8 * MiB for i in range(16)]
+    found = run_levels(fake, levels)
+    assert len(found) == 1
+    assert found[0].growth is not None
+    assert found[0].growth.per_call == 4 * MiB
+
+
+def test_leak_that_stops_warns_once_and_settles(fake: CpuFake) -> None:
+    levels = [i * 4 * MiB for i in range(10)] + [36 * MiB] * 40
+    found = run_levels(fake, levels)
+    assert len(found) == 1
+    series = _detector.series["step"]
+    assert series.phase == _WATCH  # the episode is over
+    # The same leak again: the picture did not change, so no second warning.
+    again = run_levels(fake, [36 * MiB + i * 4 * MiB for i in range(12)])
+    assert again == []
+
+
+def test_warns_again_when_the_rate_changes(fake: CpuFake) -> None:
+    levels = [i * 4 * MiB for i in range(10)]
+    levels += [levels[-1] + i * 32 * MiB for i in range(1, 16)]
+    found = run_levels(fake, levels)
+    assert [w.growth.per_call for w in found if w.growth] == [4 * MiB, 32 * MiB]
+
+
+def test_ongoing_leak_is_reported_once(fake: CpuFake) -> None:
+    found = run_levels(fake, [i * 4 * MiB for i in range(100)])
+    assert len(found) == 1
+
+
+def test_spans_that_raise_are_not_judged(fake: CpuFake) -> None:
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for i in range(10):
+            with pytest.raises(ValueError), cudamem.track("step", sync=False):
+                fake.set_level(i * 4 * MiB)
+                raise ValueError("bad batch")
+    assert leak_warnings(record) == []
+    assert "step" not in _detector.series
+
+
+def test_names_are_separate_series(fake: CpuFake) -> None:
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(6):
+            with cudamem.track("train", sync=False):
+                fake.alloc(4 * MiB)
+            with cudamem.track("val", sync=False):
+                pass
+    found = leak_warnings(record)
+    assert [w.growth.name for w in found if w.growth] == ["train"]
+
+
+def test_steady_state_never_runs_the_census(fake: CpuFake, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+
+    def counting(name: str) -> Callable[..., None]:
+        def fn(*args: object, **kwargs: object) -> None:
+            calls.append(name)
+
+        return fn
+
+    monkeypatch.setattr(_storages, "live_keys", counting("keys"))
+    monkeypatch.setattr(_storages, "live_storages", counting("storages"))
+    rng = random.Random(1)
+    run_levels(fake, [64 * MiB + rng.randrange(0, 16 * 1024) for _ in range(200)])
+    assert calls == []
+
+
+# --------------------------------------------------------------------------- settings
+
+
+def test_thresholds_are_configurable(fake: CpuFake) -> None:
+    settings = cudamem.configure_leaks(min_bytes_per_call=8 * MiB)
+    assert settings.min_bytes_per_call == 8 * MiB
+    assert cudamem.leak_settings() is settings
+    assert run_levels(fake, [i * 4 * MiB for i in range(20)]) == []
+    cudamem.configure_leaks(min_bytes_per_call=MiB, window=4, min_rises=4, warmup=2)
+    # warmup=2: call 2 is the baseline; 3 rises by call 5 arm a capture of call 6, and call 7
+    # (4 rises of 4: sustained) names the culprits.
+    found = run_levels(fake, [i * 2 * MiB for i in range(8)], name="other")
+    assert len(found) == 1
+    assert found[0].growth is not None and found[0].growth.calls == 7
+    assert cudamem.configure_leaks() == cudamem.LeakSettings()
+    assert "3 of the last 8 calls" in str(cudamem.leak_settings())
+
+
+def test_bad_settings_are_refused() -> None:
+    with pytest.raises(TypeError, match="unknown leak setting"):
+        cudamem.configure_leaks(treshold=1)
+    with pytest.raises(ValueError, match="min_rises"):
+        cudamem.configure_leaks(min_rises=9, window=8)
+    with pytest.raises(ValueError, match="window"):
+        cudamem.configure_leaks(window=1)
+    with pytest.raises(ValueError, match="rate_change"):
+        cudamem.configure_leaks(rate_change=1.0)
+    with pytest.raises(ValueError, match="enabled"):
+        cudamem.configure_leaks(enabled="yes")
+    assert cudamem.leak_settings() == cudamem.LeakSettings()
+
+
+def test_disabled_detection_watches_nothing(fake: CpuFake) -> None:
+    cudamem.configure_leaks(enabled=False)
+    assert run_levels(fake, [i * 4 * MiB for i in range(20)]) == []
+    assert _detector.series == {}
+
+
+# --------------------------------------------------------------------------- culprits
+
+
+def _loss_step(fake: CpuFake) -> None:
+    """Seed 000's loop: the loss (and its graph, 1 MiB saved by sigmoid) kept in a list."""
+    with cudamem.track("train_step", sync=False):
+        loss = torch.sigmoid(X * 2).mean()
+        loss_history.append(loss)
+        fake.alloc(MiB)  # what the GPU would show
+
+
+def _detach_step(fake: CpuFake) -> None:
+    """Seed 000's ``output.detach()`` loop: no graph, but the output itself is kept."""
+    with cudamem.track("val_step", sync=False):
+        outputs.append(torch.sigmoid(X * 2).detach())
+        fake.alloc(MiB)
+
+
+def test_culprits_named_through_autograd(fake: CpuFake) -> None:
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(5):
+            _loss_step(fake)
+    found = leak_warnings(record)
+    assert len(found) == 1
+    growth = found[0].growth
+    assert growth is not None
+    assert growth.per_call == MiB
+    top = growth.culprits[0]
+    assert top.holder == "tests.test_leaks.loss_history"
+    assert top.tensors == 5
+    assert top.nbytes >= 5 * MiB
+    assert top.autograd_bytes >= 5 * MiB
+    assert "→ grad_fn MeanBackward0 → SigmoidBackward0 saved result" in top.example
+    text = str(found[0])
+    assert text.startswith("train_step retains +1.0 MiB per call (5 calls)")
+    assert "tests.test_leaks.loss_history: 5 tensors, 5.0 MiB held through autograd graphs" in (
+        text
+    )
+    assert "loss.item()" in text
+
+
+def test_culprits_named_for_detached_outputs(fake: CpuFake) -> None:
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(5):
+            _detach_step(fake)
+    found = leak_warnings(record)
+    assert len(found) == 1
+    growth = found[0].growth
+    assert growth is not None
+    top = growth.culprits[0]
+    assert top.holder == "tests.test_leaks.outputs"
+    assert (top.tensors, top.nbytes, top.autograd_bytes) == (5, 5 * MiB, 0)
+    assert "tests.test_leaks.outputs: 5 tensors, 5.0 MiB" in str(found[0])
+    assert "held through autograd" not in str(found[0])
+
+
+def test_warning_goes_to_logging(fake: CpuFake, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="cudamem.leaks")
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        for _ in range(5):
+            _detach_step(fake)
+    messages = [r.getMessage() for r in caplog.records if r.name == "cudamem.leaks"]
+    assert len(messages) == 1
+    assert messages[0].startswith("val_step retains +1.0 MiB per call (5 calls)")
+
+
+def test_warning_points_at_user_code(fake: CpuFake) -> None:
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(5):
+            _detach_step(fake)
+    (w,) = [w for w in record if issubclass(w.category, LeakWarning)]
+    assert w.filename == __file__
+
+
+def test_growth_without_culprits_says_why(fake: CpuFake) -> None:
+    found = run_levels(fake, [i * 4 * MiB for i in range(5)])
+    growth = found[0].growth
+    assert growth is not None and growth.culprits == ()
+    assert any("no storage the span created outlived" in n for n in growth.notes)
+
+
+def test_without_census_warns_without_culprits(
+    fake: CpuFake, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_storages, "_census", lambda: None)
+    found = run_levels(fake, [i * 4 * MiB for i in range(6)])
+    assert len(found) == 1
+    growth = found[0].growth
+    assert growth is not None and growth.culprits == ()
+    assert any("census" in n for n in growth.notes)
+
+
+def test_census_failure_never_reaches_the_step(
+    fake: CpuFake, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("census exploded")
+
+    monkeypatch.setattr(_storages, "live_keys", broken)
+    monkeypatch.setattr(_storages, "live_storages", broken)
+    found = run_levels(fake, [i * 4 * MiB for i in range(8)])
+    assert len(found) == 1  # the growth is still reported, without culprits
+
+
+def test_growth_is_json_ready(fake: CpuFake) -> None:
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(5):
+            _detach_step(fake)
+    growth = leak_warnings(record)[0].growth
+    data = growth.to_dict() if growth else {}
+    assert data["per_call"] == MiB
+    assert data["culprits"][0]["holder"] == "tests.test_leaks.outputs"
+    assert '"per_call": 1048576' in to_json(growth)
+
+
+# --------------------------------------------------------------------------- grouping
+
+
+def test_holder_group_strips_indices_not_keys() -> None:
+    assert holder_group("__main__.loss_history[3] → grad_fn MeanBackward0") == (
+        "__main__.loss_history",
+        "__main__.loss_history[3]",
+    )
+    assert holder_group("__main__.trainer.outputs['val'][2]")[0] == (
+        "__main__.trainer.outputs['val']"
+    )
+    assert holder_group("train.py:42 in step(): local 'batch'")[0] == (
+        "train.py:42 in step(): local 'batch'"
+    )
+
+
+def test_group_prefers_the_holder_most_storages_share() -> None:
+    S = _storages.LiveStorage
+    items = [
+        S(("cpu", 1), 10, "cpu", "float32", (), ("m.hist[0]",)),
+        S(("cpu", 2), 10, "cpu", "float32", (), ("m.hist[1]",)),
+        S(("cpu", 3), 10, "cpu", "float32", (), ("f.py:1 in main(): local 'loss'", "m.hist[2]")),
+        S(("cpu", 4), 5, "cpu", "float32", (), ()),
+    ]
+    groups = group_culprits(items)
+    assert groups[0] == Culprit("m.hist", 3, 3, 30, 0, "m.hist[0]")
+    assert groups[1].holder == "(no holder reachable from Python)"
+
+
+# --------------------------------------------------------------------------- track(leaks=True)
+
+
+def test_track_leaks_lists_new_storages_with_holders(fake: CpuFake) -> None:
+    keep = torch.ones(64)  # exists before the span: not reported
+    with cudamem.track("val", leaks=True) as span:
+        outputs.append(torch.sigmoid(X * 2).detach())
+        outputs.append(torch.sigmoid(X * 3).detach())
+        scratch = torch.zeros(1024)  # a local still alive after the block
+        tmp = torch.zeros(4096)
+        del tmp  # freed inside: not reported
+    report = span.leaks
+    assert report.count == 3
+    assert report.nbytes == 2 * MiB + 4096
+    assert report.checked == "at exit"
+    holders = {c.holder for c in report.culprits}
+    assert "tests.test_leaks.outputs" in holders
+    assert any("local 'scratch'" in h for h in holders)
+    assert report.culprits[0].holder == "tests.test_leaks.outputs"
+    text = str(report)
+    assert text.startswith("val: 3 storages created inside, 2.0 MiB, alive at exit")
+    assert "tests.test_leaks.outputs[0]" in text
+    assert report.to_dict()["count"] == 3
+    del keep, scratch
+
+
+def test_leaks_since_span_asks_again_now(fake: CpuFake) -> None:
+    with cudamem.track("val", leaks=True) as span:
+        outputs.append(torch.sigmoid(X * 2).detach())
+        outputs.append(torch.sigmoid(X * 3).detach())
+    assert len(span.leaks) == 2
+    outputs.pop()
+    later = cudamem.leaks(since=span)
+    assert later.count == 1
+    assert later.checked == "now"
+    assert later.culprits[0].holder == "tests.test_leaks.outputs"
+    outputs.clear()
+    assert not cudamem.leaks(since=span)
+    assert "no storage created inside is alive now" in str(cudamem.leaks(since=span))
+
+
+def test_decorated_function_passes_leaks(fake: CpuFake) -> None:
+    @cudamem.track("fn", leaks=True)
+    def fn() -> None:
+        outputs.append(torch.zeros(256))
+
+    fn()
+    # A decorator records one span per call; the capture machinery ran without error.
+    assert len(outputs) == 1
+
+
+def test_leaks_needs_a_closed_span_with_leaks(fake: CpuFake) -> None:
+    span = cudamem.track("plain")
+    with pytest.raises(RuntimeError, match="not entered"):
+        cudamem.leaks(since=span)
+    with span:
+        pass
+    with pytest.raises(ValueError, match="leaks=True"):
+        cudamem.leaks(since=span)
+    with pytest.raises(ValueError, match="leaks=True"):
+        span.leaks
+    with pytest.raises(TypeError, match="MemorySpan"):
+        cudamem.leaks(since="plain")  # type: ignore[arg-type]
+
+
+def test_track_leaks_without_census(fake: CpuFake, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_storages, "_census", lambda: None)
+    with cudamem.track("val", leaks=True) as span:
+        outputs.append(torch.zeros(16))
+    assert span.leaks.count == 0
+    assert any("census" in n for n in span.leaks.notes)
+
+
+def test_leak_capture_keeps_nothing_alive(fake: CpuFake) -> None:
+    import weakref
+
+    with cudamem.track("val", leaks=True) as span:
+        t = torch.zeros(1024)
+        outputs.append(t)
+    ref = weakref.ref(t)
+    report = span.leaks
+    del t
+    outputs.clear()
+    assert ref() is None
+    assert report.count == 1
