@@ -736,12 +736,14 @@ class OomGuard:
         if not _observer_attached:
             _observer_attached = backend.attach_oom_observer(_observer)
         _observer_active = True
+        # Installed before asking for history: with CUDA already initialised the request
+        # runs at once and checks _wanted(), which reads this flag.
+        self.installed = True
         if self.record_history:
             if backend.is_recording_history():
                 self.notes.append("allocation history was already on: left as it is")
             else:
                 self._history_on = backend.set_history(True, self.max_entries, self._wanted)
-        self.installed = True
 
     def _wanted(self) -> bool:
         """Checked by a history request queued until CUDA initialises."""

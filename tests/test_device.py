@@ -170,7 +170,11 @@ def test_lines_add_up_with_other_processes_and_stranded_streams() -> None:
     assert ledger.accounted == used
     assert ledger.cache is not None and ledger.cache.stranded_in_live_segments == 8 * MiB
     text = str(ledger)
-    assert "stranded" in text and "pid 7 proc7" in text and "unattributed" in text
+    assert (
+        "stranded" in text
+        and "pid 7 proc7" in text
+        and "driver memory outside every process" in text
+    )
 
 
 def test_without_snapshot_the_counters_split_the_cache() -> None:

@@ -71,6 +71,10 @@ class OomFake(FakeAllocator):
     def set_history(
         self, enabled: bool, max_entries: int, still_wanted: Callable[[], bool] | None
     ) -> bool:
+        # Like torch.cuda._lazy_call once CUDA is initialised: the request runs at once,
+        # and checks still_wanted() first (a guard not yet installed gets nothing).
+        if enabled and still_wanted is not None and not still_wanted():
+            return True
         self.history.append((enabled, max_entries))
         self.recording = enabled
         return True

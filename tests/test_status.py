@@ -35,10 +35,13 @@ def test_lines_add_up_to_used_with_every_process() -> None:
     labels = [r[0] for r in rows]
     assert f"pid {me}" in labels[1] and "(this process)" in labels[1]
     assert labels[2] == "pid 200 python3"
-    assert rows[-1][:2] == ("unattributed", 3 * MiB)
+    assert rows[-1][:2] == ("driver memory outside every process", 3 * MiB)
     assert sum(n or 0 for _, n, _ in rows) == gpus[0].used
     idle = status.lines(status.devices[1])
-    assert [r[:2] for r in idle] == [("driver reserve", 615 * MiB), ("unattributed", 0)]
+    assert [r[:2] for r in idle] == [
+        ("driver reserve", 615 * MiB),
+        ("driver memory outside every process", 0),
+    ]
     text = str(status)
     assert "GPU 0 NVIDIA H200: used" in text and "nvidia-smi shows" in text
     assert "pid 200 python3" in text

@@ -56,8 +56,8 @@ def render_ledger(ledger: DeviceLedger) -> str:
         for line in members:
             rows.append(["  " + line.label, format_bytes(line.nbytes), line.basis, line.frees])
     # Keep the difference line last, after the groups, where a reader checks the sum.
-    diff = [r for r in rows if r[0] == "unattributed"]
-    rows = [r for r in rows if r[0] != "unattributed"] + diff
+    diff = [r for r in rows if r[0] == "driver memory outside every process"]
+    rows = [r for r in rows if r[0] != "driver memory outside every process"] + diff
     rows.append(["total of the lines", format_bytes(ledger.accounted), "", ""])
     table = render_table(
         ["line", "bytes", "basis", "freed by"], rows, align="lrll", title=_title(ledger)
@@ -91,6 +91,7 @@ def _device_release(r: DeviceRelease) -> str:
     if r.nvml_freed is not None:
         lines.append(
             f"  NVML used {format_bytes(r.nvml_used_before)} → {format_bytes(r.nvml_used_after)}"
+            f" ({format_bytes(-r.nvml_freed, signed=True)})"
         )
     if r.remaining:
         rows = [
