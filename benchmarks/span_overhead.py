@@ -209,12 +209,35 @@ def add_growth_detection_cases() -> None:
 add_growth_detection_cases()
 
 
-def step_benchmarks(n: int, rounds: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """Per case: ms per step of each round, and the ratio to a bare run right before it.
+def _block(step: Callable[[], None], wrap: Callable[[], Any], n: int) -> Callable[[], float]:
+    """Run ``n`` steps, each inside ``wrap()``; returns a function giving their ms per step.
 
-    A launch-bound 1 ms step drifts by ±10 % between runs on a shared host, far more than the
-    effect measured; pairing every case run with an adjacent bare run and taking the median of
-    the ratios cancels the drift.
+    On a GPU the block is bracketed by CUDA events and nothing synchronizes: blocks queue
+    back to back, exactly as a training loop runs, and are read after the round.
+    """
+    if CUDA:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(n):
+            with wrap():
+                step()
+        end.record()
+        return lambda: float(start.elapsed_time(end)) / n
+    t0 = time.perf_counter()
+    for _ in range(n):
+        with wrap():
+            step()
+    ms = (time.perf_counter() - t0) * 1e3 / n
+    return lambda: ms
+
+
+def step_benchmarks(n: int, rounds: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Per case: ms per step of each block, and the ratio to the bare block right before it.
+
+    A launch-bound 1.5 ms step drifts by ±10 % and more between runs on a shared host, far
+    more than the effect measured. So every case runs in short blocks (``n`` steps),
+    alternating with bare blocks, queued back to back without synchronizing (as a training
+    loop runs), ``rounds`` times; the median of the paired ratios cancels the drift.
     """
     device = "cuda:0" if CUDA else "cpu"
     step = make_step(device)
@@ -223,13 +246,19 @@ def step_benchmarks(n: int, rounds: int) -> tuple[dict[str, list[float]], dict[s
     times: dict[str, list[float]] = {"bare step": []}
     ratios: dict[str, list[float]] = {}
     for _ in range(rounds):
+        pending = []
         for name, (wrap, around) in STEP_CASES.items():
-            bare = time_steps(step, nothing, n)
-            times["bare step"].append(bare)
+            bare = _block(step, nothing, n)
             with around():
-                t = time_steps(step, wrap, n)
+                timed = _block(step, wrap, n)
+            pending.append((name, bare, timed))
+        if CUDA:
+            torch.cuda.synchronize()
+        for name, bare, timed in pending:
+            b, t = bare(), timed()
+            times["bare step"].append(b)
             times.setdefault(name, []).append(t)
-            ratios.setdefault(name, []).append(t / bare)
+            ratios.setdefault(name, []).append(t / b)
         cudamem.clear_history()
     return times, ratios
 
@@ -238,13 +267,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default="benchmarks/results/span_overhead.json")
     parser.add_argument("--edge-calls", type=int, default=2000)
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--edge-rounds", type=int, default=9)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=100)
     args = parser.parse_args()
     if not CUDA:
         print("no CUDA GPU: CPU smoke run; the figures below do not describe GPU overhead\n")
 
-    edges = edge_benchmarks(args.edge_calls, args.rounds)
+    edges = edge_benchmarks(args.edge_calls, args.edge_rounds)
     base_edge = median(edges["memory_allocated()+memory_reserved() at both edges"])
     edge_rows = [
         [
@@ -294,7 +324,10 @@ def main() -> None:
                 "range",
             ],
             step_rows,
-            title=f"training step, {args.steps} steps x {args.rounds} rounds, CUDA events",
+            title=(
+                f"training step, blocks of {args.steps} steps alternating with bare blocks, "
+                f"{args.rounds} rounds, CUDA events"
+            ),
         )
     )
 
