@@ -6,7 +6,7 @@ import cudamem
 
 w = torch.randn(1024, 1024, device="cuda", requires_grad=True)
 loss_history = []
-for step in range(10):
+for _ in range(10):
     loss = torch.sigmoid(w * 2).mean()
     loss_history.append(loss)
 print(cudamem.unaccounted(0))
