@@ -581,6 +581,30 @@ def _merge_processes(module: ModuleType, raw: list[tuple[Any, str]]) -> tuple[Gp
     return tuple(sorted(by_pid.values(), key=lambda p: p.pid))
 
 
+def _read_device(
+    module: ModuleType, index: int | None, handle: Any, uuid: str | None, notes: list[str]
+) -> NvmlDevice:
+    """Memory and processes of one NVML device handle (failures become reasons)."""
+    memory, memory_reason = _memory(module, handle)
+    processes, processes_reason, api = _processes(module, handle)
+    if processes is not None and any(p.used is None for p in processes):
+        notes.append(
+            "NVML reports no per-process memory for some processes (Windows WDDM, MIG "
+            "or missing privileges)"
+        )
+    return NvmlDevice(
+        index=index,
+        uuid=uuid,
+        name=_call_str(module, "nvmlDeviceGetName", handle),
+        memory=memory,
+        memory_reason=memory_reason,
+        processes=processes,
+        processes_reason=processes_reason,
+        process_api=api,
+        notes=tuple(notes),
+    )
+
+
 def query_device(torch_index: int, torch_uuid: str | None = None) -> NvmlDevice | NvmlStatus:
     """NVML's view of torch's device ``torch_index``, or an unavailable :class:`NvmlStatus`.
 
@@ -602,24 +626,7 @@ def query_device(torch_index: int, torch_uuid: str | None = None) -> NvmlDevice 
                 "CUDA is not initialised in this process: device matched through "
                 "CUDA_VISIBLE_DEVICES, not by UUID"
             )
-        memory, memory_reason = _memory(module, handle)
-        processes, processes_reason, api = _processes(module, handle)
-        if processes is not None and any(p.used is None for p in processes):
-            notes.append(
-                "NVML reports no per-process memory for some processes (Windows WDDM, MIG "
-                "or missing privileges)"
-            )
-        return NvmlDevice(
-            index=index,
-            uuid=uuid,
-            name=_call_str(module, "nvmlDeviceGetName", handle),
-            memory=memory,
-            memory_reason=memory_reason,
-            processes=processes,
-            processes_reason=processes_reason,
-            process_api=api,
-            notes=tuple(notes),
-        )
+        return _read_device(module, index, handle, uuid, notes)
     except Exception as exc:  # cudamem's bookkeeping never raises into the caller
         return NvmlStatus(False, f"NVML failed: {type(exc).__name__}: {exc}")
 
@@ -631,22 +638,10 @@ def query_all() -> tuple[NvmlDevice, ...] | NvmlStatus:
         module, reason = _ensure_init()
         if module is None:
             return NvmlStatus(False, reason, warning=_state.warning)
-        out = []
-        for index, handle, uuid in _handles(module):
-            memory, memory_reason = _memory(module, handle)
-            processes, processes_reason, api = _processes(module, handle)
-            out.append(
-                NvmlDevice(
-                    index=index,
-                    uuid=uuid,
-                    name=_call_str(module, "nvmlDeviceGetName", handle),
-                    memory=memory,
-                    memory_reason=memory_reason,
-                    processes=processes,
-                    processes_reason=processes_reason,
-                    process_api=api,
-                )
-            )
+        out = [
+            _read_device(module, index, handle, uuid, [])
+            for index, handle, uuid in _handles(module)
+        ]
         return tuple(out)
     except Exception as exc:  # cudamem's bookkeeping never raises into the caller
         return NvmlStatus(False, f"NVML failed: {type(exc).__name__}: {exc}")

@@ -393,19 +393,7 @@ def test_release_without_context_does_nothing() -> None:
 # -- seed 001's second loop: `del optimizer` forgotten ---------------------------------
 
 
-class NaiveN(torch.nn.Module):
-    """Seed 001's model (lin2 reads x, as in the seed: lin1 gets no gradient)."""
-
-    def __init__(self, nx: int) -> None:
-        super().__init__()
-        self.lin1 = torch.nn.Linear(nx, nx)
-        self.lin2 = torch.nn.Linear(nx, 1)
-        self.act = torch.nn.ReLU()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        o = self.act(self.lin1(x))
-        o = self.act(self.lin2(x))
-        return o
+from cudamem.demo import NaiveN  # noqa: E402  (seed 001's model, bug included)
 
 
 def test_forgotten_optimizer_is_named_as_holder_cpu() -> None:

@@ -25,18 +25,7 @@ PRELUDE = textwrap.dedent(
     import torch
     import cudamem
 
-    class NaiveN(torch.nn.Module):
-        # seed 001's model, bug included: lin2 reads x, so lin1 gets no gradient
-        def __init__(self, nx):
-            super().__init__()
-            self.lin1 = torch.nn.Linear(nx, nx)
-            self.lin2 = torch.nn.Linear(nx, 1)
-            self.act = torch.nn.ReLU()
-
-        def forward(self, x):
-            o = self.act(self.lin1(x))
-            o = self.act(self.lin2(x))
-            return o
+    from cudamem.demo import NaiveN  # seed 001's model, bug included
 
     def line(ledger, key):
         got = ledger.line(key)
