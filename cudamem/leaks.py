@@ -747,11 +747,17 @@ _detector = _Detector()
 
 
 def _stacklevel() -> int:
-    """The stack level of the first frame outside cudamem (the user's ``with``/call)."""
-    here = os.path.dirname(os.path.abspath(__file__))
+    """The stack level of the first frame outside cudamem and torch: the user's ``with``, or
+    the user's ``optimizer.step()`` when ``cudamem run`` closed the span from torch's hook."""
+    import torch
+
+    skip = (
+        os.path.dirname(os.path.abspath(__file__)) + os.sep,
+        os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
+    )
     frame = sys._getframe(1)
     level = 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(here):
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(skip):
         frame = frame.f_back  # type: ignore[assignment]
         level += 1
     return level
