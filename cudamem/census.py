@@ -260,6 +260,7 @@ def _gather(device: str | None) -> tuple[dict[StorageKey, _Acc], list[str]]:
     for _owner, _label, key, nbytes in walk.grads:
         if (device is None or _device_text(key) == device) and key not in acc:
             acc[key] = _Acc(nbytes, "?", (), 0, 0, False, None)
+    _discount_preserved(tensors, owners, walk, acc)
     if walk.truncated:
         notes.append(f"autograd walk stopped after {walk.nodes} nodes")
     if walk.not_inspected:
@@ -269,6 +270,69 @@ def _gather(device: str | None) -> tuple[dict[StorageKey, _Acc], list[str]]:
     tensors.clear()
     owners.clear()
     return acc, notes
+
+
+def _discount_preserved(
+    tensors: list[Any], owners: list[Any], walk: _autograd.GraphWalk, acc: dict[StorageKey, _Acc]
+) -> None:
+    """Stop counting tensor objects that only an autograd graph keeps.
+
+    PyTorch keeps a tensor's Python object alive for as long as C++ holds the tensor, even
+    after every Python reference is gone. A layer's input saved by its graph is then a
+    "Python tensor" that nothing in Python refers to: the memory is held by the graph, and the
+    census should say so. Such an object has no referrer but cudamem's own lists and is no
+    running frame's local: one ``gc.get_referrers`` scan over the candidates (tensors whose
+    storage a graph saved) and a walk of every thread's frames tell them apart.
+    """
+    import gc
+    import types
+
+    from ._naming import frame_locals
+    from ._search import own_frame
+
+    saved = {key for _o, _c, key, _n, _l in walk.saved}
+    if not saved:
+        return
+    cands: dict[int, tuple[Any, StorageKey]] = {}
+    for t in tensors:
+        info = _autograd.storage_of(t)
+        # Only storages this census counts (the device filter left others out of acc).
+        if info is not None and info[0] in saved and info[0] in acc:
+            cands[id(t)] = (t, info[0])
+    if not cands:
+        return
+    ours = {id(tensors), id(owners), id(walk.saved), id(walk.grads), id(cands)}
+    ours.update(id(entry) for entry in walk.saved)
+    ours.update(id(entry) for entry in walk.grads)
+    ours.update(id(entry) for entry in cands.values())
+    referenced: set[int] = set()
+    objs = [t for t, _k in cands.values()]
+    ours.add(id(objs))
+    try:
+        referrers = gc.get_referrers(*objs)
+        for r in referrers:
+            if id(r) in ours or type(r) is _Acc:
+                continue
+            if type(r) is types.FrameType and own_frame(r):
+                continue
+            referenced.update(id(o) for o in gc.get_referents(r) if id(o) in cands)
+        del referrers, r
+        for top in list(sys._current_frames().values()):
+            frame: types.FrameType | None = top
+            while frame is not None:
+                if not own_frame(frame):
+                    referenced.update(id(v) for _n, v in frame_locals(frame) if id(v) in cands)
+                frame = frame.f_back
+            del top
+    except Exception:
+        return  # cannot tell: keep counting them as Python tensors
+    finally:
+        objs.clear()
+    for ident, (_t, key) in cands.items():
+        a = acc.get(key)
+        if ident not in referenced and a is not None and a.tensors > 0:
+            a.tensors -= 1
+    cands.clear()
 
 
 def _label(a: _Acc, key: StorageKey) -> str:

@@ -201,3 +201,46 @@ def test_unaccounted_without_snapshot_counts_the_rest_unknown() -> None:
     with _backend.use(fake):
         u = cudamem.unaccounted("cuda:0")
     assert (u.method, u.python, u.unknown, u.cublas_workspaces) == ("counters", 0, 3 * MiB, 0)
+
+
+# -- tensors only an autograd graph keeps (their Python objects preserved by PyTorch) --------
+
+_graph_model = torch.nn.Linear(64, 64)
+_graph_kept: list[torch.Tensor] = []
+
+
+def _input_rows(inputs: list[int]) -> list[tuple[int, bool]]:
+    rows = cudamem.live_tensors("cpu")
+    return [(s.tensors, s.saved_by_autograd) for s in rows if s.data_ptr in inputs]
+
+
+def test_inputs_only_a_graph_keeps_count_as_saved_not_python() -> None:
+    losses, ptrs = [], []
+    for _ in range(3):
+        x = torch.randn(128, 64)
+        ptrs.append(x.untyped_storage().data_ptr())
+        losses.append(_graph_model(x).sum())
+    del x
+    # The inputs' Python objects still exist (PyTorch preserves them for the graph), but
+    # nothing in Python refers to them: the graph holds that memory.
+    assert _input_rows(ptrs) == [(0, True)] * 3
+    census = cudamem.live_tensors("cpu", holders=True)
+    mine = [s for s in census if s.data_ptr in ptrs]
+    assert all(s.holders is not None and "grad_fn" in s.holders.paths[0] for s in mine)
+    del losses
+
+
+def test_inputs_still_referenced_from_python_count_as_python() -> None:
+    losses, ptrs = [], []
+    for _ in range(2):
+        x = torch.randn(128, 64)
+        ptrs.append(x.untyped_storage().data_ptr())
+        _graph_kept.append(x)  # a module-level list keeps the first two
+        losses.append(_graph_model(x).sum())
+    local_x = torch.randn(128, 64)  # a running frame's local keeps the third
+    ptrs.append(local_x.untyped_storage().data_ptr())
+    losses.append(_graph_model(local_x).sum())
+    del x
+    assert _input_rows(ptrs) == [(1, True)] * 3
+    _graph_kept.clear()
+    del losses, local_x
