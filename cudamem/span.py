@@ -717,6 +717,11 @@ def track(
             those created inside the block and still alive after it, with their holders
             (and ``cudamem.leaks(since=span)`` asks again later). This runs the census twice
             per call: for investigating, not for every step of a long run.
+
+    Cost (H200, PyTorch 2.11): ~45 µs per span in a tight loop (two raw counter reads of
+    ~19 µs each, plus bookkeeping); ~0.13 ms inside a CPU-bound training step, where caches
+    are cold. Where the GPU has work queued that time hides behind it; in a launch-bound loop
+    of ~1 ms steps it is ~10 %, so measure every Nth step there.
     """
     if name is not None and not isinstance(name, str):
         if callable(name):
