@@ -1124,7 +1124,6 @@ def find_graph_holders(
     from .holders import find_holders
 
     t0 = time.perf_counter()
-    deadline = t0 + timeout
     notes: list[str] = []
     groups: dict[str, _Group] = {}
     with warnings.catch_warnings():
@@ -1145,15 +1144,18 @@ def find_graph_holders(
         if total > max_tensors:
             notes.append(f"searched holders of {max_tensors} of {total} tensors with graphs")
         try:
-            for index, owner in enumerate(owners[:max_tensors]):
-                left = deadline - time.perf_counter()
-                if left <= 0:
-                    notes.append(f"timed out after {index} of {total} tensors with graphs")
-                    break
-                # One search per tensor: the multi-target search of holders.py names only
-                # the last of several targets held by one list (issue 3), so not batched yet.
-                limits = SearchLimits(timeout=left, max_paths=8)
-                (found,) = find_holders([owner], limits, None)
+            # One search for every tensor with a graph (a single backwards pass over the heap).
+            # The targets travel in one list that find_holders empties as it starts, and are
+            # kept here only weakly: a list of ours holding them would be named as a holder.
+            targets = owners[:max_tensors]
+            refs = [weakref.ref(t) for t in targets]
+            owners.clear()
+            limits = SearchLimits(timeout=max(timeout - (time.perf_counter() - t0), 0.1))
+            found_all = find_holders(targets, limits, None)
+            for ref, found in zip(refs, found_all, strict=True):
+                owner = ref()
+                if owner is None:
+                    continue
                 for h in found:
                     if h.via != "itself" or " → " in h.path:
                         continue  # an alias, or a tensor inside another graph
@@ -1163,6 +1165,10 @@ def find_graph_holders(
                         group = groups[name] = _Group(h.root_kind, h.path)
                     if not any(o is owner for o in group.owners):
                         group.owners.append(owner)
+                del owner
+                if any("(timeout)" in n for n in found.notes):
+                    notes.append("the holder search timed out: some containers may be missing")
+                    break
             results = [_measure(name, g, plain, device) for name, g in groups.items()]
         finally:
             owners.clear()
