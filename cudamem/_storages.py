@@ -98,14 +98,11 @@ def live_storages(
     census = _census()
     if census is None:
         return None
-    restricted = getattr(census, "storages_with_keys", None)
-    if keys is not None and callable(restricted):
-        found = restricted(keys, holders=holders)
+    if keys is not None:
+        # Only those storages, and a holder search over only them.
+        found = census.storages_with_keys(keys, holders=holders)
     else:
         found = census.live_tensors(None, holders=holders)
-        if keys is not None:
-            wanted = set(keys)
-            found = [entry for entry in found if entry.key in wanted]
     out = [
         _convert(entry, holders=holders)
         for entry in found

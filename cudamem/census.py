@@ -16,7 +16,7 @@ from __future__ import annotations
 import bisect
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, overload
 
@@ -32,8 +32,10 @@ __all__ = [
     "Census",
     "LiveStorage",
     "Unaccounted",
+    "ledger_view",
     "live_storage_keys",
     "live_tensors",
+    "storages_with_keys",
     "unaccounted",
 ]
 
@@ -230,11 +232,13 @@ def _gather(device: str | None) -> tuple[dict[StorageKey, _Acc], list[str]]:
     notes: list[str] = []
     acc: dict[StorageKey, _Acc] = {}
     tensors = _autograd.all_tensors()
+    key_of: dict[int, StorageKey] = {}  # id(tensor) → its storage (reused below)
     for t in tensors:
         info = _autograd.storage_of(t)
         if info is None:
             continue
         key, nbytes = info
+        key_of[id(t)] = key
         if device is not None and _device_text(key) != device:
             continue
         dtype, shape, numel = _autograd.describe_tensor(t)
@@ -260,7 +264,7 @@ def _gather(device: str | None) -> tuple[dict[StorageKey, _Acc], list[str]]:
     for _owner, _label, key, nbytes in walk.grads:
         if (device is None or _device_text(key) == device) and key not in acc:
             acc[key] = _Acc(nbytes, "?", (), 0, 0, False, None)
-    _discount_preserved(tensors, owners, walk, acc)
+    _discount_preserved(tensors, key_of, owners, walk, acc)
     if walk.truncated:
         notes.append(f"autograd walk stopped after {walk.nodes} nodes")
     if walk.not_inspected:
@@ -273,7 +277,11 @@ def _gather(device: str | None) -> tuple[dict[StorageKey, _Acc], list[str]]:
 
 
 def _discount_preserved(
-    tensors: list[Any], owners: list[Any], walk: _autograd.GraphWalk, acc: dict[StorageKey, _Acc]
+    tensors: list[Any],
+    key_of: dict[int, StorageKey],
+    owners: list[Any],
+    walk: _autograd.GraphWalk,
+    acc: dict[StorageKey, _Acc],
 ) -> None:
     """Stop counting tensor objects that only an autograd graph keeps.
 
@@ -295,10 +303,10 @@ def _discount_preserved(
         return
     cands: dict[int, tuple[Any, StorageKey]] = {}
     for t in tensors:
-        info = _autograd.storage_of(t)
+        key = key_of.get(id(t))
         # Only storages this census counts (the device filter left others out of acc).
-        if info is not None and info[0] in saved and info[0] in acc:
-            cands[id(t)] = (t, info[0])
+        if key is not None and key in saved and key in acc:
+            cands[id(t)] = (t, key)
     if not cands:
         return
     ours = {id(tensors), id(owners), id(walk.saved), id(walk.grads), id(cands)}
@@ -385,12 +393,30 @@ def live_tensors(device: DeviceLike | None = None, *, holders: bool = False) -> 
             (``0``, ``'cuda:1'``, ``torch.device('cuda', 0)``).
         holders: also find each storage's holders (one search for all of them).
     """
+    return _census(_device_filter(device), holders, None, sys._getframe(1))
+
+
+def storages_with_keys(
+    keys: Iterable[tuple[str, int]], *, holders: bool = False
+) -> tuple[LiveStorage, ...]:
+    """The live storages among ``keys`` (``LiveStorage.key``: device and ``data_ptr``),
+    largest first; the holder search covers only those (``leaks=True`` asks for a few)."""
+    return _census(None, holders, set(keys), sys._getframe(1)).storages
+
+
+def _census(
+    device: str | None,
+    holders: bool,
+    only: set[tuple[str, int]] | None,
+    frame: Any,
+) -> Census:
     t0 = time.perf_counter()
-    acc, notes = _gather(_device_filter(device))
+    acc, notes = _gather(device)
     keys = sorted(acc, key=lambda k: (-acc[k].nbytes, k))
+    if only is not None:
+        keys = [k for k in keys if (_device_text(k), k[2]) in only]
     found: dict[StorageKey, Holders] = {}
     if holders and keys:
-        frame = sys._getframe(1)
         objs = [acc[k].first for k in keys]
         labels = [_label(acc[k], k) for k in keys]
         for a in acc.values():
@@ -429,12 +455,21 @@ def unaccounted(device: DeviceLike = "cuda") -> Unaccounted:
     Storages a Python tensor refers to, storages only autograd graphs hold, cuBLAS workspaces,
     and the rest as unknown. Reads only a device that already has a CUDA context.
     """
+    return ledger_view(device)[0]
+
+
+def ledger_view(device: DeviceLike = "cuda") -> tuple[Unaccounted, frozenset[int]]:
+    """:func:`unaccounted` and the ``data_ptr`` of every live storage on ``device``, from one
+    heap scan (``explain()`` needs both)."""
     index = resolve_device(device)
     backend = _backend.get()
     notes: list[str] = []
     stats = backend.read(index)
     acc, gather_notes = _gather(f"cuda:{index}")
+    for a in acc.values():
+        a.first = None
     notes.extend(gather_notes)
+    addresses = frozenset(k[2] for k in acc)
     segments = backend.memory_segments(index)
     blocks = None if segments is None else _active_blocks(segments)
     sizes = backend.cublas_workspace_sizes(index)
@@ -442,7 +477,7 @@ def unaccounted(device: DeviceLike = "cuda") -> Unaccounted:
         python = sum(a.nbytes for a in acc.values() if a.tensors > 0)
         autograd = sum(a.nbytes for a in acc.values() if a.tensors == 0)
         notes.append("no allocator snapshot: cuBLAS workspaces are counted as unknown")
-        return Unaccounted(
+        split = Unaccounted(
             index,
             stats.allocated,
             python,
@@ -453,7 +488,8 @@ def unaccounted(device: DeviceLike = "cuda") -> Unaccounted:
             "counters",
             tuple(notes),
         )
-    return _classify_blocks(index, stats.allocated, blocks, acc, sizes, notes)
+        return split, addresses
+    return _classify_blocks(index, stats.allocated, blocks, acc, sizes, notes), addresses
 
 
 def _classify_blocks(

@@ -28,14 +28,13 @@ freed per device and names the holders of the largest storages still allocated.
 from __future__ import annotations
 
 import gc
-import importlib
 import os
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from . import _backend, _nvml
+from . import _backend, _nvml, census
 from ._device_arg import DeviceLike, resolve_device
 from .snapshot import CacheSplit, split_cache
 from .stats import AllocatorStats, device_name
@@ -572,103 +571,27 @@ def _mib(n: int | None) -> str:
 # --------------------------------------------------------------------------- census seam
 
 
-def _optional(name: str) -> Any:
-    """``cudamem.<name>`` imported lazily: census and holders are optional collaborators."""
-    return importlib.import_module(f"{__package__}.{name}")
+def _ledger_inputs(
+    device: int, allocated: int
+) -> tuple[AllocatedSplit | None, frozenset[int] | None]:
+    """The census's split of ``allocated`` and the live storages' addresses (one heap scan).
 
-
-def _census() -> Any:
+    The split is ``None`` when the census fails or memory moved between the two reads
+    (``build_ledger`` then shows one allocated line); the addresses are ``None`` on failure.
+    """
     try:
-        return _optional("census")
-    except ImportError:
-        return None
-
-
-def _census_split(device: int, allocated: int) -> AllocatedSplit | None:
-    """The census's split of ``allocated`` (``census.unaccounted``), ``None`` without it."""
-    census = _census()
-    if census is None:
-        return None
-    try:
-        u = census.unaccounted(device)
+        u, addresses = census.ledger_view(device)
     except Exception:
-        return None
+        return None, None
     if int(u.allocated) != allocated:
-        return None  # memory moved between the two reads; build_ledger shows one line
-    return AllocatedSplit(
+        return None, addresses
+    split = AllocatedSplit(
         live_tensors=int(u.python),
         autograd_saved=int(u.autograd),
         cublas_workspaces=int(u.cublas_workspaces),
         unaccounted=int(u.unknown),
     )
-
-
-def _tensor_addresses(device: int) -> frozenset[int] | None:
-    """``data_ptr`` of every live storage on ``device`` (census, else a gc scan)."""
-    census = _census()
-    if census is not None:
-        try:
-            keys = census.live_storage_keys("cuda")
-            want = device_name(device)
-            return frozenset(int(ptr) for dev, ptr in keys if dev == want)
-        except Exception:
-            pass
-    tensors = _gc_tensors(device)
-    return frozenset(t.address for t in tensors)
-
-
-@dataclass(frozen=True, slots=True)
-class _LiveTensor:
-    """One storage found by the fallback scan (holds the tensor only inside one call)."""
-
-    nbytes: int
-    address: int
-    description: str
-    tensor: Any = field(repr=False, compare=False)
-
-
-def _describe(tensor: Any) -> str:
-    dtype = str(getattr(tensor, "dtype", "")).replace("torch.", "")
-    shape = list(getattr(tensor, "shape", ()))
-    kind = "Parameter" if type(tensor).__name__ == "Parameter" else "Tensor"
-    return f"{kind} {dtype}{shape}"
-
-
-def _gc_tensors(device: int | str) -> list[_LiveTensor]:
-    """Fallback while the census is absent: tensor objects gc tracks, one per storage."""
-    import torch
-
-    want = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-    by_storage: dict[int, _LiveTensor] = {}
-    for t in gc.get_objects():
-        # issubclass on the type: isinstance may touch dead weak proxies
-        if not issubclass(type(t), torch.Tensor):
-            continue
-        try:
-            if t.device != want:
-                continue
-            storage = t.untyped_storage()
-            address, nbytes = int(storage.data_ptr()), int(storage.nbytes())
-        except Exception:  # sparse, meta, or a tensor subclass without storage
-            continue
-        if nbytes and address not in by_storage:
-            by_storage[address] = _LiveTensor(nbytes, address, _describe(t), t)
-    return list(by_storage.values())
-
-
-def _who_holds_paths(tensors: Sequence[Any], limit: int) -> list[tuple[str, ...]]:
-    """``who_holds`` paths per tensor (fallback path), empty when holders is missing."""
-    try:
-        holders = _optional("holders")
-    except ImportError:
-        return [() for _ in tensors]
-    out: list[tuple[str, ...]] = []
-    for t in tensors:
-        try:
-            out.append(tuple(holders.who_holds(t).paths[:limit]))
-        except Exception:
-            out.append(())
-    return out
+    return split, addresses
 
 
 # --------------------------------------------------------------------------- explain()
@@ -716,14 +639,14 @@ def _ledger_for(device: int, status: _nvml.NvmlStatus) -> DeviceLedger:
     cache: CacheSplit | None = None
     allocated: AllocatedSplit | None = None
     if has_context:
-        allocated = _census_split(device, stats.allocated)
+        allocated, addresses = _ledger_inputs(device, stats.allocated)
         segments = be.memory_segments(device)
         if segments is not None:
             current = be.current_stream_handle(device)
             cache = split_cache(
                 segments,
                 current_streams=(0,) if current is None else (0, current),
-                tensor_addresses=_tensor_addresses(device),
+                tensor_addresses=addresses,
             )
     reading: _nvml.NvmlDevice | None = None
     reason = status.reason
@@ -908,35 +831,16 @@ def largest_storages(
 ) -> tuple[RemainingStorage, ...]:
     """The ``top`` largest storages alive on ``device`` and the paths that hold each.
 
-    ``device`` is a CUDA index or ``'cpu'``. Uses the census (one holder search for every
-    storage); without it, a gc scan and ``who_holds`` per storage. Keeps no reference.
+    ``device`` is a CUDA index or ``'cpu'``. One census with one holder search for every
+    storage. Keeps no reference.
     """
-    census = _census()
-    if census is not None:
-        try:
-            found = census.live_tensors(device, holders=holders)
-            out = []
-            for s in list(found.storages)[:top]:
-                shape = list(s.shape)
-                what = f"{'saved by autograd ' if not s.python else ''}{s.dtype}{shape}"
-                held = () if s.holders is None else tuple(s.holders.paths[:paths])
-                out.append(RemainingStorage(device, int(s.nbytes), what, held))
-            return tuple(out)
-        except Exception:
-            pass  # fall back on the scan below
-    tensors = _gc_tensors(device)
-    tensors.sort(key=lambda t: t.nbytes, reverse=True)
-    largest = tensors[:top]
-    del tensors
-    names: list[tuple[str, ...]] = (
-        _who_holds_paths([t.tensor for t in largest], paths) if holders else []
-    )
-    result = tuple(
-        RemainingStorage(device, t.nbytes, t.description, names[i] if names else ())
-        for i, t in enumerate(largest)
-    )
-    del largest  # the storages must not outlive this call through cudamem
-    return result
+    found = census.live_tensors(device, holders=holders)
+    out = []
+    for s in list(found.storages)[:top]:
+        what = f"{'saved by autograd ' if not s.python else ''}{s.dtype}{list(s.shape)}"
+        held = () if s.holders is None else tuple(s.holders.paths[:paths])
+        out.append(RemainingStorage(device, int(s.nbytes), what, held))
+    return tuple(out)
 
 
 def _nvml_used(device: int) -> int | None:
@@ -981,7 +885,12 @@ def release(
     records = []
     for d in devices:
         after = be.read(d)
-        remaining = largest_storages(d, top, holders=holders) if after.allocated else ()
+        remaining: tuple[RemainingStorage, ...] = ()
+        if after.allocated:
+            try:
+                remaining = largest_storages(d, top, holders=holders)
+            except Exception as exc:  # the census failed: report the bytes without holders
+                notes.append(f"{device_name(d)}: holders not found: {type(exc).__name__}: {exc}")
         records.append(
             DeviceRelease(
                 device=d,
