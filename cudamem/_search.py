@@ -306,27 +306,22 @@ class Search:
         # ``ref`` at the next level.
         found_refs: list[Any] = self._own([])
         found_kids: list[list[Any]] = self._own([])
+        # Candidates: the referrers of a small frontier (one C-level heap scan), else every
+        # object (one Python pass, cheaper than many scans once the frontier is large).
         if len(frontier) <= _BATCH_LIMIT:
             objs = self._own(list(frontier.values()))
-            refs = self._own(gc.get_referrers(*objs))
-            for ref in refs:
-                if id(ref) in self.ignore:
-                    continue
-                kids = [c for c in gc.get_referents(ref) if id(c) in frontier]
-                if kids:
-                    found_refs.append(ref)
-                    found_kids.append(kids)
+            candidates = self._own(gc.get_referrers(*objs))
         else:
-            allobjs = self._own(gc.get_objects())
-            for n, ref in enumerate(allobjs):
-                if n & 0x3FFF == 0 and self.timed_out():
-                    break
-                if id(ref) in self.ignore:
-                    continue
-                kids = [c for c in gc.get_referents(ref) if id(c) in frontier]
-                if kids:
-                    found_refs.append(ref)
-                    found_kids.append(kids)
+            candidates = self._own(gc.get_objects())
+        for n, ref in enumerate(candidates):
+            if n & 0x3FFF == 0 and self.timed_out():
+                break
+            if id(ref) in self.ignore:
+                continue
+            kids = [c for c in gc.get_referents(ref) if id(c) in frontier]
+            if kids:
+                found_refs.append(ref)
+                found_kids.append(kids)
         for cid, child in frontier.items():
             for owner, seg in self.virtual.get(cid, ()):
                 self._edge(owner, child, [seg], module_dicts, frames, nxt)
