@@ -190,21 +190,20 @@ def _collect(
     with_ledger: bool,
     notes: list[str],
 ) -> tuple[Any, Any, tuple[tuple[int, int], ...]]:
-    from .census import Census, live_tensors
+    from .census import Census, live_tensors, storages_with_keys
     from .span import max_allocated
 
     live = ledger = None
     try:
-        census = live_tensors(holders=True)
-        live = census
+        # Holders only for the storages listed: the search is the expensive part.
+        census = live_tensors()
+        listed = storages_with_keys([s.key for s in census.storages[:top]], holders=True)
+        extra = census.notes
         if len(census) > top:
             rest = len(census) - top
             more = sum(s.nbytes for s in census.storages[top:])
-            live = Census(
-                census.storages[:top],
-                (*census.notes, f"{rest} smaller storages ({more} bytes) not listed"),
-                census.elapsed,
-            )
+            extra = (*extra, f"{rest} smaller storages ({more} bytes) not listed")
+        live = Census(listed, extra, census.elapsed)
     except Exception as exc:
         notes.append(f"census failed: {type(exc).__name__}: {exc}")
     backend = _backend.get()
