@@ -36,6 +36,7 @@ from typing import Any
 
 from . import _backend, _nvml, census
 from ._device_arg import DeviceLike, resolve_device
+from .render.text import format_bytes
 from .snapshot import CacheSplit, split_cache
 from .stats import AllocatorStats, device_name
 
@@ -121,7 +122,6 @@ class LedgerLine:
         }
 
     def __str__(self) -> str:
-        from .render.text import format_bytes
 
         return f"{self.label}: {format_bytes(self.nbytes)} ({self.basis}; freed by {self.frees})"
 
@@ -350,14 +350,16 @@ def build_ledger(
     if separable and own is not None:
         context = own - stats.reserved - other_total
         context_note = (
-            f"NVML's {_mib(own)} for this process − allocator reserved {_mib(stats.reserved)}"
-            + (f" − other measured {_mib(other_total)}" if other_total else "")
+            f"NVML's {format_bytes(own)} for this process − allocator reserved "
+            f"{format_bytes(stats.reserved)}"
+            + (f" − other measured {format_bytes(other_total)}" if other_total else "")
         )
         context_key, context_label, frees_key = "context", "CUDA context and loaded kernels", None
         if context > CONTEXT_SUSPICIOUS:
             notes.append(
-                f"the inferred context ({_mib(context)}) is larger than a CUDA context usually "
-                "is (~0.5–0.6 GiB with lazy loading, ~1.3 GiB eager): other libraries (NCCL "
+                f"the inferred context ({format_bytes(context)}) is larger than a CUDA "
+                "context usually is (~0.5–0.6 GiB with lazy loading, ~1.3 GiB eager): "
+                "other libraries (NCCL "
                 "communicators ~0.5 GiB each, cuDNN/TensorRT, CUDA graphs, another allocator) "
                 "likely hold memory outside PyTorch's cache"
             )
@@ -409,8 +411,8 @@ def build_ledger(
         stranded_note = (
             f"{len(idle)} stream(s) with cached blocks and no live tensor"
             + (
-                f"; {_mib(cache.stranded_in_live_segments)} of it shares segments with live "
-                "blocks (cuBLAS workspaces?): release(clear_cublas=True) frees those"
+                f"; {format_bytes(cache.stranded_in_live_segments)} of it shares segments "
+                "with live blocks (cuBLAS workspaces?): release(clear_cublas=True) frees those"
                 if cache.stranded_in_live_segments
                 else ""
             )
@@ -522,7 +524,7 @@ def build_ledger(
             )
     elif procs:
         listed = ", ".join(
-            f"{p.pid} ({_mib(p.used) if p.used is not None else 'n/a'})" for p in procs
+            f"{p.pid} ({format_bytes(p.used) if p.used is not None else 'n/a'})" for p in procs
         )
         notes.append(f"NVML lists host pid(s): {listed}")
 
@@ -560,12 +562,6 @@ def build_ledger(
         cache=cache,
         notes=tuple(notes),
     )
-
-
-def _mib(n: int | None) -> str:
-    from .render.text import format_bytes
-
-    return format_bytes(n)
 
 
 # --------------------------------------------------------------------------- census seam
@@ -742,7 +738,6 @@ class RemainingStorage:
         }
 
     def __str__(self) -> str:
-        from .render.text import format_bytes
 
         held = "; ".join(self.holders) if self.holders else "no holder found"
         return f"{format_bytes(self.nbytes)} {self.description} held by {held}"

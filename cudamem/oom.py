@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from . import _backend, _storages
+from .render.text import format_bytes
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -338,12 +339,6 @@ def _latest_event(device: int | None) -> OomEvent | None:
     return None
 
 
-def _fmt(n: int | None) -> str:
-    from .render.text import format_bytes
-
-    return format_bytes(n)
-
-
 def _advice(
     *,
     requested: int | None,
@@ -360,7 +355,8 @@ def _advice(
     out: list[str] = []
     if requested is not None and total is not None and requested > total:
         out.append(
-            f"The request alone ({_fmt(requested)}) is more than the GPU has ({_fmt(total)}): "
+            f"The request alone ({format_bytes(requested)}) is more than the GPU has "
+            f"({format_bytes(total)}): "
             "no allocator setting or cleanup helps. Make that tensor smaller (batch size, "
             "sequence length, resolution), process it in chunks, or shard it across GPUs."
         )
@@ -372,14 +368,16 @@ def _advice(
         and cache >= requested > largest_free
     ):
         out.append(
-            f"Fragmentation: the cache holds {_fmt(cache)} free but its largest free block is "
-            f"{_fmt(largest_free)}. Start the process with "
+            f"Fragmentation: the cache holds {format_bytes(cache)} free but its largest free "
+            "block is "
+            f"{format_bytes(largest_free)}. Start the process with "
             "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True."
         )
     if stranded:
         amount = sum(s.reserved for s in stranded)
         out.append(
-            f"{_fmt(amount)} is cached on {len(stranded)} stream(s) that hold no live tensor: "
+            f"{format_bytes(amount)} is cached on {len(stranded)} stream(s) that hold no live "
+            "tensor: "
             "reuse one torch.cuda.Stream instead of creating one per run, or call "
             "torch.cuda.empty_cache() when a run ends."
         )
@@ -387,7 +385,8 @@ def _advice(
     if graph:
         holder = graph[0].holders[0].split(" → ")[0]
         out.append(
-            f"{holder} keeps autograd graphs alive ({_fmt(sum(s.nbytes for s in graph))} among "
+            f"{holder} keeps autograd graphs alive "
+            f"({format_bytes(sum(s.nbytes for s in graph))} among "
             "the largest storages): store loss.item() or use cudamem.ScalarLogger instead of "
             "the tensor, and run evaluation under torch.no_grad()."
         )
@@ -395,18 +394,18 @@ def _advice(
     if held:
         top = held[0]
         out.append(
-            f"The largest live storage ({_fmt(top.nbytes)}) is held by {top.holders[0]}: "
+            f"The largest live storage ({format_bytes(top.nbytes)}) is held by {top.holders[0]}: "
             "del it (and every other holder) or move it to the CPU (cudamem.to_host) if it is "
             "needed only later."
         )
     if others is not None and others >= 1024**3:
         out.append(
-            f"Other processes use about {_fmt(others)} of this GPU: see nvidia-smi or "
+            f"Other processes use about {format_bytes(others)} of this GPU: see nvidia-smi or "
             "cudamem.explain()."
         )
     if non_pytorch is not None and non_pytorch >= 2 * 1024**3:
         out.append(
-            f"{_fmt(non_pytorch)} of this process is outside PyTorch's allocator (CUDA "
+            f"{format_bytes(non_pytorch)} of this process is outside PyTorch's allocator (CUDA "
             "context, cuBLAS/cuDNN workspaces, NCCL buffers): cudamem.explain() splits it."
         )
     if requested is not None:
