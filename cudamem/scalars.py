@@ -813,20 +813,9 @@ class ScalarLogger:
             }
 
     def __str__(self) -> str:
-        from .render.text import render_table
+        from .render.scalars import render_logger
 
-        summaries = self.summary()
-        if not summaries:
-            return "ScalarLogger: nothing logged"
-
-        def num(v: float | None) -> str:
-            return "-" if v is None else f"{v:.6g}"
-
-        rows = [
-            [s.name, str(s.count), num(s.last), num(s.mean), num(s.min), num(s.max), str(s.nan)]
-            for s in summaries
-        ]
-        return render_table(["series", "count", "last", "mean", "min", "max", "NaN"], rows)
+        return render_logger(self.summary())
 
     def __repr__(self) -> str:
         with self._lock:
@@ -1033,28 +1022,9 @@ class GraphHolders(Sequence[GraphHolder]):
         }
 
     def __str__(self) -> str:
-        from .render.text import format_bytes, render_table
+        from .render.scalars import render_graph_holders
 
-        if not self.holders:
-            text = "no container holds a tensor with an autograd graph"
-        else:
-            rows = [
-                [
-                    h.container,
-                    str(h.tensors),
-                    format_bytes(h.graph_bytes),
-                    format_bytes(h.tensor_bytes),
-                    ", ".join(h.devices),
-                    h.example,
-                ]
-                for h in self.holders
-            ]
-            text = render_table(
-                ["container", "tensors", "graph", "tensors' own", "device", "e.g."],
-                rows,
-                align="lrrrll",
-            )
-        return "\n".join([text, *self.notes])
+        return render_graph_holders(self)
 
 
 def _key_device(key: tuple[str, int, int]) -> str:
