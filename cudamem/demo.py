@@ -72,6 +72,11 @@ class Experiment:
         }
 
 
+def _where(device: int | None) -> str:
+    """Where the experiment's tensors live: the GPU, else the CPU."""
+    return f"cuda:{device}" if device is not None else "cpu"
+
+
 def _gpu() -> int | None:
     return 0 if _backend.get().device_count() > 0 else None
 
@@ -205,7 +210,7 @@ def seed000_losses() -> Experiment:
         "detach() keeps the output's storage on the device; numbers and host copies keep nothing."
     )
     device = _gpu()
-    where = f"cuda:{device}" if device is not None else "cpu"
+    where = _where(device)
     meter = _Meter(device)
     x = torch.randn(1024, 1024, device=where, requires_grad=True)
 
@@ -299,7 +304,7 @@ def seed000_who_holds() -> Experiment:
     title = "Seed 000: del x, yet something still holds it"
     explanation = "who_holds() names every path that keeps the storage alive, aliases included."
     device = _gpu()
-    where = f"cuda:{device}" if device is not None else "cpu"
+    where = _where(device)
     with _user_module("seed000") as ns:
         x = torch.ones((1024, 1024), device=where)
         ns["saved"] = [x]
@@ -544,7 +549,7 @@ def census_now() -> Experiment:
     title = "The census: every live storage once, largest first"
     explanation = "live_tensors() counts storages (views and saved tensors share one), not tensors."
     device = _gpu()
-    where = f"cuda:{device}" if device is not None else "cpu"
+    where = _where(device)
     base = torch.zeros(256, 1024, device=where)
     views = [base[i] for i in range(4)]
     census = live_tensors(where)
