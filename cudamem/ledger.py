@@ -563,8 +563,7 @@ def _cache_lines(
             if cache.partial_pages:
                 parts.append(
                     f"{format_bytes(cache.partial_pages)} in pages that also hold part of a "
-                    "live block (expandable segments unmap whole pages: 20 MiB in the large "
-                    "pool, 2 MiB in the small)"
+                    "live block (pages are unmapped whole)"
                 )
             if cache.in_live_segments:
                 parts.append(

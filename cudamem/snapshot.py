@@ -262,7 +262,7 @@ def _blocks(segment: Mapping[str, Any]) -> list[_Block]:
     for b in raw:
         if not isinstance(b, Mapping):
             continue
-        size = _int(b.get("size"))
+        size = max(0, _int(b.get("size")))
         addr = b.get("address")
         start = _int(addr) if isinstance(addr, int) and addr else address
         state = b.get("state")
