@@ -676,3 +676,136 @@ def test_cache_split_is_json_ready() -> None:
     assert data["pools"][0]["pool_id"] == [1, 0]
     assert data["pools_free"] == 8 * MiB
     assert pickle.loads(pickle.dumps(split)) == split
+
+
+# -- snapshots recorded on the H200 (torch 2.11.0+cu130, driver 580) --------------------
+#
+# Each file (copied from the lead's probe) holds real torch.cuda.memory._snapshot() dicts and
+# the allocator's counters read beside them: {"stats"/"before_stats"/...: {allocated,
+# reserved, active, inactive_split}, "snap"/"before"/"after"/...: snapshot}.
+
+
+def recorded(name: str) -> dict[str, Any]:
+    from cudamem.snapshot import loads_snapshot
+
+    data = loads_snapshot((DATA / f"h200_{name}.pkl").read_bytes())
+    assert isinstance(data, dict)
+    return data
+
+
+def h200_counters(figures: dict[str, int], segments: list[dict[str, Any]]) -> AllocatorStats:
+    stats = counters(segments, inactive_split=figures["inactive_split"])
+    assert (stats.reserved, stats.allocated, stats.active) == (
+        figures["reserved"],
+        figures["allocated"],
+        figures["active"],
+    ), "the recorded snapshot and counters disagree"
+    return stats
+
+
+def test_h200_expandable_split_predicts_empty_cache() -> None:
+    rec = recorded("expandable")
+    before, after = rec["before"]["segments"], rec["after"]["segments"]
+    h200_counters(rec["before_stats"], before)
+    split = split_cache(before)
+    freed = rec["before_stats"]["reserved"] - rec["after_stats"]["reserved"]
+    assert freed == 260 * MiB  # what empty_cache() really returned on the H200
+    assert split.releasable == split.empty_cache_returns == freed
+    assert split.partial_pages == 28 * MiB
+    kept = split_cache(after)
+    assert kept.releasable == 0 and kept.partial_pages == 28 * MiB
+    # and the builder's model of the same scenario is what the H200 did
+    assert [s["total_size"] for s in after] == [
+        s["total_size"] for s in sd.expandable_three_tensors_after_empty_cache()
+    ]
+
+
+def test_h200_default_allocator_frees_the_whole_segment() -> None:
+    rec = recorded("default")
+    before = rec["before"]["segments"]
+    h200_counters(rec["before_stats"], before)
+    split = split_cache(before)
+    freed = rec["before_stats"]["reserved"] - rec["after_stats"]["reserved"]
+    assert split.releasable == freed == 286 * MiB
+    assert split.non_releasable == 0 and not split.expandable
+
+
+def test_h200_graph_pool() -> None:
+    rec = recorded("graph")
+    segs = rec["snap"]["segments"]
+    stats = h200_counters(rec["stats"], segs)
+    owners = PoolOwners(graphs={(1, 0): 2})  # two graphs share the pool (pool=g.pool())
+    cache = split_cache(segs, pool_owners=owners)
+    (pool,) = cache.pools
+    # A@A's output, the capture's own cuBLAS workspace, A+1's output
+    assert pool.pool_id == (1, 0) and pool.reserved == 160 * MiB == pool.allocated
+    ledger = build_ledger(
+        0,
+        stats=stats,
+        nvml=nvml_reading(stats.reserved),
+        pid=PID,
+        cache=cache,
+        allocated=AllocatedSplit(64 * MiB, 0, 32 * MiB, stats.allocated - 256 * MiB),
+    )
+    line = ledger.line("graph_pools:cuda_graph")
+    assert line is not None and line.nbytes == 160 * MiB and "1 pool, 2 graphs" in line.label
+    adds_up(ledger)
+    # outputs deleted, graphs alive: the pool keeps every byte, empty_cache() returns none
+    outputs_gone = rec["after_del_outputs"]["segments"]
+    h200_counters(rec["after_del_stats"], outputs_gone)
+    kept = split_cache(outputs_gone, pool_owners=owners)
+    assert kept.pools_free == 128 * MiB and kept.empty_cache_returns == 0
+    # graphs deleted too: the pool's free segments go back; the capture's cuBLAS workspace
+    # stays allocated in the pool (cuBLAS keeps it per handle and stream) until cleared
+    freed_pool = split_cache(outputs_gone, pool_owners=PoolOwners())
+    assert freed_pool.releasable == 128 * MiB
+    remaining = rec["after_del_graph"]["segments"]
+    h200_counters(rec["after_del_graph_stats"], remaining)
+    (left,) = split_cache(remaining, pool_owners=PoolOwners()).pools
+    assert left.pool_id == (1, 0) and left.allocated == 32 * MiB
+    assert workspace_streams(remaining, (32 * MiB,), ()) != {}
+
+
+def test_h200_cudagraph_tree_pool() -> None:
+    rec = recorded("compile")
+    segs = rec["snap"]["segments"]
+    stats = h200_counters(rec["stats"], segs)
+    owners = PoolOwners(graphs={(0, 1): 2}, trees={(0, 1): 0}, trees_loaded=True)
+    cache = split_cache(segs, pool_owners=owners)
+    (pool,) = cache.pools
+    assert pool.pool_id == (0, 1) and pool.kind == "cudagraph_tree"
+    ledger = build_ledger(
+        0,
+        stats=stats,
+        nvml=nvml_reading(stats.reserved),
+        pid=PID,
+        cache=cache,
+        allocated=AllocatedSplit(0, 0, 0, stats.allocated - cache.pools_allocated),
+    )
+    line = ledger.line("graph_pools:cudagraph_tree")
+    assert line is not None and line.nbytes == pool.reserved == 54 * MiB
+    adds_up(ledger)
+    # Without the tree manager, the same id reads as a shared graph_pool_handle() pool.
+    assert split_cache(segs).pools[0].kind == "shared_graph"
+
+
+def test_h200_record_stream_pending() -> None:
+    rec = recorded("record_stream")
+    for snap, figures in (("snap", "stats"), ("after_sync", "after_sync_stats")):
+        segs = rec[snap]["segments"]
+        stats = h200_counters(rec[figures], segs)
+        split = split_cache(segs)
+        # the counters' active − allocated is the snapshot's active_pending_free block, still
+        # pending after synchronize() (events are processed at the next malloc/empty_cache)
+        assert split.pending_free == stats.active - stats.allocated == 64 * MiB
+        assert split.pending_releasable == 64 * MiB
+        ledger = build_ledger(
+            0,
+            stats=stats,
+            nvml=nvml_reading(stats.reserved),
+            pid=PID,
+            cache=split,
+            allocated=AllocatedSplit(0, 0, 0, stats.allocated),
+        )
+        assert sizes(ledger)["cache_pending_free"] == 64 * MiB
+        adds_up(ledger)
