@@ -168,8 +168,12 @@ def largest_storages(
     for s in list(found.storages)[:top]:
         what = f"{'saved by autograd ' if not s.python else ''}{s.dtype}{list(s.shape)}"
         block = None if pools is None else pools.pool_of(s.data_ptr)
-        if block is not None:
-            what += f" (in CUDA graph pool {block.pool_id}: deleting the graph frees it)"
+        pool = None if pools is None or block is None else pools.pool(block.pool_id)
+        if pool is not None and pool.held:
+            what += (
+                f" (in private pool {pool.pool_id} of {pool.description}: freed only with the "
+                "graphs that use it)"
+            )
         held = () if s.holders is None else tuple(s.holders.paths[:paths])
         out.append(RemainingStorage(device, int(s.nbytes), what, held))
     return tuple(out)
@@ -260,11 +264,10 @@ def release(
         after = be.read(d)
         kept: CacheSplit | None = None
         pools: PoolBlocks | None = None
-        if after.reserved > after.allocated:
-            try:
-                kept, pools = _kept(d)
-            except Exception as exc:
-                notes.append(f"{device_name(d)}: cache not analysed: {type(exc).__name__}: {exc}")
+        try:
+            kept, pools = _kept(d)
+        except Exception as exc:
+            notes.append(f"{device_name(d)}: cache not analysed: {type(exc).__name__}: {exc}")
         remaining: tuple[RemainingStorage, ...] = ()
         if after.allocated and top:
             try:

@@ -9,6 +9,7 @@ up to NVML's ``used``.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import json
 import os
@@ -809,3 +810,21 @@ def test_h200_record_stream_pending() -> None:
         )
         assert sizes(ledger)["cache_pending_free"] == 64 * MiB
         adds_up(ledger)
+
+
+def test_remaining_storage_in_a_held_pool_is_named_so() -> None:
+    from cudamem.release import largest_storages
+    from cudamem.snapshot import PoolBlock, PoolBlocks, PrivatePool
+
+    big = torch.ones(3 * 1024 * 1024, dtype=torch.uint8)  # the largest CPU storage here
+    ptr = big.untyped_storage().data_ptr()
+    pool = PrivatePool((1, 0), "cuda_graph", 1, True, 1, 4 * MiB, 3 * MiB)
+    blocks = PoolBlocks(0, (PoolBlock(ptr, 3 * MiB, (1, 0), "cuda_graph"),), (pool,))
+    (top,) = largest_storages("cpu", 1, holders=False, pools=blocks)
+    assert top.nbytes == 3 * MiB
+    assert "in private pool (1, 0) of a torch.cuda.graph" in top.description
+    # a pool no graph uses any more is not worth the remark
+    gone = PoolBlocks(0, blocks.blocks, (dataclasses.replace(pool, held=False, graphs=0),))
+    (plain,) = largest_storages("cpu", 1, holders=False, pools=gone)
+    assert "private pool" not in plain.description
+    del big

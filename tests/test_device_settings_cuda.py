@@ -131,6 +131,16 @@ def test_cuda_graph_private_pool_line() -> None:
             x_in_pool=blocks.pool_of(x.data_ptr()) is not None,
             **adds_up(ledger),
         )
+        kept = cudamem.release(clear_cublas=False, holders=False)
+        print(kept)
+        got["kept_pool_free"] = kept[0].kept.pools_free if kept[0].kept else None
+        got["pool_free_snapshot"] = sum(
+            s["total_size"] - s["allocated_size"] for s in torch.cuda.memory_snapshot()
+            if tuple(s["segment_pool_id"]) == pid
+        )
+        got["annotated"] = [
+            s.description for s in kept[0].remaining if "private pool" in s.description
+        ]
         del g
         gc.collect()
         after_graph = cudamem.explain()[0]
@@ -148,6 +158,9 @@ def test_cuda_graph_private_pool_line() -> None:
     assert "1 pool, 1 graph" in got["label"]
     assert got["y_pool"] == got["pid"]
     assert got["x_in_pool"] is False
+    # release() left the live graph's pool alone and said how much of it is free
+    assert got["kept_pool_free"] == got["pool_free_snapshot"]
+    assert len(got["annotated"]) == 1  # y, named as living in the graph's pool
     assert got["after_del_graph"] == []  # no graph uses the pool: ordinary cache again
     assert got["pool_after_release"] == 0
     check_adds_up(got)

@@ -90,6 +90,8 @@ def render_kept(kept: CacheSplit) -> list[str]:
     """Why the cache left after ``empty_cache()`` stayed, one reason a line."""
     out = []
     for pool in kept.held_pools:
+        if not pool.free:
+            continue
         graphs = "" if pool.graphs is None else f", {pool.graphs} graph(s)"
         out.append(
             f"{format_bytes(pool.reserved - pool.allocated)} free in private pool "
