@@ -264,7 +264,7 @@ def _blocks(segment: Mapping[str, Any]) -> list[_Block]:
             continue
         size = max(0, _int(b.get("size")))
         addr = b.get("address")
-        start = _int(addr) if isinstance(addr, int) and addr else address
+        start = _int(addr) or address
         state = b.get("state")
         out.append(
             _Block(
