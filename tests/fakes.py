@@ -39,9 +39,12 @@ class FakeAllocator(Backend):
         with self.lock:
             self.allocated[device] -= nbytes
 
-    def empty_cache(self, device: int = 0) -> None:
+    def empty_cache(self) -> None:
+        # As torch.cuda.empty_cache(): every device's cache goes, not only the current one's.
         with self.lock:
-            self.reserved[device] = self.allocated[device]
+            self.calls["empty_cache"] += 1
+            for device in self.reserved:
+                self.reserved[device] = self.allocated[device]
 
     # -- Backend -----------------------------------------------------------------------
     def device_count(self) -> int:

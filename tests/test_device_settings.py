@@ -404,7 +404,7 @@ class SnapshotAllocator(FakeAllocator):
             seg["active_size"] = sum(b["size"] for b in seg["blocks"] if b["state"] != sd.F)
         return self.workspace is not None
 
-    def empty_cache(self, device: int = 0) -> None:
+    def empty_cache(self) -> None:
         if self.after is not None:
             self.segments = self.after
 
