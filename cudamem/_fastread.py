@@ -278,6 +278,14 @@ def _compiler() -> str:
     return os.environ.get("CXX") or "c++"
 
 
+def _tool_path() -> str:
+    """PATH for the build: this Python's own bin directory first, where ``pip install
+    ninja`` puts ninja even when the virtual environment is not activated."""
+    here = os.path.dirname(os.path.abspath(sys.executable)) if sys.executable else ""
+    rest = os.environ.get("PATH", os.defpath)
+    return os.pathsep.join(p for p in (here, rest) if p)
+
+
 def _failed_blocks(marker: dict[str, Any] | None) -> bool:
     """Whether a failed-build marker still holds: same compiler setting, recent enough."""
     if marker is None:
@@ -295,7 +303,7 @@ def _cuda_home() -> str | None:
     script on PATH (``/usr/local/bin/nvcc``) does not send the compiler to a directory
     without headers."""
     candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
-    nvcc = shutil.which("nvcc")
+    nvcc = shutil.which("nvcc", path=_tool_path())
     if nvcc:
         candidates.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
     candidates.append("/usr/local/cuda")
@@ -307,10 +315,10 @@ def _cuda_home() -> str | None:
 
 def _toolchain_problem() -> str | None:
     """Why a build cannot even start here (no compiler, ninja or CUDA headers), or None."""
-    cxx = _compiler()
-    if shutil.which(cxx) is None:
+    cxx, path = _compiler(), _tool_path()
+    if shutil.which(cxx, path=path) is None:
         return f"no C++ compiler: {cxx!r} is not on PATH (install g++ or set CXX)"
-    if shutil.which("ninja") is None:
+    if shutil.which("ninja", path=path) is None:
         return "ninja is not on PATH (pip install ninja): torch.utils.cpp_extension needs it"
     if _cuda_home() is None:
         return (
@@ -401,6 +409,7 @@ def build_in_subprocess(spec: BuildSpec, paths: _Paths) -> float:
     with open(source_copy, "w", encoding="utf-8") as fh:
         fh.write(spec.source)
     env = dict(os.environ)
+    env["PATH"] = _tool_path()
     # The build needs no GPU: hide them, so that cpp_extension's arch query creates no
     # CUDA context (the arch list is unused, only a .cpp is compiled).
     env["CUDA_VISIBLE_DEVICES"] = ""

@@ -562,7 +562,7 @@ def test_toolchain_problems_are_named(monkeypatch: pytest.MonkeyPatch, tmp_path:
     cxx = shutil.which("c++") or shutil.which("g++")
     if cxx is not None:
         monkeypatch.setenv("CXX", cxx)
-        monkeypatch.setenv("PATH", str(tmp_path))  # ninja is gone
+        monkeypatch.setattr(_fastread, "_tool_path", lambda: str(tmp_path))  # no ninja
         assert "ninja" in (_fastread._toolchain_problem() or "")
         (tmp_path / "ninja").write_text("#!/bin/sh\n")
         (tmp_path / "ninja").chmod(0o755)
@@ -574,6 +574,12 @@ def test_toolchain_problems_are_named(monkeypatch: pytest.MonkeyPatch, tmp_path:
     assert reader.status().state == "unsupported"
     reader.build_now()
     assert reader.state == "unsupported" and "no C++ compiler" in reader.status().reason
+
+
+def test_tool_path_puts_this_pythons_bin_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", "/nowhere")
+    first, rest = _fastread._tool_path().split(os.pathsep)
+    assert first == os.path.dirname(os.path.abspath(sys.executable)) and rest == "/nowhere"
 
 
 def test_cuda_home_skips_directories_without_headers(
