@@ -22,6 +22,7 @@ from .device import (
     release,
 )
 from .holders import Holder, Holders, who_holds
+from .host import HostCopy, to_host
 from .leaks import (
     Culprit,
     Growth,
@@ -38,14 +39,12 @@ from .plot import plot
 from .scalars import (
     GraphHolder,
     GraphHolders,
-    HostCopy,
     LoggerStats,
     ScalarLogger,
     Series,
     SeriesSummary,
     find_graph_holders,
     log_scalar,
-    to_host,
 )
 from .snapshot import UnsafeSnapshotError, load_snapshot
 from .span import DeviceSpan, ExceptionInfo, MemorySpan, SpanRecord, max_allocated, track

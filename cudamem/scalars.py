@@ -1,4 +1,4 @@
-"""Logging numbers without keeping tensors: ``log_scalar``, ``ScalarLogger``, ``to_host``.
+"""Logging numbers without keeping tensors: ``log_scalar``, ``ScalarLogger``.
 
 ``loss_history.append(loss)`` keeps every step's autograd graph alive (seed 000: ten losses of
 ``sigmoid(x * 2).mean()`` on a 1024×1024 input kept 40 MiB); ``loss.item()`` frees it but makes
@@ -27,7 +27,7 @@ import weakref
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, Literal, TypeVar, overload
+from typing import Any, overload
 
 import numpy as np
 import torch
@@ -37,17 +37,13 @@ from . import _backend
 __all__ = [
     "GraphHolder",
     "GraphHolders",
-    "HostCopy",
     "LoggerStats",
     "ScalarLogger",
     "Series",
     "SeriesSummary",
     "find_graph_holders",
     "log_scalar",
-    "to_host",
 ]
-
-T = TypeVar("T")
 
 #: Largest ``flush_every``: two device buffers of this many float64 values (1 MiB each).
 MAX_FLUSH_EVERY = 1 << 17
@@ -842,94 +838,6 @@ class ScalarLogger:
                 data.add(int(step), float(value))
             data.count = int(saved["count"])
             data.next_step = int(state["next_steps"].get(name, 0))
-
-
-# --------------------------------------------------------------------------- to_host
-
-
-class HostCopy(Generic[T]):
-    """A non-blocking copy to the host in flight: :meth:`wait` returns the result once the
-    device has written it. Reading the pinned tensors earlier would show unwritten memory,
-    so they are only reachable through :meth:`wait`."""
-
-    __slots__ = ("_events", "_result")
-
-    def __init__(self, result: T, events: list[Any]) -> None:
-        self._result = result
-        self._events = events
-
-    def done(self) -> bool:
-        """Whether the copy has finished (never blocks)."""
-        backend = _backend.get()
-        self._events = [e for e in self._events if not backend.event_done(e)]
-        return not self._events
-
-    def wait(self) -> T:
-        """Block until the copy has finished and return the host tensors."""
-        backend = _backend.get()
-        for event in self._events:
-            backend.wait_event(event)
-        self._events = []
-        return self._result
-
-    def __repr__(self) -> str:
-        return f"<HostCopy {'pending' if self._events else 'done'}>"
-
-
-def _copy_tree(obj: Any, non_blocking: bool, pin: bool, devices: set[int]) -> Any:
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach()
-        if t.device.type == "cpu":
-            return t
-        if t.device.type == "cuda" and (pin or non_blocking):
-            out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
-            out.copy_(t, non_blocking=non_blocking)
-            if non_blocking:
-                devices.add(t.device.index if t.device.index is not None else 0)
-            return out
-        return t.to("cpu")  # other devices: a blocking copy
-    if isinstance(obj, dict):
-        pairs = [(k, _copy_tree(v, non_blocking, pin, devices)) for k, v in obj.items()]
-        try:
-            return type(obj)(pairs)
-        except TypeError:  # e.g. defaultdict: its first argument is the factory
-            return dict(pairs)
-    if isinstance(obj, list):
-        return [_copy_tree(v, non_blocking, pin, devices) for v in obj]
-    if isinstance(obj, tuple):
-        items = [_copy_tree(v, non_blocking, pin, devices) for v in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    return obj
-
-
-@overload
-def to_host(obj: T, *, non_blocking: Literal[False] = False, pin: bool | None = None) -> T: ...
-@overload
-def to_host(obj: T, *, non_blocking: Literal[True], pin: bool | None = None) -> HostCopy[T]: ...
-def to_host(obj: Any, *, non_blocking: bool = False, pin: bool | None = None) -> Any:
-    """``t.detach().cpu()`` in one call: a host copy that keeps neither the graph nor device
-    memory (seed 000: ten outputs kept 40 MiB on the GPU with ``detach()``, 0 with this).
-
-    ``obj`` may be a tensor or a ``list``/``tuple``/``dict`` (nested, namedtuples included)
-    of tensors; other leaves are returned as they are. CPU tensors come back detached but not
-    copied (they share storage, as ``.cpu()`` does).
-
-    Args:
-        non_blocking: copy CUDA tensors into pinned memory without waiting and return a
-            :class:`HostCopy`; ``.wait()`` gives the result once the copies are done. The
-            source may be deleted right away (the allocator is stream-ordered).
-        pin: put the copies of CUDA tensors in pinned (page-locked) memory, which copies
-            back to the GPU faster. Default: only when ``non_blocking``. ``pin=False`` with
-            ``non_blocking=True`` is refused: a non-blocking copy needs pinned memory.
-    """
-    if non_blocking and pin is False:
-        raise ValueError("non_blocking=True copies into pinned memory; pin=False contradicts it")
-    devices: set[int] = set()
-    result = _copy_tree(obj, non_blocking, bool(pin) or non_blocking, devices)
-    if not non_blocking:
-        return result
-    backend = _backend.get()
-    return HostCopy(result, [backend.record_event(d) for d in sorted(devices)])
 
 
 # --------------------------------------------------------------------------- graph holders

@@ -1,4 +1,4 @@
-"""CPU tests of log_scalar, ScalarLogger and to_host (no GPU needed)."""
+"""CPU tests of log_scalar and ScalarLogger (no GPU needed)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import cudamem
 from cudamem import _backend
 from cudamem import scalars as _scalars
 from cudamem.render.json import to_json
-from cudamem.scalars import HostCopy, ScalarLogger, log_scalar, to_host
+from cudamem.scalars import ScalarLogger, log_scalar
 
 # --------------------------------------------------------------------------- log_scalar
 
@@ -596,59 +596,8 @@ def test_many_threads_lose_no_value() -> None:
     assert log.stats.logged == 2 * threads_n * per_thread
 
 
-# --------------------------------------------------------------------------- to_host
-
-
-def test_to_host_cpu_tensor_is_detached() -> None:
-    x = torch.randn(4, requires_grad=True) * 2
-    out = to_host(x)
-    assert out.grad_fn is None and not out.requires_grad
-    assert out.device.type == "cpu"
-    torch.testing.assert_close(out, x.detach())
-
-
-def test_to_host_keeps_no_graph() -> None:
-    x = torch.randn(64, requires_grad=True)
-    h = x * 2
-    ref = weakref.ref(h)
-    outputs = [to_host(torch.sin(h))]
-    del h
-    gc.collect()
-    assert ref() is None
-    assert outputs[0].shape == (64,)
-
-
-def test_to_host_structures() -> None:
-    Pair = collections.namedtuple("Pair", ["a", "b"])
-    nested = {
-        "logits": torch.ones(2, requires_grad=True) * 3,
-        "parts": [torch.zeros(1), (torch.tensor(1.0), "label")],
-        "pair": Pair(torch.tensor(2.0), 5),
-        "dd": collections.defaultdict(list, {"k": torch.tensor(1.0)}),
-    }
-    out = to_host(nested)
-    assert out["logits"].grad_fn is None
-    assert out["parts"][1][1] == "label"
-    assert isinstance(out["pair"], Pair) and out["pair"].b == 5
-    assert out["pair"].a.item() == 2.0
-    assert out["dd"]["k"].item() == 1.0
-
-
-def test_to_host_non_blocking_returns_a_handle() -> None:
-    handle = to_host({"x": torch.tensor([1.0, 2.0])}, non_blocking=True)
-    assert isinstance(handle, HostCopy)
-    assert handle.done()  # CPU tensors: nothing in flight
-    assert handle.wait()["x"].tolist() == [1.0, 2.0]
-    assert "done" in repr(handle)
-
-
-def test_to_host_pin_false_with_non_blocking_is_refused() -> None:
-    with pytest.raises(ValueError, match="pinned"):
-        to_host(torch.ones(1), non_blocking=True, pin=False)
-
-
 def test_public_names() -> None:
-    for name in ("log_scalar", "ScalarLogger", "to_host", "HostCopy", "Series"):
+    for name in ("log_scalar", "ScalarLogger", "Series"):
         assert name in cudamem.__all__
         assert getattr(cudamem, name) is getattr(_scalars, name)
 
