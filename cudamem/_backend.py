@@ -246,7 +246,8 @@ class TorchBackend(Backend):
         # built) the dict path answers. Plain attributes: the hot path takes no lock.
         self._fast_counters: Callable[[int], Counters] | None = None
         self._fast_reset: Callable[[int], Counters] | None = None
-        self._reader_pending = True
+        # A torch without CUDA never gets a reader: its reads skip the manager entirely.
+        self._reader_pending = self._compiled
 
     def device_count(self) -> int:
         if not self._compiled:

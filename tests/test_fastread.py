@@ -85,6 +85,7 @@ class SeamBackend(_backend.TorchBackend):
     def __init__(self, reader: FastReader) -> None:
         super().__init__(reader=reader)
         self._compiled = True
+        self._reader_pending = True
         self.values: dict[int, tuple[int, int, int]] = {0: (1024, 2048, 4096)}
         self.dict_reads = 0
         self.dict_resets = 0
