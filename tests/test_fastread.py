@@ -573,8 +573,15 @@ def test_toolchain_problems_are_named(monkeypatch: pytest.MonkeyPatch, tmp_path:
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     reader = FastReader(spec=lambda: spec, root=str(tmp_path / "cache"))
     assert reader.status().state == "unsupported"
-    reader.build_now()
+    backend = SeamBackend(reader)  # the read path: the dict answers, before and after
+    assert backend.counters(0) == (1024, 2048, 4096)
+    reader.join(30)
+    assert backend.counters(0) == (1024, 2048, 4096)
     assert reader.state == "unsupported" and "no C++ compiler" in reader.status().reason
+    assert not backend._reader_pending
+    again = FastReader(spec=lambda: spec, root=str(tmp_path / "cache"))
+    again.build_now()
+    assert again.state == "unsupported" and "no C++ compiler" in again.status().reason
 
 
 def test_tool_path_puts_this_pythons_bin_first(monkeypatch: pytest.MonkeyPatch) -> None:
