@@ -65,7 +65,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _cmd_status(args: argparse.Namespace) -> int:
     from . import _backend
-    from .device import machine_status
+    from .ledger import machine_status
     from .render.json import to_json
 
     status = machine_status()

@@ -18,7 +18,8 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from .stats import AllocatorStats
 
 __all__ = [
     "Backend",
+    "PoolOwners",
     "TorchBackend",
     "build_reader",
     "get",
@@ -37,6 +39,21 @@ __all__ = [
 
 #: (allocated, reserved, peak_allocated) bytes of one device's "all" pool.
 Counters = tuple[int, int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class PoolOwners:
+    """Who still uses the allocator's private pools (ids as in a snapshot's
+    ``segment_pool_id``). The allocator itself tells neither owners nor use counts."""
+
+    #: Live ``torch.cuda.CUDAGraph`` objects per pool.
+    graphs: Mapping[tuple[int, int], int] = field(default_factory=dict)
+    #: Pools of live ``torch.cuda.MemPool`` objects.
+    mempools: frozenset[tuple[int, int]] = frozenset()
+    #: Pools of torch.compile's cudagraph tree managers, and the device of each.
+    trees: Mapping[tuple[int, int], int] = field(default_factory=dict)
+    #: Whether torch.compile's cudagraph trees were imported (else no pool can be theirs).
+    trees_loaded: bool = False
 
 
 def _raw_get(raw: dict[str, Any], key: str, metric: str = "current") -> int:
@@ -214,6 +231,12 @@ class Backend:
 
     def history_snapshot(self) -> dict[str, Any] | None:
         """``torch.cuda.memory._snapshot()`` with the recorded stacks, ``None`` when none."""
+        return None
+
+    # -- private pools (CUDA graphs) --
+    def private_pool_owners(self) -> PoolOwners | None:
+        """The live CUDA graphs, MemPools and cudagraph-tree managers per private pool,
+        ``None`` when they cannot be searched. Costs one ``gc.get_referrers`` heap scan."""
         return None
 
 
@@ -501,6 +524,92 @@ class TorchBackend(Backend):
         except Exception:
             return None
         return snap if isinstance(snap, dict) else None
+
+    # -- private pools (CUDA graphs) --
+    def private_pool_owners(self) -> PoolOwners | None:
+        if not self._compiled or not self._initialized():
+            return None
+        try:
+            return _find_pool_owners()
+        except Exception:
+            return None
+
+
+def _with_subclasses(roots: list[type]) -> list[type]:
+    out: list[type] = []
+    todo = list(roots)
+    while todo:
+        t = todo.pop()
+        if any(t is o for o in out):
+            continue
+        out.append(t)
+        todo.extend(type.__subclasses__(t))
+    return out
+
+
+def instances_of(roots: list[type]) -> list[Any]:
+    """Live instances of ``roots`` and their subclasses that gc tracks (instances of Python
+    classes refer to their class, so one ``gc.get_referrers`` scan finds them all). Compares
+    types by identity only: no user ``__eq__`` or ``__hash__`` runs."""
+    import gc
+
+    types = _with_subclasses(roots)
+    found = gc.get_referrers(*types)
+    try:
+        return [o for o in found if any(type(o) is t for t in types)]
+    finally:
+        found.clear()
+
+
+def _find_pool_owners() -> PoolOwners:
+    """Ask every live CUDAGraph, MemPool and cudagraph-tree manager for its pool id.
+
+    Unbound base-class accessors are used so that no subclass override (user code) runs.
+    """
+    import inspect
+    import sys
+
+    c = torch._C
+    graph_base = getattr(c, "_CUDAGraph", None)
+    pool_base = getattr(c, "_MemPool", None)
+    trees_mod = sys.modules.get("torch._inductor.cudagraph_trees")
+    manager = getattr(trees_mod, "CUDAGraphTreeManager", None) if trees_mod else None
+    graph_cls = getattr(torch.cuda, "CUDAGraph", None)
+    pool_cls = getattr(torch.cuda, "MemPool", None)
+    roots = [t for t in (graph_cls, pool_cls, manager) if isinstance(t, type)]
+    if not roots:
+        return PoolOwners(trees_loaded=trees_mod is not None)
+    graphs: dict[tuple[int, int], int] = {}
+    mempools: set[tuple[int, int]] = set()
+    trees: dict[tuple[int, int], int] = {}
+    pool_of = getattr(graph_base, "pool", None)
+    id_prop = inspect.getattr_static(pool_base, "id", None) if pool_base is not None else None
+    for obj in instances_of(roots):
+        cls = type(obj)
+        try:
+            if graph_base is not None and issubclass(cls, graph_base) and callable(pool_of):
+                pid = _pool_tuple(pool_of(obj))  # raises before a capture has ended
+                if pid is not None:
+                    graphs[pid] = graphs.get(pid, 0) + 1
+            elif pool_base is not None and issubclass(cls, pool_base) and id_prop is not None:
+                pid = _pool_tuple(id_prop.__get__(obj, cls))
+                if pid is not None:
+                    mempools.add(pid)
+            elif manager is not None and issubclass(cls, manager):
+                state = object.__getattribute__(obj, "__dict__")
+                pid = _pool_tuple(state.get("cuda_graphs_thread_pool"))
+                dev = state.get("device_index")
+                if pid is not None:
+                    trees[pid] = dev if isinstance(dev, int) else -1
+        except Exception:
+            continue
+    return PoolOwners(graphs, frozenset(mempools), trees, trees_mod is not None)
+
+
+def _pool_tuple(value: Any) -> tuple[int, int] | None:
+    if type(value) is tuple and len(value) == 2 and all(type(v) is int for v in value):
+        return (value[0], value[1])
+    return None
 
 
 _lock = threading.Lock()
