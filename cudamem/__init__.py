@@ -10,6 +10,7 @@ from __future__ import annotations
 from ._history import History, SpanStats, clear_history, history, set_history_size
 from .census import Census, LiveStorage, Unaccounted, live_tensors, unaccounted
 from .holders import Holder, Holders, who_holds
+from .host import HostCopy, to_host
 from .leaks import (
     Culprit,
     Growth,
@@ -28,14 +29,12 @@ from .release import DeviceRelease, ReleaseResult, RemainingStorage, release
 from .scalars import (
     GraphHolder,
     GraphHolders,
-    HostCopy,
     LoggerStats,
     ScalarLogger,
     Series,
     SeriesSummary,
     find_graph_holders,
     log_scalar,
-    to_host,
 )
 from .snapshot import UnsafeSnapshotError, load_snapshot
 from .span import DeviceSpan, ExceptionInfo, MemorySpan, SpanRecord, max_allocated, track

@@ -201,7 +201,8 @@ class _Meter:
 def seed000_losses() -> Experiment:
     """Seed 000: what ten logged losses and outputs keep alive, and the fixes."""
     from .holders import who_holds
-    from .scalars import ScalarLogger, to_host
+    from .host import to_host
+    from .scalars import ScalarLogger
 
     key = "seed000-losses"
     title = "Seed 000: ten losses of sigmoid(x * 2).mean() kept as tensors, numbers, outputs"
