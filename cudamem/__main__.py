@@ -26,7 +26,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         progress=lambda key: print(f"[cudamem] running {key} ...", file=sys.stderr),
     )
     if args.json:
-        print(to_json(results))
+        print(to_json({"experiments": results}))
     else:
         for exp in results:
             print(render_experiment(exp))
@@ -66,12 +66,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_status(args: argparse.Namespace) -> int:
     from . import _backend
     from .ledger import machine_status
-    from .render.json import to_json
+    from .render.json import to_data, to_json
 
     status = machine_status()
     reader = _backend.reader_status()
     if args.json:
-        print(to_json({**status.to_dict(), "reader": reader.to_dict()}))
+        print(to_json({**to_data(status), "reader": reader}))
     else:
         print(f"{status}\n\n{reader}")
     return 0

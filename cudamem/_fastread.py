@@ -40,7 +40,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 __all__ = [
     "CACHE_ENV",
@@ -120,6 +120,8 @@ class ReaderStatus:
     ``disabled``, ``unsupported``, ``failed`` or ``dropped`` (the dict path serves).
     """
 
+    json_properties: ClassVar[tuple[str, ...]] = ("reader",)
+
     #: Whether the C++ reader serves counter reads in this process now.
     active: bool
     state: str
@@ -132,16 +134,6 @@ class ReaderStatus:
     def reader(self) -> str:
         """``"C++"`` or ``"dict"``: what answers a counter read now."""
         return "C++" if self.active else "dict"
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready mapping."""
-        return {
-            "reader": self.reader,
-            "active": self.active,
-            "state": self.state,
-            "reason": self.reason,
-            "cache_dir": self.cache_dir,
-        }
 
     def __str__(self) -> str:
         from .render.reader import render_reader_status

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, ClassVar
 
 __all__ = [
     "FIX_PACKAGE",
@@ -72,6 +72,8 @@ class DeviceMemory:
     :attr:`used_excluding_reserve`, which is why it reads 0 MiB on an idle GPU.
     """
 
+    json_properties: ClassVar[tuple[str, ...]] = ("used_excluding_reserve",)
+
     total: int
     free: int
     used: int
@@ -82,17 +84,6 @@ class DeviceMemory:
     def used_excluding_reserve(self) -> int | None:
         """``used`` minus the driver reserve (what nvidia-smi shows), ``None`` if unknown."""
         return None if self.reserved is None else self.used - self.reserved
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready mapping."""
-        return {
-            "total": self.total,
-            "free": self.free,
-            "used": self.used,
-            "reserved": self.reserved,
-            "used_excluding_reserve": self.used_excluding_reserve,
-            "api": self.api,
-        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,10 +96,6 @@ class GpuProcess:
     name: str | None
     used: int | None
     kind: str
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready mapping."""
-        return {"pid": self.pid, "name": self.name, "used": self.used, "kind": self.kind}
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,20 +112,6 @@ class NvmlDevice:
     process_api: str | None
     notes: tuple[str, ...] = ()
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready mapping."""
-        return {
-            "index": self.index,
-            "uuid": self.uuid,
-            "name": self.name,
-            "memory": None if self.memory is None else self.memory.to_dict(),
-            "memory_reason": self.memory_reason,
-            "processes": None if self.processes is None else [p.to_dict() for p in self.processes],
-            "processes_reason": self.processes_reason,
-            "process_api": self.process_api,
-            "notes": list(self.notes),
-        }
-
 
 @dataclass(frozen=True, slots=True)
 class NvmlStatus:
@@ -150,16 +123,6 @@ class NvmlStatus:
     driver_version: str | None = None
     module_file: str | None = None
     warning: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready mapping."""
-        return {
-            "available": self.available,
-            "reason": self.reason,
-            "driver_version": self.driver_version,
-            "module_file": self.module_file,
-            "warning": self.warning,
-        }
 
     def __str__(self) -> str:
         if self.available:

@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, overload
+from typing import Any, ClassVar, overload
 
 import torch
 
@@ -72,19 +72,6 @@ class LiveStorage:
         """Whether a Python tensor object refers to it (else only a graph does)."""
         return self.tensors > 0
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready mapping."""
-        return {
-            "device": self.device,
-            "nbytes": self.nbytes,
-            "dtype": self.dtype,
-            "shape": list(self.shape),
-            "tensors": self.tensors,
-            "saved_by_autograd": self.saved_by_autograd,
-            "data_ptr": self.data_ptr,
-            "holders": None if self.holders is None else self.holders.to_dict(),
-        }
-
     def __str__(self) -> str:
         from .render.text import format_bytes
 
@@ -95,6 +82,8 @@ class LiveStorage:
 @dataclass(frozen=True, slots=True)
 class Census(Sequence[LiveStorage]):
     """Every live storage once, largest first."""
+
+    json_properties: ClassVar[tuple[str, ...]] = ("total", "by_device")
 
     storages: tuple[LiveStorage, ...]
     notes: tuple[str, ...] = ()
@@ -125,16 +114,6 @@ class Census(Sequence[LiveStorage]):
             out[s.device] = out.get(s.device, 0) + s.nbytes
         return out
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready mapping."""
-        return {
-            "total": self.total,
-            "by_device": self.by_device(),
-            "storages": [s.to_dict() for s in self.storages],
-            "notes": list(self.notes),
-            "elapsed": self.elapsed,
-        }
-
     def __str__(self) -> str:
         from .render.holders import render_census
 
@@ -161,20 +140,6 @@ class Unaccounted:
     #: ``snapshot`` (per allocator block) or ``counters`` (storage bytes against the total).
     method: str
     notes: tuple[str, ...] = ()
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready mapping."""
-        return {
-            "device": f"cuda:{self.device}",
-            "allocated": self.allocated,
-            "python": self.python,
-            "autograd": self.autograd,
-            "cublas_workspaces": self.cublas_workspaces,
-            "workspace_count": self.workspace_count,
-            "unknown": self.unknown,
-            "method": self.method,
-            "notes": list(self.notes),
-        }
 
     def __str__(self) -> str:
         from .render.holders import render_unaccounted

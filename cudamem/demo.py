@@ -34,10 +34,6 @@ class Check:
     passed: bool
     detail: str = ""
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready mapping."""
-        return {"name": self.name, "passed": self.passed, "detail": self.detail}
-
 
 @dataclass(frozen=True, slots=True)
 class Experiment:
@@ -57,19 +53,6 @@ class Experiment:
     def passed(self) -> bool:
         """True when it ran and every check passed."""
         return self.skipped is None and all(c.passed for c in self.checks)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready mapping."""
-        return {
-            "key": self.key,
-            "title": self.title,
-            "explanation": self.explanation,
-            "headers": list(self.headers),
-            "rows": [list(r) for r in self.rows],
-            "checks": [c.to_dict() for c in self.checks],
-            "skipped": self.skipped,
-            "notes": list(self.notes),
-        }
 
 
 def _where(device: int | None) -> str:

@@ -66,18 +66,6 @@ class Holder:
         """Whether the path ends at another tensor sharing the storage."""
         return self.via not in ("itself", "object")
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready mapping."""
-        return {
-            "path": self.path,
-            "root_kind": self.root_kind,
-            "root": self.root,
-            "via": self.via,
-            "nbytes": self.nbytes,
-            "device": self.device,
-            "caller": self.caller,
-        }
-
     def __str__(self) -> str:
         from .render.holders import render_holder
 
@@ -114,17 +102,6 @@ class Holders(Sequence[Holder]):
     def paths(self) -> list[str]:
         """Every holder's path, in order."""
         return [h.path for h in self.holders]
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready mapping."""
-        return {
-            "target": self.target,
-            "nbytes": self.nbytes,
-            "device": self.device,
-            "holders": [h.to_dict() for h in self.holders],
-            "notes": list(self.notes),
-            "elapsed": self.elapsed,
-        }
 
     def __str__(self) -> str:
         from .render.holders import render_holders

@@ -35,7 +35,7 @@ import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import ClassVar, NamedTuple
 
 from . import _backend, _nvml, census
 from ._device_arg import DeviceLike, resolve_device
@@ -56,6 +56,7 @@ __all__ = [
     "Explanation",
     "LedgerLine",
     "MachineStatus",
+    "StatusLine",
     "build_ledger",
     "expandable_segments_configured",
     "explain",
@@ -143,19 +144,6 @@ class LedgerLine:
     group: str
     note: str = ""
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready mapping."""
-        return {
-            "key": self.key,
-            "label": self.label,
-            "bytes": self.nbytes,
-            "basis": self.basis,
-            "source": self.source,
-            "frees": self.frees,
-            "group": self.group,
-            "note": self.note,
-        }
-
     def __str__(self) -> str:
         return f"{self.label}: {format_bytes(self.nbytes)} ({self.basis}; freed by {self.frees})"
 
@@ -179,17 +167,6 @@ class AllocatedSplit:
         """Sum of the parts (equals the allocated bytes it was split from)."""
         return self.live_tensors + self.autograd_saved + self.cublas_workspaces + self.unaccounted
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready mapping."""
-        return {
-            "live_tensors": self.live_tensors,
-            "autograd_saved": self.autograd_saved,
-            "cublas_workspaces": self.cublas_workspaces,
-            "unaccounted": self.unaccounted,
-            "workspace_count": self.workspace_count,
-            "workspace_streams": self.workspace_streams,
-        }
-
 
 @dataclass(frozen=True, slots=True)
 class DeviceLedger:
@@ -198,6 +175,8 @@ class DeviceLedger:
     ``nvml_used`` is ``total - free`` (driver reserve included); ``smi_used`` is what
     nvidia-smi shows on recent drivers (reserve excluded), ``None`` when unknown.
     """
+
+    json_properties: ClassVar[tuple[str, ...]] = ("accounted",)
 
     device: int
     name: str | None
@@ -235,23 +214,6 @@ class DeviceLedger:
         """Every line whose key starts with ``prefix`` (``'graph_pools'``, ``'cache'``)."""
         return tuple(line for line in self.lines if line.key.startswith(prefix))
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready mapping."""
-        return {
-            "device": self.device,
-            "name": self.name,
-            "uuid": self.uuid,
-            "pid": self.pid,
-            "nvml_total": self.nvml_total,
-            "nvml_used": self.nvml_used,
-            "smi_used": self.smi_used,
-            "accounted": self.accounted,
-            "allocator": self.allocator.to_dict(),
-            "lines": [line.to_dict() for line in self.lines],
-            "cache": None if self.cache is None else self.cache.to_dict(),
-            "notes": list(self.notes),
-        }
-
     def __str__(self) -> str:
         from .render.ledger import render_ledger
 
@@ -271,14 +233,6 @@ class Explanation:
             if ledger.device == device:
                 return ledger
         raise KeyError(f"no ledger for {device_name(device)}")
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready mapping."""
-        return {
-            "devices": [d.to_dict() for d in self.devices],
-            "nvml": self.nvml.to_dict(),
-            "notes": list(self.notes),
-        }
 
     def __str__(self) -> str:
         from .render.ledger import render_explanation
@@ -1026,6 +980,15 @@ def explain(device: DeviceLike | None = None) -> Explanation:
 # --------------------------------------------------------------------------- status
 
 
+class StatusLine(NamedTuple):
+    """One line of a device in :class:`MachineStatus`: what holds ``nbytes`` (``None``:
+    NVML cannot tell) and what frees it."""
+
+    label: str
+    nbytes: int | None
+    frees: str
+
+
 @dataclass(frozen=True, slots=True)
 class MachineStatus:
     """Every GPU of the machine as NVML sees it, all processes included (``cudamem status``).
@@ -1035,18 +998,23 @@ class MachineStatus:
     so asking creates no CUDA context.
     """
 
+    json_properties: ClassVar[tuple[str, ...]] = ("device_lines",)
+
     nvml: _nvml.NvmlStatus
     devices: tuple[_nvml.NvmlDevice, ...]
     pid: int
 
-    def lines(self, device: _nvml.NvmlDevice) -> list[tuple[str, int | None, str]]:
-        """``(label, bytes, what frees it)`` rows of one device, adding up to NVML used."""
+    @property
+    def device_lines(self) -> tuple[tuple[StatusLine, ...], ...]:
+        """:meth:`lines` of every device, in the order of ``devices``."""
+        return tuple(tuple(self.lines(d)) for d in self.devices)
+
+    def lines(self, device: _nvml.NvmlDevice) -> list[StatusLine]:
+        """``(label, nbytes, frees)`` rows of one device, adding up to NVML used."""
         mem = device.memory
         if mem is None:
             return []
-        rows: list[tuple[str, int | None, str]] = [
-            ("driver reserve", mem.reserved, FREES["driver_reserve"])
-        ]
+        rows = [StatusLine("driver reserve", mem.reserved, FREES["driver_reserve"])]
         known = mem.reserved or 0
         # This process first, then the others by size (unknown sizes last).
         procs = sorted(
@@ -1057,29 +1025,14 @@ class MachineStatus:
             who = f"pid {proc.pid}" + (f" {proc.name}" if proc.name else "")
             if proc.pid == self.pid:
                 who += " (this process)"
-            rows.append((who, proc.used, FREES["other_process"]))
+            rows.append(StatusLine(who, proc.used, FREES["other_process"]))
             known += proc.used or 0
         rows.append(
-            ("driver memory outside every process", mem.used - known, FREES["unattributed"])
+            StatusLine(
+                "driver memory outside every process", mem.used - known, FREES["unattributed"]
+            )
         )
         return rows
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready mapping."""
-        return {
-            "nvml": self.nvml.to_dict(),
-            "pid": self.pid,
-            "devices": [
-                {
-                    **d.to_dict(),
-                    "lines": [
-                        {"label": label, "bytes": n, "frees": frees}
-                        for label, n, frees in self.lines(d)
-                    ],
-                }
-                for d in self.devices
-            ],
-        }
 
     def __str__(self) -> str:
         from .render.ledger import render_machine_status

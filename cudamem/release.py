@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import gc
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from . import _backend, _nvml, census
 from ._device_arg import DeviceLike, resolve_device
@@ -37,15 +37,6 @@ class RemainingStorage:
     description: str
     holders: tuple[str, ...]
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready mapping."""
-        return {
-            "device": self.device,
-            "bytes": self.nbytes,
-            "description": self.description,
-            "holders": list(self.holders),
-        }
-
     def __str__(self) -> str:
         held = "; ".join(self.holders) if self.holders else "no holder found"
         return f"{format_bytes(self.nbytes)} {self.description} held by {held}"
@@ -58,6 +49,14 @@ class DeviceRelease:
     ``kept`` is the allocator's cache split after ``empty_cache()``: why what is still
     reserved but not allocated stayed (``None`` without a snapshot).
     """
+
+    json_properties: ClassVar[tuple[str, ...]] = (
+        "freed_reserved",
+        "freed_allocated",
+        "still_allocated",
+        "still_cached",
+        "nvml_freed",
+    )
 
     device: int
     before: AllocatorStats
@@ -96,23 +95,6 @@ class DeviceRelease:
             return None
         return self.nvml_used_before - self.nvml_used_after
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready mapping."""
-        return {
-            "device": self.device,
-            "freed_reserved": self.freed_reserved,
-            "freed_allocated": self.freed_allocated,
-            "cublas_freed": self.cublas_freed,
-            "still_allocated": self.still_allocated,
-            "still_reserved": self.after.reserved,
-            "still_cached": self.still_cached,
-            "nvml_used_before": self.nvml_used_before,
-            "nvml_used_after": self.nvml_used_after,
-            "nvml_freed": self.nvml_freed,
-            "kept": None if self.kept is None else self.kept.to_dict(),
-            "remaining": [r.to_dict() for r in self.remaining],
-        }
-
 
 @dataclass(frozen=True, slots=True)
 class ReleaseResult:
@@ -128,15 +110,6 @@ class ReleaseResult:
             if d.device == device:
                 return d
         raise KeyError(f"no release record for {device_name(device)}")
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready mapping."""
-        return {
-            "devices": [d.to_dict() for d in self.devices],
-            "gc_collected": self.gc_collected,
-            "cublas_cleared": self.cublas_cleared,
-            "notes": list(self.notes),
-        }
 
     def __str__(self) -> str:
         from .render.ledger import render_release

@@ -38,7 +38,7 @@ import pickle
 import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, ClassVar
 
 from . import _backend
 from ._backend import PoolOwners
@@ -345,18 +345,6 @@ class StreamCache:
     current: bool
     stranded: bool
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready mapping."""
-        return {
-            "stream": self.stream,
-            "segments": self.segments,
-            "reserved": self.reserved,
-            "live": self.live,
-            "cached": self.cached,
-            "current": self.current,
-            "stranded": self.stranded,
-        }
-
 
 #: What created a private pool, as far as cudamem can tell.
 POOL_KINDS = {
@@ -380,6 +368,8 @@ class PrivatePool:
     when nobody looked, e.g. for a snapshot loaded from a file).
     """
 
+    json_properties: ClassVar[tuple[str, ...]] = ("free",)
+
     pool_id: tuple[int, int]
     kind: str
     graphs: int | None
@@ -401,20 +391,6 @@ class PrivatePool:
         """What created the pool, in words."""
         return POOL_KINDS.get(self.kind, "an unknown owner")
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready mapping."""
-        return {
-            "pool_id": list(self.pool_id),
-            "kind": self.kind,
-            "graphs": self.graphs,
-            "held": self.held,
-            "segments": self.segments,
-            "reserved": self.reserved,
-            "allocated": self.allocated,
-            "free": self.free,
-            "in_tensors": self.in_tensors,
-        }
-
 
 @dataclass(frozen=True, slots=True)
 class CacheSplit:
@@ -426,6 +402,8 @@ class CacheSplit:
     ``empty_cache()`` returns of the rest) and ``non_releasable`` (free bytes that stay: beside
     live blocks in ordinary segments, or in partial pages of expandable segments).
     """
+
+    json_properties: ClassVar[tuple[str, ...]] = ("cached", "empty_cache_returns")
 
     reserved: int
     live: int
@@ -477,28 +455,6 @@ class CacheSplit:
     def empty_cache_returns(self) -> int:
         """What ``torch.cuda.empty_cache()`` would hand back to CUDA now."""
         return self.releasable + self.pending_releasable + self.stranded_releasable
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready mapping."""
-        return {
-            "reserved": self.reserved,
-            "live": self.live,
-            "cached": self.cached,
-            "stranded": self.stranded,
-            "stranded_in_live_segments": self.stranded_in_live_segments,
-            "stranded_releasable": self.stranded_releasable,
-            "releasable": self.releasable,
-            "non_releasable": self.non_releasable,
-            "partial_pages": self.partial_pages,
-            "in_live_segments": self.in_live_segments,
-            "pending_free": self.pending_free,
-            "pending_releasable": self.pending_releasable,
-            "pools_free": self.pools_free,
-            "empty_cache_returns": self.empty_cache_returns,
-            "expandable": self.expandable,
-            "pools": [p.to_dict() for p in self.pools],
-            "streams": [s.to_dict() for s in self.streams],
-        }
 
 
 # --------------------------------------------------------------------------- analysis
@@ -747,15 +703,6 @@ class PoolBlock:
     pool_id: tuple[int, int]
     kind: str
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready mapping."""
-        return {
-            "address": self.address,
-            "size": self.size,
-            "pool_id": list(self.pool_id),
-            "kind": self.kind,
-        }
-
 
 @dataclass(frozen=True, slots=True)
 class PoolBlocks:
@@ -786,14 +733,6 @@ class PoolBlocks:
             if p.pool_id == pool_id:
                 return p
         return None
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready mapping."""
-        return {
-            "device": self.device,
-            "blocks": [b.to_dict() for b in self.blocks],
-            "pools": [p.to_dict() for p in self.pools],
-        }
 
 
 def pool_blocks_of(

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from cudamem.render.json import SCHEMA
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -66,8 +68,9 @@ def test_demo_json() -> None:
     out = cudamem("demo", "--json")
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
-    assert isinstance(data, list) and data
-    assert {"key", "title", "checks", "skipped"} <= set(data[0])
+    assert data["schema"] == SCHEMA
+    assert data["experiments"]
+    assert {"key", "title", "checks", "skipped"} <= set(data["experiments"][0])
 
 
 def test_run_names_the_holder_and_keeps_argv(tmp_path: Path) -> None:

@@ -294,7 +294,7 @@ def test_ledger_is_json_ready() -> None:
     ledger = seed001_ledger(alive=True)
     data = json.loads(to_json(ledger))
     assert data["nvml_used"] == ledger.nvml_used
-    assert sum(line["bytes"] for line in data["lines"]) == ledger.nvml_used
+    assert sum(line["nbytes"] for line in data["lines"]) == ledger.nvml_used
     assert {line["basis"] for line in data["lines"]} == {"measured", "inferred"}
     explanation = Explanation((ledger,), _nvml.NvmlStatus(True, None, "580"))
     assert json.loads(to_json(explanation))["devices"][0]["device"] == 0

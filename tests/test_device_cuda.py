@@ -33,6 +33,7 @@ PRELUDE = textwrap.dedent(
     import cudamem
 
     from cudamem.demo import NaiveN  # seed 001's model, bug included
+    from cudamem.render.json import to_data
 
     def line(ledger, key):
         got = ledger.line(key)
@@ -221,7 +222,7 @@ def test_new_stream_per_run_is_flagged_as_stranded_cache() -> None:
         ledger = e[0]
         emit(
             stranded=line(ledger, "cache_stranded"),
-            streams=[st.to_dict() for st in ledger.cache.streams],
+            streams=to_data(ledger.cache.streams),
             recording=getattr(torch._C, "_cuda_isHistoryEnabled", lambda: False)(),
         )
         """

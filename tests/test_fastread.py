@@ -31,6 +31,7 @@ from cudamem._fastread import (
     ReaderUnavailable,
     cache_key,
 )
+from cudamem.render.json import to_data
 
 from .fakes import FakeAllocator
 
@@ -619,7 +620,7 @@ def test_error_tail_keeps_the_error_lines() -> None:
 def test_status_values_and_json() -> None:
     status = ReaderStatus(True, "active", "built in 4.0 s; equal to the dict read", "/c/k")
     assert status.reader == "C++"
-    assert status.to_dict() == {
+    assert to_data(status) == {
         "reader": "C++",
         "active": True,
         "state": "active",
@@ -651,7 +652,7 @@ def test_status_command_names_the_reader(capsys: pytest.CaptureFixture[str]) -> 
     expected = _backend.reader_status()
     assert last == str(expected) and last.startswith("reader: ")
     assert "GPU 0 NVIDIA H200" in text
-    assert data["reader"] == expected.to_dict()
+    assert data["reader"] == to_data(expected)
     assert data["devices"][0]["index"] == 0
 
 

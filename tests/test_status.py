@@ -46,7 +46,7 @@ def test_lines_add_up_to_used_with_every_process() -> None:
     assert "GPU 0 NVIDIA H200: used" in text and "nvidia-smi shows" in text
     assert "pid 200 python3" in text
     data = json.loads(to_json(status))
-    assert data["devices"][0]["lines"][0]["bytes"] == 615 * MiB
+    assert data["device_lines"][0][0]["nbytes"] == 615 * MiB
 
 
 def test_unknown_process_memory_stays_unknown() -> None:
