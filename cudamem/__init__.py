@@ -38,7 +38,7 @@ from .scalars import (
 )
 from .snapshot import UnsafeSnapshotError, load_snapshot
 from .span import DeviceSpan, ExceptionInfo, MemorySpan, SpanRecord, max_allocated, track
-from .stats import AllocatorStats, StatsDelta
+from .stats import AllocatorStats
 
 __version__ = "0.1.0"
 
@@ -78,7 +78,6 @@ __all__ = [
     "SeriesSummary",
     "SpanRecord",
     "SpanStats",
-    "StatsDelta",
     "Unaccounted",
     "UnsafeSnapshotError",
     "__version__",

@@ -167,7 +167,7 @@ class Backend:
     def empty_cache(self) -> None:
         """Return every device's unused cached blocks to CUDA (``torch.cuda.empty_cache``)."""
 
-    # -- scalars (issue 4) --
+    # -- scalars --
     def record_event(self, device: int, event: Any = None) -> Any:
         """Record an event on ``device``'s current stream (reusing ``event`` when given) and
         return it; the host can later ask whether the work queued before it has finished."""
@@ -182,7 +182,7 @@ class Backend:
         ``synchronize`` this waits for that point only, not for everything queued since."""
         raise NotImplementedError
 
-    # -- device ledger (issue 5) --
+    # -- device ledger --
     def device_uuid(self, device: int) -> str | None:
         """torch's UUID of ``device`` (no ``GPU-`` prefix), ``None`` before CUDA is initialised
         (reading device properties would initialise it)."""
@@ -205,13 +205,13 @@ class Backend:
         """Whether allocator history recording (``_record_memory_history``) is on."""
         return False
 
-    # -- census (issue 3) --
+    # -- census --
     def cublas_workspace_sizes(self, device: int) -> tuple[int, ...]:
         """Bytes PyTorch requests for one cuBLAS / cuBLASLt workspace on ``device`` (``()``
         when unknown). Workspaces are held by no tensor; the census recognises them by size."""
         return ()
 
-    # -- leaks and OOM (issue 6) --
+    # -- leaks and OOM --
     def storage_device_type(self) -> str:
         """The torch device type whose storages this backend's counters measure."""
         return "cuda"
@@ -392,7 +392,7 @@ class TorchBackend(Backend):
         if self._compiled and self._initialized():
             torch.cuda.empty_cache()
 
-    # -- scalars (issue 4) --
+    # -- scalars --
     def record_event(self, device: int, event: Any = None) -> Any:
         # The caller holds a tensor on ``device``, so its context exists: nothing is created.
         ev = event if event is not None else torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -405,7 +405,7 @@ class TorchBackend(Backend):
     def wait_event(self, event: Any) -> None:
         event.synchronize()
 
-    # -- device ledger (issue 5) --
+    # -- device ledger --
     def device_uuid(self, device: int) -> str | None:
         if not self._compiled or not self._initialized():
             return None
@@ -455,7 +455,7 @@ class TorchBackend(Backend):
         except Exception:
             return False
 
-    # -- census (issue 3) --
+    # -- census --
     def cublas_workspace_sizes(self, device: int) -> tuple[int, ...]:
         # PyTorch exposes neither the workspaces nor their size to Python, so this repeats
         # the rule of aten/src/ATen/cuda/CublasHandlePool.cpp: getChosenWorkspaceSize() is
@@ -484,7 +484,7 @@ class TorchBackend(Backend):
         sizes.append(int(lt) * 1024 if lt.isdigit() else 1024 * 1024)
         return tuple(dict.fromkeys(sizes))
 
-    # -- leaks and OOM (issue 6) --
+    # -- leaks and OOM --
     def attach_oom_observer(self, observer: Callable[[int, int, int, int], None]) -> bool:
         attach = getattr(self._c, "_cuda_attach_out_of_memory_observer", None)
         if not self._compiled or not callable(attach):

@@ -311,6 +311,7 @@ def seed000_who_holds() -> Experiment:
 _SEED001_SCRIPT = r"""
 import gc, json, sys, torch, cudamem
 from cudamem.ledger import machine_status
+from cudamem.render.json import to_data
 dev = int(sys.argv[1])
 def used():
     for d in machine_status().devices:
@@ -324,7 +325,7 @@ def outside():
             return st.lines(d)[-1][1]
     return None
 out = {"before": used(), "outside_before": outside(),
-       "contexts_before": cudamem.explain().to_dict()["devices"]}
+       "contexts_before": to_data(cudamem.explain())["devices"]}
 x_ = torch.zeros(1024, 1024)
 x = x_.to(f"cuda:{dev}")
 torch.cuda.synchronize(dev)

@@ -27,16 +27,6 @@ from ._search import RawHolder, Search, SearchLimits, own_frame
 
 __all__ = ["Holder", "Holders", "who_holds"]
 
-#: How a holder holds the queried memory.
-VIA_TEXT = {
-    "itself": "the tensor itself",
-    "view": "a view sharing its storage",
-    "alias": "another tensor sharing its storage (detach()/.data)",
-    "saved": "a tensor saved by autograd",
-    "grad": "a .grad sharing its storage",
-    "object": "the object itself",
-}
-
 _IPYTHON_NAMES = ("Out", "_oh", "_", "__", "___")
 _TRACEBACK_NAMES = ("last_traceback", "last_exc", "last_value")
 _MODULE_CONTAINERS = ("_parameters", "_buffers", "_modules")

@@ -1,11 +1,10 @@
-"""Allocator counters at one instant and their difference. Pure data, no torch calls."""
+"""Allocator counters of one device at one instant. Pure data, no torch calls."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
 from typing import Any, NamedTuple
 
-__all__ = ["AllocatorStats", "StatsDelta", "device_name"]
+__all__ = ["AllocatorStats", "device_name"]
 
 
 def device_name(device: int) -> str:
@@ -50,20 +49,6 @@ class AllocatorStats(NamedTuple):
         """Reserved but not allocated: the cache ``empty_cache()`` may return."""
         return self.reserved - self.allocated
 
-    def diff(self, other: AllocatorStats) -> StatsDelta:
-        """``self - other`` as a :class:`StatsDelta` (both of one device)."""
-        if other.device != self.device:
-            raise ValueError(
-                f"cannot subtract stats of {device_name(other.device)} "
-                f"from {device_name(self.device)}"
-            )
-        values = {
-            f.name: getattr(self, f.name) - getattr(other, f.name)
-            for f in fields(StatsDelta)
-            if f.name != "device"
-        }
-        return StatsDelta(device=self.device, **values)
-
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready mapping of every counter."""
         return self._asdict()
@@ -76,25 +61,3 @@ class AllocatorStats(NamedTuple):
             f"reserved {format_bytes(self.reserved)}, "
             f"peak {format_bytes(self.peak_allocated)}"
         )
-
-
-@dataclass(frozen=True, slots=True)
-class StatsDelta:
-    """``after - before`` of two :class:`AllocatorStats` of one device."""
-
-    device: int
-    allocated: int
-    reserved: int
-    active: int
-    requested: int
-    inactive_split: int
-    alloc_count: int
-    free_count: int
-    segments: int
-    alloc_retries: int
-    ooms: int
-    timestamp_ns: int
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready mapping of every difference."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
