@@ -109,6 +109,25 @@ def grad_of(t: Any) -> Any:
         return None
 
 
+def grad_fn_of(t: Any) -> Any:
+    """``t.grad_fn`` read from the C slot (no ``__torch_function__``), ``None`` if unreadable."""
+    try:
+        with _no_torch_function():
+            return _GRAD_FN.__get__(t)
+    except Exception:
+        return None
+
+
+def has_graph(t: Any) -> bool:
+    """Whether ``t`` has a ``grad_fn`` or a ``.grad``: where graph walks start."""
+    return grad_fn_of(t) is not None or grad_of(t) is not None
+
+
+def key_device(key: StorageKey) -> str:
+    """``cuda:0``, ``cpu``, ...: the device of a storage key, as results name it."""
+    return key[0] if key[1] < 0 else f"{key[0]}:{key[1]}"
+
+
 def tensor_types() -> tuple[type, ...]:
     """``torch.Tensor`` and every subclass alive now (``nn.Parameter``, ``Buffer``, ...)."""
     seen: list[type] = []

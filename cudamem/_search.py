@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import os
 import sys
 import threading
 import time
@@ -34,6 +33,7 @@ import torch
 
 from . import _autograd
 from ._autograd import StorageKey
+from ._frames import own_frame
 from ._naming import (
     Seg,
     class_label,
@@ -45,20 +45,11 @@ from ._naming import (
     type_name,
 )
 
-__all__ = ["RawHolder", "Search", "SearchLimits", "own_frame"]
+__all__ = ["RawHolder", "Search", "SearchLimits"]
 
-_PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 _MODULE_DICT: Any = vars(types.ModuleType)["__dict__"]
 #: Above this many frontier objects one Python pass over all objects beats get_referrers.
 _BATCH_LIMIT = 150
-
-
-def own_frame(frame: types.FrameType) -> bool:
-    """Whether ``frame`` runs cudamem's own code (never shown)."""
-    try:
-        return os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == _PKG_DIR
-    except Exception:
-        return False
 
 
 @dataclass(frozen=True)
@@ -193,7 +184,7 @@ class Search:
             else:
                 via = "alias"
             self._start(t, i, Seg("storage", ""), via, frontier)
-        owners = [t for t in self.tensors if _has_graph_or_grad(t)]
+        owners = [t for t in self.tensors if _autograd.has_graph(t)]
         self._own(owners)
         known = {id(t) for t in self.tensors}
         self.walk = walk = _autograd.walk_graphs(owners, deadline=self.deadline, known=known)
@@ -499,17 +490,6 @@ class Search:
 
 def _seg_text(segs: list[Seg]) -> str:
     return "|".join(f"{s.kind}:{s.text}" for s in segs)
-
-
-def _has_graph_or_grad(t: Any) -> bool:
-    try:
-        with torch._C.DisableTorchFunctionSubclass():
-            return (
-                torch._C.TensorBase.__dict__["grad_fn"].__get__(t) is not None
-                or _autograd.grad_of(t) is not None
-            )
-    except Exception:
-        return False
 
 
 def _thread_names() -> dict[int, str]:

@@ -25,6 +25,7 @@ import torch
 from . import _autograd, _backend
 from ._autograd import StorageKey
 from ._device_arg import DeviceLike, resolve_device
+from ._frames import own_frame
 from ._search import SearchLimits
 from .holders import Holders, find_holders
 
@@ -204,7 +205,7 @@ def _gather(device: str | None) -> tuple[dict[StorageKey, _Acc], list[str]]:
             continue
         key, nbytes = info
         key_of[id(t)] = key
-        if device is not None and _device_text(key) != device:
+        if device is not None and _autograd.key_device(key) != device:
             continue
         dtype, shape, numel = _autograd.describe_tensor(t)
         a = acc.get(key)
@@ -215,10 +216,10 @@ def _gather(device: str | None) -> tuple[dict[StorageKey, _Acc], list[str]]:
             a.nbytes = max(a.nbytes, nbytes)
             if numel > a.numel:
                 a.dtype, a.shape, a.numel = dtype, shape, numel
-    owners = [t for t in tensors if _has_grad_fn(t)]
+    owners = [t for t in tensors if _autograd.has_graph(t)]
     walk = _autograd.walk_graphs(owners, known={id(t) for t in tensors})
     for _owner, _chain, key, nbytes, _label in walk.saved:
-        if device is not None and _device_text(key) != device:
+        if device is not None and _autograd.key_device(key) != device:
             continue
         a = acc.get(key)
         if a is None:
@@ -227,7 +228,7 @@ def _gather(device: str | None) -> tuple[dict[StorageKey, _Acc], list[str]]:
         else:
             a.saved = True
     for _owner, _label, key, nbytes in walk.grads:
-        if (device is None or _device_text(key) == device) and key not in acc:
+        if (device is None or _autograd.key_device(key) == device) and key not in acc:
             acc[key] = _Acc(nbytes, "?", (), 0, 0, False, None)
     _discount_preserved(tensors, key_of, owners, walk, acc)
     if walk.truncated:
@@ -261,7 +262,6 @@ def _discount_preserved(
     import types
 
     from ._naming import frame_locals
-    from ._search import own_frame
 
     saved = {key for _o, _c, key, _n, _l in walk.saved}
     if not saved:
@@ -311,21 +311,7 @@ def _discount_preserved(
 def _label(a: _Acc, key: StorageKey) -> str:
     shape = ", ".join(map(str, a.shape))
     what = "Tensor" if a.tensors else "Saved tensor"
-    return f"{what} {a.dtype}[{shape}] on {_device_text(key)}"
-
-
-def _has_grad_fn(t: Any) -> bool:
-    try:
-        with torch._C.DisableTorchFunctionSubclass():
-            return torch._C.TensorBase.__dict__["grad_fn"].__get__(t) is not None or (
-                _autograd.grad_of(t) is not None
-            )
-    except Exception:
-        return False
-
-
-def _device_text(key: StorageKey) -> str:
-    return key[0] if key[1] < 0 else f"{key[0]}:{key[1]}"
+    return f"{what} {a.dtype}[{shape}] on {_autograd.key_device(key)}"
 
 
 def _device_filter(device: DeviceLike | None) -> str | None:
@@ -345,7 +331,7 @@ def live_storage_keys(device_type: str | None = None) -> dict[tuple[str, int], i
     out: dict[tuple[str, int], int] = {}
     for key, a in acc.items():
         if device_type is None or key[0] == device_type:
-            out[(_device_text(key), key[2])] = a.nbytes
+            out[(_autograd.key_device(key), key[2])] = a.nbytes
         a.first = None
     return out
 
@@ -379,7 +365,7 @@ def _census(
     acc, notes = _gather(device)
     keys = sorted(acc, key=lambda k: (-acc[k].nbytes, k))
     if only is not None:
-        keys = [k for k in keys if (_device_text(k), k[2]) in only]
+        keys = [k for k in keys if (_autograd.key_device(k), k[2]) in only]
     found: dict[StorageKey, Holders] = {}
     if holders and keys:
         objs = [acc[k].first for k in keys]
@@ -398,7 +384,7 @@ def _census(
         objs.clear()
     storages = tuple(
         LiveStorage(
-            _device_text(k),
+            _autograd.key_device(k),
             acc[k].nbytes,
             acc[k].dtype,
             acc[k].shape,

@@ -22,8 +22,9 @@ import torch
 
 from . import _autograd
 from ._autograd import StorageKey
+from ._frames import own_frame
 from ._naming import Seg, is_sub
-from ._search import RawHolder, Search, SearchLimits, own_frame
+from ._search import RawHolder, Search, SearchLimits
 
 __all__ = ["Holder", "Holders", "who_holds"]
 
@@ -166,17 +167,11 @@ def find_holders(
         search.release()
     elapsed = time.perf_counter() - t0
     out = []
-    for i in range(len(keys)):
-        device = _device_text(keys[i])
+    for i, key in enumerate(keys):
+        device = None if key is None else _autograd.key_device(key)
         holders = _order(_dedupe_caller(per[i]))
         out.append(Holders(targets[i], nbytes[i], device, tuple(holders), tuple(notes), elapsed))
     return out
-
-
-def _device_text(key: StorageKey | None) -> str | None:
-    if key is None:
-        return None
-    return key[0] if key[1] < 0 else f"{key[0]}:{key[1]}"
 
 
 def _describe(obj: Any) -> str:
@@ -186,7 +181,7 @@ def _describe(obj: Any) -> str:
     if is_sub(tp, torch.Tensor):
         dtype, shape, _ = _autograd.describe_tensor(obj)
         info = _autograd.storage_of(obj)
-        where = f" on {_device_text(info[0])}" if info is not None else ""
+        where = f" on {_autograd.key_device(info[0])}" if info is not None else ""
         return f"{type_name(tp)} {dtype}[{', '.join(map(str, shape))}]{where}"
     return f"{type_name(tp)} object"
 
@@ -260,7 +255,8 @@ def _freeze(
     if kind == "ipython" and path.startswith("__main__."):
         path = path[len("__main__.") :]
     raw.last = None
-    return Holder(path, kind, root, raw.via, nbytes, _device_text(key), raw.caller)
+    device = None if key is None else _autograd.key_device(key)
+    return Holder(path, kind, root, raw.via, nbytes, device, raw.caller)
 
 
 def _unquote(text: str) -> str | None:

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import re
 import sys
 import threading
@@ -46,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import _backend, _storages
 from . import span as _span
+from ._frames import is_library_file
 
 if TYPE_CHECKING:
     from .span import MemorySpan, SpanRecord
@@ -749,15 +749,9 @@ _detector = _Detector()
 def _stacklevel() -> int:
     """The stack level of the first frame outside cudamem and torch: the user's ``with``, or
     the user's ``optimizer.step()`` when ``cudamem run`` closed the span from torch's hook."""
-    import torch
-
-    skip = (
-        os.path.dirname(os.path.abspath(__file__)) + os.sep,
-        os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
-    )
     frame = sys._getframe(1)
     level = 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(skip):
+    while frame is not None and is_library_file(frame.f_code.co_filename):
         frame = frame.f_back  # type: ignore[assignment]
         level += 1
     return level

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from . import _backend, _storages
+from ._frames import is_library_file
 from .render.text import format_bytes
 
 if TYPE_CHECKING:
@@ -290,22 +291,11 @@ def _stranded(backend: _backend.Backend, device: int, segments: Any) -> list[Str
     ]
 
 
-def _library_dirs() -> tuple[str, ...]:
-    """Directories of torch and cudamem: frames there are not where the user allocated."""
-    import torch
-
-    return (
-        os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
-        os.path.dirname(os.path.abspath(__file__)) + os.sep,
-    )
-
-
 def _frame_text(frames: Any) -> str | None:
     """The first frame outside torch and cudamem, as ``file:line in function``."""
-    skip = _library_dirs()
     for fr in frames or ():
         filename = str(fr.get("filename", ""))
-        if not filename or filename.startswith(skip):
+        if not filename or is_library_file(filename):
             continue
         if filename.startswith("<") and filename != "<stdin>":
             continue

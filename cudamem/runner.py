@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import _backend
+from ._frames import own_frame
 from .span import ExceptionInfo, MemorySpan
 
 __all__ = ["RunReport", "ScriptError", "StepWatcher", "run_script"]
@@ -177,10 +178,7 @@ def _exit_code(exc: SystemExit) -> tuple[int, str | None]:
 def _script_traceback(exc: BaseException) -> str:
     """The traceback as Python would print it, starting at the script's own frames."""
     tb = exc.__traceback__
-    here = os.path.dirname(os.path.abspath(__file__))
-    while (
-        tb is not None and os.path.dirname(os.path.abspath(tb.tb_frame.f_code.co_filename)) == here
-    ):
+    while tb is not None and own_frame(tb.tb_frame):
         tb = tb.tb_next
     return "".join(traceback.format_exception(type(exc), exc, tb))
 

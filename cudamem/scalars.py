@@ -1069,10 +1069,6 @@ class GraphHolders(Sequence[GraphHolder]):
         return render_graph_holders(self)
 
 
-def _key_device(key: tuple[str, int, int]) -> str:
-    return key[0] if key[1] < 0 else f"{key[0]}:{key[1]}"
-
-
 def _container_of(path: str) -> str:
     """``__main__.loss_history[3]`` → ``__main__.loss_history``; a path that does not end in
     a subscript names a variable, which is its own container."""
@@ -1145,7 +1141,7 @@ def find_graph_holders(
         owners: list[Any] = []
         plain: set[tuple[str, int, int]] = set()  # storages of graph-free tensors
         for t in tensors:
-            if _grad_fn_of(t) is not None:
+            if _autograd.grad_fn_of(t) is not None:
                 owners.append(t)
             else:
                 info = _autograd.storage_of(t)
@@ -1191,16 +1187,6 @@ def find_graph_holders(
     return GraphHolders(tuple(kept), total, tuple(notes), time.perf_counter() - t0)
 
 
-def _grad_fn_of(t: Any) -> Any:
-    from . import _autograd
-
-    try:
-        with _autograd._no_torch_function():
-            return _autograd._GRAD_FN.__get__(t)
-    except Exception:
-        return None
-
-
 def _measure(
     name: str, group: _Group, plain: set[tuple[str, int, int]], device: str | None
 ) -> GraphHolder | None:
@@ -1209,18 +1195,18 @@ def _measure(
     own: dict[tuple[str, int, int], int] = {}
     for t in group.owners:
         info = _autograd.storage_of(t)
-        if info is not None and (device is None or _key_device(info[0]) == device):
+        if info is not None and (device is None or _autograd.key_device(info[0]) == device):
             own[info[0]] = info[1]
     walk = _autograd.walk_graphs(group.owners)
     saved: dict[tuple[str, int, int], int] = {}
     for _owner, _chain, key, nbytes, label in walk.saved:
         if label == "variable" or key in plain or key in own:
             continue  # leaves and tensors held anyway are not what the graph keeps alive
-        if device is None or _key_device(key) == device:
+        if device is None or _autograd.key_device(key) == device:
             saved[key] = max(nbytes, saved.get(key, 0))
     if device is not None and not own and not saved:
         return None
-    devices = sorted({_key_device(k) for k in (*own, *saved)})
+    devices = sorted({_autograd.key_device(k) for k in (*own, *saved)})
     return GraphHolder(
         container=name,
         root_kind=group.root_kind,
