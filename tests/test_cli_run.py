@@ -271,3 +271,17 @@ def test_html_escapes_bidi_and_invisible_characters(tmp_path: Path) -> None:
     assert "bad\\u202ename" in page  # the exception, in the traceback block
     # the text report on stderr escapes the command line too
     assert "bidi.py x\\u202eyz\\u200d" in out.stderr
+
+
+def test_escape_invisible_writes_python_escapes() -> None:
+    from cudamem.render.text import escape_invisible
+
+    assert escape_invisible("plain ascii") == "plain ascii"
+    assert escape_invisible("café 日本 ü") == "café 日本 ü"  # visible letters stay
+    assert escape_invisible("a\u202eb") == "a\\u202eb"
+    assert escape_invisible("\u200b\u200c\u200d\ufeff") == "\\u200b\\u200c\\u200d\\ufeff"
+    assert escape_invisible("\x1b[2J\x00") == "\\x1b[2J\\x00"
+    assert escape_invisible("caf\udce9") == "caf\\udce9"  # a lone surrogate encodes afterwards
+    assert escape_invisible("\U000e0041") == "\\U000e0041"  # tag characters
+    assert escape_invisible("a\u2028b\u00a0c") == "a\\u2028b\\xa0c"
+    assert escape_invisible("line\nnext\t", keep="\n") == "line\nnext\\x09"
