@@ -236,6 +236,13 @@ def _by_container(storages: Sequence[Any]) -> tuple[Any, ...]:
     return tuple(group_culprits(plain))
 
 
+def _listing_order(storage: Any) -> tuple[int, str]:
+    """Largest first; among equal sizes by holder path, not by address (which differs from
+    run to run), so that the same program gives the same table."""
+    paths = storage.holders.paths if storage.holders is not None else ()
+    return (-storage.nbytes, min(paths, default="\uffff"))
+
+
 @dataclass(frozen=True, slots=True)
 class _Collected:
     live: Any = None
@@ -261,7 +268,7 @@ def _collect(top: int, with_ledger: bool, notes: list[str]) -> _Collected:
             max(len(census) - top, 0),
             sum(s.nbytes for s in census.storages[top:]),
         )
-        live = Census(tuple(listed), census.notes, census.elapsed)
+        live = Census(tuple(sorted(listed, key=_listing_order)), census.notes, census.elapsed)
         groups = _by_container(live.storages)
     except Exception as exc:
         notes.append(f"census failed: {type(exc).__name__}: {exc}")
