@@ -199,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.names and len(chosen) != len(set(args.names)):
         known = ", ".join(p.stem for p in examples())
         parser.error(f"unknown example among {args.names}; examples: {known}")
+    if args.gpu and not environment()["cuda_devices"]:
+        parser.error("--gpu needs a CUDA GPU: torch sees none here")
     OUTPUT.mkdir(exist_ok=True)
     failed = 0
     for example in chosen:

@@ -37,7 +37,7 @@ def cpu_run(name: str) -> object:
 
 def test_there_are_examples() -> None:
     names = {p.stem for p in EXAMPLES}
-    assert {"leaks", "oom", "quickstart", "spans", "train", "who_holds"} <= names
+    assert {"leaks", "oom", "quickstart", "scalars", "spans", "train", "who_holds"} <= names
 
 
 @pytest.mark.parametrize("name", [p.stem for p in EXAMPLES])
