@@ -53,6 +53,7 @@ def test_example_runs_on_the_cpu(name: str) -> None:
     assert "AssertionError" not in run.output
 
 
+@cache
 def _same_environment() -> str | None:
     """Why the committed CPU outputs cannot be compared here, or None when they can."""
     recorded = json.loads(gen.environment_file(gpu=False).read_text(encoding="utf-8"))
