@@ -1,4 +1,4 @@
-"""The command line: ``python -m cudamem demo | run | status``.
+"""The command line: ``python -m cudamem demo | run | status | build-reader``.
 
 ``run`` passes everything after the script (or ``-m module``) to the script untouched:
 ``cudamem run train.py --lr 3`` gives ``--lr 3`` to ``train.py``, never to cudamem. Its own
@@ -146,11 +146,16 @@ def _html(report: object) -> str:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from .device import machine_status
+    from . import _backend
+    from .ledger import machine_status
     from .render.json import to_json
 
     status = machine_status()
-    print(to_json(status) if args.json else status)
+    reader = _backend.reader_status()
+    if args.json:
+        print(to_json({**status.to_dict(), "reader": reader.to_dict()}))
+    else:
+        print(f"{status}\n\n{reader}")
     return 0
 
 
@@ -170,6 +175,17 @@ def _demo_keys() -> list[str]:
     return [key for key, _ in experiments()]
 
 
+def _cmd_build_reader(args: argparse.Namespace) -> int:
+    from . import _backend
+    from .render.json import to_json
+
+    if not args.json:
+        print("[cudamem] building the C++ counter reader ...", file=sys.stderr)
+    status = _backend.build_reader(validate=not args.no_validate)
+    print(to_json(status) if args.json else status)
+    return 0 if status.state in ("active", "ready", "cached") else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``python -m cudamem`` (``run``'s script arguments excepted)."""
     return _build()[0]
@@ -180,7 +196,7 @@ def _build() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     parser = argparse.ArgumentParser(
         prog="cudamem", description="Where your PyTorch GPU memory went."
     )
-    sub = parser.add_subparsers(dest="command", metavar="{demo,run,status}")
+    sub = parser.add_subparsers(dest="command", metavar="{demo,run,status,build-reader}")
     keys = _demo_keys()
     demo = sub.add_parser(
         "demo",
@@ -227,6 +243,17 @@ def _build() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     )
     status.add_argument("--json", action="store_true", help="print the status as JSON")
     status.set_defaults(func=_cmd_status)
+    build = sub.add_parser(
+        "build-reader",
+        help="compile the C++ counter reader now (spans otherwise build it in the background)",
+    )
+    build.add_argument("--json", action="store_true", help="print the reader's status as JSON")
+    build.add_argument(
+        "--no-validate",
+        action="store_true",
+        help="do not check it against the dict read on cuda:0 (which starts CUDA there)",
+    )
+    build.set_defaults(func=_cmd_build_reader)
     return parser, run
 
 
@@ -281,7 +308,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command is None:
-        parser.error("choose a command: demo, run or status (cudamem -h explains them)")
+        parser.error(
+            "choose a command: demo, run, status or build-reader (cudamem -h explains them)"
+        )
     code = args.func(args)
     return code
 

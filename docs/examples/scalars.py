@@ -21,6 +21,18 @@ print(len(history), f"{history.last:.4f}", f"{history.mean():.4f}")
 print(type(history[0]).__name__, history[-3:] == [history[7], history[8], history[9]])
 print(history.stats)
 
+print("=== what-it-keeps ===")
+recent = cudamem.ScalarLogger(maxlen=1000)
+everything = cudamem.ScalarLogger()
+for step in range(1_000_000):
+    recent.append(step * 0.5)
+    everything.append(step * 0.5)
+
+print(recent.stats)
+print(everything.stats)
+print(len(recent), recent[0], recent.summary()[0].count)
+del recent, everything
+
 print("=== series ===")
 model = torch.nn.Linear(8, 1)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -52,8 +64,15 @@ x = torch.randn(1024, 1024, requires_grad=True)
 outputs = [cudamem.to_host(torch.sigmoid(x * 2)) for _ in range(3)]
 print(outputs[0].grad_fn, outputs[0].device, outputs[0].shape)
 
+print("=== to-host-cycles ===")
+out = torch.randn(4, requires_grad=True) * 2
+state = {"out": out, "again": out}
+state["self"] = state  # a structure that contains itself
+host = cudamem.to_host(state)
+print(host["self"] is host, host["out"] is host["again"], host["out"].grad_fn)
+
 print("=== graph-holders ===")
-del history, loss, out, outputs
+del history, loss, out, outputs, state, host
 x = torch.randn(1024, 1024, requires_grad=True)
 loss_history = []
 for _ in range(10):
