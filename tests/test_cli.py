@@ -191,7 +191,8 @@ def test_top_level_unknown_option_is_named() -> None:
     assert out.returncode == 2
     assert "unrecognized arguments: --bogus" in out.stderr
     out = cudamem()
-    assert out.returncode == 2 and "choose a command: demo, run, status or build-reader" in out.stderr
+    assert out.returncode == 2
+    assert "choose a command: demo, run, status or build-reader" in out.stderr
 
 
 def test_run_unknown_option_prints_runs_usage(tmp_path: Path) -> None:
