@@ -42,7 +42,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         progress=lambda key: print(f"[cudamem] running {key} ...", file=sys.stderr),
     )
     if args.json:
-        print(to_json({"experiments": results}))
+        print(to_json({"experiments": results}, kind="cudamem.demo"))
     else:
         for exp in results:
             print(render_experiment(exp))
@@ -134,7 +134,7 @@ def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 def _json(report: object) -> str:
     from .render.json import to_json
 
-    return to_json(report) + "\n"
+    return to_json(report, kind="cudamem.run") + "\n"
 
 
 def _html(report: object) -> str:
@@ -153,7 +153,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     status = machine_status()
     reader = _backend.reader_status()
     if args.json:
-        print(to_json({**to_data(status), "reader": reader}))
+        print(to_json({**to_data(status), "reader": reader}, kind="cudamem.status"))
     else:
         print(f"{status}\n\n{reader}")
     return 0
@@ -182,7 +182,7 @@ def _cmd_build_reader(args: argparse.Namespace) -> int:
     if not args.json:
         print("[cudamem] building the C++ counter reader ...", file=sys.stderr)
     status = _backend.build_reader(validate=not args.no_validate)
-    print(to_json(status) if args.json else status)
+    print(to_json(status, kind="cudamem.reader") if args.json else status)
     return 0 if status.state in ("active", "ready", "cached") else 1
 
 

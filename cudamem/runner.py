@@ -11,7 +11,7 @@ installed*, so holders read ``__main__.loss_history[3]`` rather than an anonymou
 its file, ``sys.path[0]`` the working directory, a package runs its ``__main__``.
 
 Collection only: ``RunReport`` is frozen data, rendered by ``render/report.py`` (text),
-``render/html.py`` and, through ``to_dict()``, as JSON (``schema`` names its version).
+``render/html.py`` and ``render/json.py`` (``cudamem run --json FILE``).
 """
 
 from __future__ import annotations
@@ -25,27 +25,36 @@ import types
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar, NamedTuple
 
 from . import _backend
 from ._frames import own_frame
 from .span import ExceptionInfo, MemorySpan
 
-__all__ = ["SCHEMA", "RunReport", "ScriptError", "StepWatcher", "run_script"]
+__all__ = ["RunReport", "ScriptError", "StepWatcher", "Unlisted", "run_script"]
 
 STEP_SPAN = "training step"
-#: Version of ``RunReport.to_dict()``'s layout (the JSON of ``cudamem run --json FILE``).
-#: Raised when a key is removed or changes meaning; new keys do not raise it.
-SCHEMA = 1
 
 
 class ScriptError(Exception):
     """The script could not be started (missing, unreadable, not Python)."""
 
 
+class Unlisted(NamedTuple):
+    """Live storages at exit smaller than the listed ones: how many, and their bytes."""
+
+    storages: int
+    nbytes: int
+
+
+_NONE_UNLISTED = Unlisted(0, 0)
+
+
 @dataclass(frozen=True, slots=True)
 class RunReport:
     """What ``cudamem run`` learned about one run of a script."""
+
+    json_properties: ClassVar[tuple[str, ...]] = ("cuda_used",)
 
     script: str
     argv: tuple[str, ...]
@@ -77,7 +86,7 @@ class RunReport:
     #: first (``Culprit`` values: holder, items, storages, bytes, an example path).
     groups: tuple[Any, ...] = ()
     #: Live storages smaller than the listed ones: how many, and their bytes.
-    unlisted: tuple[int, int] = (0, 0)
+    unlisted: Unlisted = _NONE_UNLISTED
     #: CUDA devices visible to torch (0: spans and growth detection had nothing to measure).
     cuda_devices: int = 0
 
@@ -85,37 +94,6 @@ class RunReport:
     def cuda_used(self) -> bool:
         """Whether the script used a CUDA device (one had a context at exit)."""
         return bool(self.peaks)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready mapping (layout version ``SCHEMA``)."""
-
-        def dump(obj: Any) -> Any:
-            return None if obj is None else obj.to_dict()
-
-        return {
-            "kind": "cudamem.run",
-            "schema": SCHEMA,
-            "script": self.script,
-            "module": self.module,
-            "argv": list(self.argv),
-            "exit_code": self.exit_code,
-            "duration": self.duration,
-            "exception": dump(self.exception),
-            "traceback": self.traceback,
-            "steps": self.steps,
-            "peaks": {f"cuda:{d}": b for d, b in self.peaks},
-            "leak_warnings": list(self.leak_warnings),
-            "leak_names": list(self.leak_names),
-            "live": dump(self.live),
-            "ledger": dump(self.ledger),
-            "oom": dump(self.oom),
-            "history": dump(self.history),
-            "groups": [dump(g) for g in self.groups],
-            "unlisted": {"storages": self.unlisted[0], "nbytes": self.unlisted[1]},
-            "cuda_devices": self.cuda_devices,
-            "cuda_used": self.cuda_used,
-            "notes": list(self.notes),
-        }
 
     def __str__(self) -> str:
         from .render.report import render_report
@@ -255,7 +233,7 @@ class _Collected:
     ledger: Any = None
     peaks: tuple[tuple[int, int], ...] = ()
     groups: tuple[Any, ...] = ()
-    unlisted: tuple[int, int] = (0, 0)
+    unlisted: Unlisted = _NONE_UNLISTED
 
 
 def _collect(top: int, with_ledger: bool, notes: list[str]) -> _Collected:
@@ -264,13 +242,13 @@ def _collect(top: int, with_ledger: bool, notes: list[str]) -> _Collected:
 
     live = ledger = None
     groups: tuple[Any, ...] = ()
-    unlisted = (0, 0)
+    unlisted = Unlisted(0, 0)
     try:
         # Holders only for the storages listed: the search is the expensive part.
         census = live_tensors()
         keys = [s.key for s in census.storages[:top]]
         listed = storages_with_keys(keys, holders=True) if keys else ()
-        unlisted = (
+        unlisted = Unlisted(
             max(len(census) - top, 0),
             sum(s.nbytes for s in census.storages[top:]),
         )

@@ -423,7 +423,12 @@ def summary(name: str = "loss", **kw: Any) -> SeriesSummary:
 
 def logger_stats(**kw: Any) -> LoggerStats:
     values: dict[str, Any] = dict(
-        logged=130, transfers=2, pending=2, buffer_bytes={"cuda:0": 1024, "cpu": 512}
+        logged=130,
+        transfers=2,
+        pending=2,
+        buffer_bytes={"cuda:0": 1024, "cpu": 512},
+        kept=128,
+        host_bytes=2048,
     )
     values.update(kw)
     return LoggerStats(**values)

@@ -263,7 +263,7 @@ def test_demo_only_rejects_unknown_keys_and_help_lists_them() -> None:
 def test_demo_only_runs_the_named_experiment() -> None:
     out = cudamem("demo", "--json", "--only", "census")
     assert out.returncode == 0, out.stderr
-    assert [r["key"] for r in json.loads(out.stdout)] == ["census"]
+    assert [r["key"] for r in json.loads(out.stdout)["experiments"]] == ["census"]
 
 
 def test_run_demo_validates_only() -> None:

@@ -11,12 +11,13 @@ import pytest
 
 from cudamem.render.html import render_html
 from cudamem.render.report import render_report
-from cudamem.runner import RunReport
+from cudamem.runner import RunReport, Unlisted
 
 from .built import (
     T0,
     MiB,
     census,
+    culprit,
     explanation,
     history,
     holder,
@@ -57,6 +58,13 @@ def _full() -> RunReport:
             span_stats(),
             spans=(span(HOSTILE), span(HOSTILE, started_at=T0 + 1)),
         ),
+        groups=(
+            culprit(f"__main__.d[{HOSTILE!r}]"),
+            culprit(
+                "__main__.x", tensors=1, storages=1, nbytes=4 * MiB, autograd_bytes=0, example=""
+            ),
+        ),
+        unlisted=Unlisted(3, 3 * 1024),
         notes=("a note",),
     )
 
@@ -72,7 +80,12 @@ def test_minimal_report_text() -> None:
         "",
         "leak warnings: none",
     ]
-    assert "no CUDA device was used" in str(run_report(peaks=()))
+    cpu_only = str(run_report(peaks=())).splitlines()
+    assert cpu_only[3] == "peak allocated: no CUDA device was used"
+    # No CUDA device: growth detection measured nothing, which must not read as "none".
+    assert cpu_only[5] == (
+        "leak warnings: not measured: growth detection needs a CUDA device (this machine has none)"
+    )
 
 
 def test_full_report_text_has_every_part_in_order() -> None:
@@ -90,16 +103,36 @@ def test_full_report_text_has_every_part_in_order() -> None:
         "  step retains +4.0 MiB per call",
         f"  {HOSTILE}",
     ]
+    groups = lines.index("storages still alive at exit, by holder (largest first):")
+    assert lines[groups + 1].split() == [
+        "held",
+        "by",
+        "storages",
+        "bytes",
+        "via",
+        "autograd",
+        "e.g.",
+    ]
+    assert lines[groups + 3].split()[:5] == [
+        f"__main__.d[{HOSTILE!r}]",
+        "10",
+        "40.0",
+        "MiB",
+        "40.0",
+    ]
+    assert lines[groups + 4].split() == ["__main__.x", "1", "4.0", "MiB"]
+    assert lines[groups + 5] == (
+        "1 storage listed (cuda:0 4.0 MiB); 3 smaller storages (3.0 KiB) not listed"
+    )
     order = [
         "=== cudamem OOM post-mortem",
-        "storages still alive at exit (largest first):",
+        "storages still alive at exit, by holder (largest first):",
         "nothing to explain",
         "spans:",
         "note: a note",
     ]
     positions = [text.index(part) for part in order]
     assert positions == sorted(positions)
-    assert "1 storages: cuda:0 4.0 MiB" in lines
 
 
 class _Collect(HTMLParser):
@@ -118,7 +151,8 @@ class _Collect(HTMLParser):
 def test_html_escapes_every_user_string() -> None:
     page = render_html(_full())
     assert "<script" not in page
-    assert page.count("&lt;script&gt;") >= 6  # title, h1, warning, traceback, holder, svg
+    # title, h1, warning, traceback, group, storage's holder, the chart's marks
+    assert page.count("&lt;script&gt;") >= 7
     parser = _Collect()
     parser.feed(page)
     assert "script" not in parser.tags
@@ -138,7 +172,8 @@ def test_html_sections_and_status() -> None:
         "Leak warnings",
         "Out-of-memory post-mortem",
         "Uncaught exception",
-        "Storages still alive at exit",
+        "Storages still alive at exit, by holder",
+        "The largest storages",
         "Where the memory is (explain)",
         "Spans",
         "Notes",
@@ -147,6 +182,7 @@ def test_html_sections_and_status() -> None:
     assert "<li>cuda:0: 512.0 MiB</li><li>cuda:1: 4.0 MiB</li>" in page
     assert page.count('fill="#d62728"') == 2  # both spans carry the warned name
     assert '<td class="num">4.0 MiB</td><td>cuda:0</td><td>float32</td><td>1024×1024</td>' in page
+    assert "<p>1 storage listed; 3 smaller storages (3.0 KiB) not listed</p>" in page
     # Self-contained: nothing is fetched.
     assert not re.search(r"""(src|href)=["']?https?:""", page)
 
@@ -156,7 +192,10 @@ def test_html_of_a_clean_run() -> None:
     h2 = re.findall(r"<h2>(.*?)</h2>", page)
     assert h2 == ["Peak allocated", "Memory per span", "Leak warnings"]
     assert '<p class="ok">exit code 0 after 2.50 s</p>' in page
-    assert '<p class="empty">No finished spans to draw.</p>' in page
+    assert (
+        '<p class="empty">Nothing to plot: no span has finished yet (cudamem.track, or '
+        "optimizer steps under cudamem run).</p>"
+    ) in page
     assert "<h2>Leak warnings</h2><p>None.</p>" in page
     assert page.startswith('<!DOCTYPE html>\n<html lang="en">') and page.endswith("</html>\n")
 

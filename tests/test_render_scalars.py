@@ -29,10 +29,11 @@ def test_summary_one_line() -> None:
 
 def test_logger_stats_one_line() -> None:
     assert str(logger_stats()) == (
-        "130 values logged, 2 transfers, 2 pending; buffers: cuda:0 1.0 KiB, cpu 512 B"
+        "130 values logged, 2 transfers, 2 pending; kept 128 (2.0 KiB); buffers: cuda:0 1.0 KiB, "
+        "cpu 512 B"
     )
     assert str(logger_stats(transfers=1, buffer_bytes={})) == (
-        "130 values logged, 1 transfer, 2 pending"
+        "130 values logged, 1 transfer, 2 pending; kept 128 (2.0 KiB)"
     )
 
 

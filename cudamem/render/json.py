@@ -8,7 +8,7 @@ take no argument) in a ``json_properties`` class attribute, and leave a field ou
 ``nbytes`` for a storage's bytes, ``device`` as the result holds it.
 
 Every document :func:`to_json` writes carries ``"schema"``: :data:`SCHEMA`, the version of
-this layout, raised when a key changes its meaning or goes.
+this layout, raised when a key changes its meaning or goes (new keys do not raise it).
 """
 
 from __future__ import annotations
@@ -60,14 +60,14 @@ def to_data(obj: Any) -> Any:
     raise TypeError(f"cudamem cannot render {type(obj).__name__} as JSON")
 
 
-def to_json(result: Any, *, indent: int | None = 2) -> str:
-    """A JSON document of ``result`` (or of a list/dict of results), with ``"schema"``.
+def to_json(result: Any, *, kind: str | None = None, indent: int | None = 2) -> str:
+    """A JSON document of ``result`` (or of a list/dict of results).
 
-    A result that is an object gets ``"schema"`` as its first key; anything else (a list)
-    is wrapped as ``{"schema": ..., "items": [...]}``.
+    The document starts with ``"kind"`` (when given: what it is, e.g. ``"cudamem.run"``)
+    and ``"schema"``; an object's keys follow, anything else (a list) is ``"items"``.
     """
     data = to_data(result)
-    doc = (
-        {"schema": SCHEMA, **data} if isinstance(data, dict) else {"schema": SCHEMA, "items": data}
-    )
-    return json.dumps(doc, indent=indent, ensure_ascii=False)
+    head: dict[str, Any] = {} if kind is None else {"kind": kind}
+    head["schema"] = SCHEMA
+    body = data if isinstance(data, dict) else {"items": data}
+    return json.dumps({**head, **body}, indent=indent, ensure_ascii=False)
