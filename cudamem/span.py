@@ -769,8 +769,9 @@ def _close(span: RawSpan, exc: BaseException | None, keeper: MemorySpan | None =
             try:
                 hook(span)
             except Exception as err:
-                if propagate and isinstance(err, propagate) and exc is None:
-                    pending = pending or err
+                if propagate and isinstance(err, propagate):
+                    if exc is None:  # the block's own exception always wins
+                        pending = pending or err
                 else:
                     _warn_once(f"exit-hook{id(hook)}", f"cudamem: span exit hook failed: {err!r}")
     except Exception as err:  # pragma: no cover - last line of defence
