@@ -123,7 +123,7 @@ def test_generator_send_throw_return_and_early_close(fake: FakeAllocator) -> Non
     @cudamem.track("returns")
     def returns() -> Iterator[int]:
         yield 1
-        return 42  # noqa: B901 - the value reaches ``yield from``
+        return 42  # the value reaches ``yield from``
 
     def outer() -> Iterator[int]:
         value = yield from returns()

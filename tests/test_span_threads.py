@@ -126,11 +126,11 @@ def test_eight_threads_ten_thousand_spans_each_lose_nothing(fake: AtomicFake) ->
         handoff.put((span, done))
         done.wait()
 
-    def worker(t: int) -> None:
+    def worker() -> None:
         try:
             start.wait()
             spans = 0
-            for i in range(1000):
+            for _ in range(1000):
                 for _ in range(4):
                     with cudamem.track("flat"):
                         fake.alloc(4096)
@@ -154,7 +154,7 @@ def test_eight_threads_ten_thousand_spans_each_lose_nothing(fake: AtomicFake) ->
             errors.append(exc)
 
     closers = [threading.Thread(target=closer) for _ in range(2)]
-    workers = [threading.Thread(target=worker, args=(t,)) for t in range(THREADS)]
+    workers = [threading.Thread(target=worker) for _ in range(THREADS)]
     try:
         for th in closers + workers:
             th.start()
