@@ -282,6 +282,14 @@ class TorchBackend(Backend):
         return stats_from_raw(device, self._c._cuda_memoryStats(device), now)
 
     def counters(self, device: int) -> tuple[int, int, int]:
+        return self._dict_counters(device)
+
+    def counters_reset_peak(self, device: int) -> tuple[int, int, int]:
+        values = self._dict_counters(device)
+        self.reset_peak(device)
+        return values
+
+    def _dict_counters(self, device: int) -> tuple[int, int, int]:
         # Three ints out of the raw nested dict: no AllocatorStats, no flattening.
         if device not in self._with_context and (not self._compiled or not self._initialized()):
             return (0, 0, 0)
@@ -295,12 +303,6 @@ class TorchBackend(Backend):
                 _raw_get(raw, "reserved_bytes"),
                 _raw_get(raw, "allocated_bytes", "peak"),
             )
-
-    def counters_reset_peak(self, device: int) -> tuple[int, int, int]:
-        values = self.counters(device)
-        if device in self._with_context or (self._compiled and self._initialized()):
-            self._c._cuda_resetPeakMemoryStats(device)
-        return values
 
     def synchronize(self, device: int) -> None:
         if self._compiled and self._initialized():

@@ -41,7 +41,7 @@ from typing_extensions import ParamSpec
 from . import _backend
 from ._device_arg import DeviceLike, resolve_device
 from .render.text import format_bytes, format_duration
-from .stats import Counters, device_name
+from .stats import DeviceCounters, device_name
 
 if TYPE_CHECKING:
     from .leaks import LeakReport
@@ -80,9 +80,9 @@ class DeviceSpan:
 
     device: int
     #: The counters at entry (zeros for a device that appeared during the span).
-    before: Counters
+    before: DeviceCounters
     #: The counters at exit.
-    after: Counters
+    after: DeviceCounters
     #: Highest ``allocated`` during the span, or ``None`` when the span ran with ``peak=False``.
     peak: int | None
 
@@ -403,8 +403,8 @@ class RawSpan:
             devices.append(
                 DeviceSpan(
                     d,
-                    Counters(d, b[0], b[1], b[2]),
-                    Counters(d, a, r, p),
+                    DeviceCounters(d, b[0], b[1], b[2]),
+                    DeviceCounters(d, a, r, p),
                     None if peaks is None else peaks[i],
                 )
             )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, NamedTuple
 
-__all__ = ["AllocatorStats", "Counters", "StatsDelta", "device_name"]
+__all__ = ["AllocatorStats", "DeviceCounters", "StatsDelta", "device_name"]
 
 
 def device_name(device: int) -> str:
@@ -13,7 +13,7 @@ def device_name(device: int) -> str:
     return f"cuda:{device}"
 
 
-class Counters(NamedTuple):
+class DeviceCounters(NamedTuple):
     """The three allocator counters a span reads at each edge, for one device. Bytes are ints.
 
     ``peak_allocated`` is PyTorch's peak counter as read: the highest ``allocated`` since that

@@ -24,7 +24,7 @@ from cudamem.span import (
     remove_entry_hook,
     remove_exit_hook,
 )
-from cudamem.stats import Counters
+from cudamem.stats import DeviceCounters
 
 from .fakes import FakeAllocator
 
@@ -302,7 +302,7 @@ def test_lazy_record_equals_the_eager_one(fake: FakeAllocator) -> None:
             fake.free(2 * MiB)
     raw = outer._raw
     assert raw is not None and raw._record is None  # nothing built until read
-    c = Counters
+    c = DeviceCounters
     expected_inner = SpanRecord.build(
         "inner",
         (DeviceSpan(0, c(0, 4 * MiB, 4 * MiB, 4 * MiB), c(0, 4 * MiB, 10 * MiB, 10 * MiB), None),),
