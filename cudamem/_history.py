@@ -89,8 +89,38 @@ class _Aggregate:
         self.alloc_max = self.res_max = self.peak_max = self.peakd_max = -(2**63)
         self.dur_sum = self.dur_max = 0.0
 
+    def add_one(self, r: RawSpan) -> None:
+        """Fold one span in."""
+        self.calls += 1
+        if r.exception is not None:
+            self.errors += 1
+        a, res, dur = r.alloc_delta, r.res_delta, (r.end_ns - r.start_ns) / 1e9
+        self.alloc_sum += a
+        self.res_sum += res
+        self.dur_sum += dur
+        if a > self.alloc_max:
+            self.alloc_max = a
+        if res > self.res_max:
+            self.res_max = res
+        if dur > self.dur_max:
+            self.dur_max = dur
+        peak, peakd = r.peak_total, r.peak_delta
+        if peak is not None and peakd is not None:
+            self.peak_calls += 1
+            self.peak_sum += peak
+            self.peakd_sum += peakd
+            if peak > self.peak_max:
+                self.peak_max = peak
+            if peakd > self.peakd_max:
+                self.peakd_max = peakd
+
     def add(self, spans: list[RawSpan]) -> None:
-        """Fold a batch of spans of one name in: C-level ``sum``/``max`` over columns."""
+        """Fold a batch of spans of one name in: C-level ``sum``/``max`` over columns
+        (cheaper per span than :meth:`add_one` from a dozen spans up)."""
+        if len(spans) < 12:
+            for r in spans:
+                self.add_one(r)
+            return
         n = len(spans)
         self.calls += n
         self.errors += n - list(map(_EXCEPTION, spans)).count(None)
