@@ -614,6 +614,8 @@ class _Detector:
             s.rises.append(rose)
             if s.cooldown:
                 s.cooldown -= 1
+            if s.phase == _WATCH and True not in s.rises:
+                return  # the steady state: arming needs at least one rise in the window
             action = self._step(name, s, settings)
             if action is None:
                 return
