@@ -765,6 +765,7 @@ def _close(span: RawSpan, exc: BaseException | None, keeper: MemorySpan | None =
             parent._add_child(span)
         else:
             span.top_level = True
+            _unlink(span)
         for hook, propagate in _exit_hooks:
             try:
                 hook(span)
@@ -783,6 +784,20 @@ def _close(span: RawSpan, exc: BaseException | None, keeper: MemorySpan | None =
     span.extras = None
     if pending is not None:
         raise pending
+
+
+def _unlink(top: RawSpan) -> None:
+    """Drop the parent pointers of a top-level span's subtree: every ancestor is closed for
+    good, so no later walk can need them, and child <-> parent would otherwise be a
+    reference cycle left for the garbage collector in every nested span."""
+    top.parent = None
+    pending = [top]
+    while pending:
+        children = pending.pop().children
+        if children:
+            for child in children:
+                child.parent = None
+                pending.append(child)
 
 
 def _live(span: RawSpan | None) -> RawSpan | None:

@@ -419,3 +419,19 @@ def test_max_allocated_sees_every_folded_peak(fake: FakeAllocator) -> None:
             pass
     assert cudamem.max_allocated(0) == 70 * MiB
     assert fake.peak[0] < 70 * MiB  # PyTorch's own counter was reset meanwhile
+
+
+def test_nested_spans_leave_no_reference_cycles(fake: FakeAllocator) -> None:
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)  # what the collector frees lands in gc.garbage
+    try:
+        for _ in range(3):
+            with cudamem.track("outer"), cudamem.track("inner"), cudamem.track("deep"):
+                pass
+        cudamem.clear_history()
+        gc.collect()
+        cycles = [o for o in gc.garbage if isinstance(o, RawSpan)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    assert cycles == []  # freed by reference counting alone
