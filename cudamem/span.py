@@ -672,13 +672,23 @@ def _open(
         else:
             me = span.owner = _get_ident()
             _open_peak[span] = me  # announce (see _enter_peak)
-            if len(_open_peak) == 1 and len(devs) == 1:  # alone: nobody to fold into
+            nested = len(_open_peak) > 1
+            if len(devs) == 1 and (not nested or _only(me)):  # one device, one thread
                 d = devs[0]
                 values = backend.counters_reset_peak(d)
                 span.before = (values,)
                 span.armed = True
-                if values[2] > _process_peak.get(d, -1):  # else it cannot raise the max
-                    _peak_inbox.append((d, values[2]))
+                discarded = values[2]
+                if nested:  # fold into this thread's open spans
+                    for other in tuple(_open_peak):
+                        if other is not span and other.owner == me:
+                            fold = other.fold
+                            if fold is None:
+                                other.fold = {d: discarded}
+                            elif discarded > fold.get(d, -1):
+                                fold[d] = discarded
+                if discarded > _process_peak.get(d, -1):  # else it cannot raise the max
+                    _peak_inbox.append((d, discarded))
                     if len(_peak_inbox) > _PEAK_INBOX:
                         _merge_peaks_soon()
             else:
