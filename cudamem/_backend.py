@@ -139,21 +139,6 @@ class Backend:
         """The allocator's counters for ``device`` (zeros when CUDA is not initialised)."""
         raise NotImplementedError
 
-    def counters(self, device: int) -> tuple[int, int, int]:
-        """``(allocated, reserved, peak_allocated)`` of ``device``: all a span reads.
-
-        Spans call this twice per device per block, so backends make it cheap; this default
-        derives it from :meth:`read`.
-        """
-        stats = self.read(device)
-        return (stats.allocated, stats.reserved, stats.peak_allocated)
-
-    def counters_reset_peak(self, device: int) -> tuple[int, int, int]:
-        """:meth:`counters`, then :meth:`reset_peak`; returns the values read before the reset."""
-        values = self.counters(device)
-        self.reset_peak(device)
-        return values
-
     def synchronize(self, device: int) -> None:
         """Wait for all streams of ``device``."""
         raise NotImplementedError
@@ -337,29 +322,6 @@ class TorchBackend(Backend):
         if device not in self._with_context and (not self._compiled or not self._initialized()):
             return AllocatorStats.zero(device, now)
         return stats_from_raw(device, self._c._cuda_memoryStats(device), now)
-
-    def counters(self, device: int) -> tuple[int, int, int]:
-        return self._dict_counters(device)
-
-    def counters_reset_peak(self, device: int) -> tuple[int, int, int]:
-        values = self._dict_counters(device)
-        self.reset_peak(device)
-        return values
-
-    def _dict_counters(self, device: int) -> tuple[int, int, int]:
-        # Three ints out of the raw nested dict: no AllocatorStats, no flattening.
-        if device not in self._with_context and (not self._compiled or not self._initialized()):
-            return (0, 0, 0)
-        raw = self._c._cuda_memoryStats(device)
-        try:
-            a = raw["allocated_bytes"]["all"]
-            return (a["current"], raw["reserved_bytes"]["all"]["current"], a["peak"])
-        except (KeyError, TypeError):  # an allocator backend that leaves keys out
-            return (
-                _raw_get(raw, "allocated_bytes"),
-                _raw_get(raw, "reserved_bytes"),
-                _raw_get(raw, "allocated_bytes", "peak"),
-            )
 
     def synchronize(self, device: int) -> None:
         if self._compiled and self._initialized():
