@@ -38,7 +38,10 @@ def test_span_on_two_devices_and_on_none() -> None:
         "step: allocated +256.0 MiB, reserved +512.0 MiB, peak 612.0 MiB (+512.0 MiB) on cuda:0; "
         "allocated +1.0 MiB, reserved +2.0 MiB on cuda:1, 3.2 ms"
     )
-    assert str(span(devices=())) == "step: no CUDA device in use, 3.2 ms"
+    assert str(span(devices=(), unmeasured="no CUDA device in use")) == (
+        "step: n/a (no CUDA device in use), 3.2 ms"
+    )
+    assert str(span(devices=())) == "step: n/a (no data), 3.2 ms"
 
 
 def test_history_table() -> None:
