@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import os
@@ -559,7 +560,7 @@ def _spans(
                     {"x": cases["track() defaults"]}, target, rounds
                 )["x"]
             finally:
-                cudamem.configure_leaks(**previous.to_dict())
+                cudamem.configure_leaks(**dataclasses.asdict(previous))
     if not out["nested pair (2 spans)"]:
         del out["nested pair (2 spans)"]
     else:

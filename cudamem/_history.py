@@ -17,7 +17,7 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 from operator import attrgetter, sub
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from . import span as _span
 
@@ -60,10 +60,6 @@ class SpanStats:
     total_allocated_delta: int
     mean_duration: float
     max_duration: float
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready mapping."""
-        return {k: getattr(self, k) for k in self.__slots__}
 
 
 class _Aggregate:
@@ -186,15 +182,6 @@ class History:
     def named(self, name: str) -> tuple[SpanRecord, ...]:
         """The kept records of one name, oldest first."""
         return tuple(r for r in self.spans if r.name == name)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready mapping."""
-        return {
-            "spans": [r.to_dict() for r in self.spans],
-            "stats": [s.to_dict() for s in self.stats],
-            "dropped": self.dropped,
-            "maxlen": self.maxlen,
-        }
 
     def __str__(self) -> str:
         from .render.history import render_history

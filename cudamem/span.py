@@ -34,7 +34,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast, overload
 
 from typing_extensions import ParamSpec
 
@@ -78,6 +78,8 @@ _NOTHING: tuple[int, int, int] = (0, 0, 0)
 class DeviceSpan:
     """What one span did on one device. Bytes are ints."""
 
+    json_properties: ClassVar[tuple[str, ...]] = ("allocated_delta", "reserved_delta", "peak_delta")
+
     device: int
     #: The counters at entry (zeros for a device that appeared during the span).
     before: DeviceCounters
@@ -100,18 +102,6 @@ class DeviceSpan:
     def peak_delta(self) -> int | None:
         """Peak during the span minus allocated at entry."""
         return None if self.peak is None else self.peak - self.before.allocated
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready mapping."""
-        return {
-            "device": device_name(self.device),
-            "allocated_delta": self.allocated_delta,
-            "reserved_delta": self.reserved_delta,
-            "peak": self.peak,
-            "peak_delta": self.peak_delta,
-            "before": self.before.to_dict(),
-            "after": self.after.to_dict(),
-        }
 
     def __str__(self) -> str:
         text = (
@@ -146,10 +136,6 @@ class ExceptionInfo:
         except Exception:
             message = "<message unavailable>"
         return cls(f"{tp.__module__}.{tp.__qualname__}", message[:2000], is_oom)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready mapping."""
-        return {"type": self.type_name, "message": self.message, "is_oom": self.is_oom}
 
     def __str__(self) -> str:
         kind = "out of memory: " if self.is_oom else ""
@@ -246,27 +232,6 @@ class SpanRecord:
                 return d
         seen = ", ".join(device_name(d.device) for d in self.devices) or "none"
         raise KeyError(f"span {self.name!r} saw no {device_name(index)} (devices: {seen})")
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready mapping, children included."""
-        return {
-            "name": self.name,
-            "allocated_delta": self.allocated_delta,
-            "reserved_delta": self.reserved_delta,
-            "peak": self.peak,
-            "peak_delta": self.peak_delta,
-            "duration": self.duration,
-            "started_at": self.started_at,
-            "thread": self.thread,
-            "synced": self.synced,
-            "peak_tracked": self.peak_tracked,
-            "exception": None if self.exception is None else self.exception.to_dict(),
-            "devices": [d.to_dict() for d in self.devices],
-            "children": [c.to_dict() for c in self.children],
-            "dropped_children": self.dropped_children,
-            "notes": list(self.notes),
-            "unmeasured": self.unmeasured,
-        }
 
     def __str__(self) -> str:
         body = "; ".join(str(d) for d in self.devices) or f"n/a ({self.unmeasured or 'no data'})"
@@ -1060,8 +1025,11 @@ class MemorySpan:
         return self.record.device(device)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready mapping of the result."""
-        return self.record.to_dict()
+        """The finished span's :class:`SpanRecord` as JSON data (``render.json.to_data``)."""
+        from .render.json import to_data
+
+        data: dict[str, Any] = to_data(self.record)
+        return data
 
     def __str__(self) -> str:
         raw = self._raw

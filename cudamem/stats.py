@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 __all__ = ["AllocatorStats", "DeviceCounters", "device_name"]
 
@@ -24,10 +24,6 @@ class DeviceCounters(NamedTuple):
     allocated: int
     reserved: int
     peak_allocated: int
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready mapping."""
-        return self._asdict()
 
 
 class AllocatorStats(NamedTuple):
@@ -66,10 +62,6 @@ class AllocatorStats(NamedTuple):
     def cached(self) -> int:
         """Reserved but not allocated: the cache ``empty_cache()`` may return."""
         return self.reserved - self.allocated
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready mapping of every counter."""
-        return self._asdict()
 
     def __str__(self) -> str:
         from .render.text import format_bytes

@@ -356,7 +356,8 @@ def test_to_dict_is_json_ready(fake: FakeAllocator) -> None:
     data = json.loads(to_json(span))
     assert data["name"] == "outer"
     assert data["allocated_delta"] == 3 * MiB
-    assert data["devices"][0]["device"] == "cuda:0"
+    assert data["devices"][0]["device"] == 0
+    assert data["devices"][0]["allocated_delta"] == 3 * MiB
     assert data["children"][0]["name"] == "inner"
     assert json.loads(to_json(cudamem.history()))["stats"][0]["calls"] == 1
 
