@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from . import _backend
+from ._warn import warn_once
 
 __all__ = [
     "GraphHolder",
@@ -436,18 +437,6 @@ class _DeviceBuffer:
         self.used = 0
 
 
-_warned: set[str] = set()
-
-
-def _warn_once(key: str, message: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        # Under ``-W error`` a warning raises: the logger's own trouble must not end the
-        # training step, so it is then only lost.
-        with contextlib.suppress(Exception):
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
-
-
 _live_loggers: weakref.WeakSet[ScalarLogger] = weakref.WeakSet()
 
 
@@ -730,7 +719,11 @@ class ScalarLogger:
                 except Exception as exc:
                     # The buffer could not be made or written (out of memory, a broken
                     # tensor subclass): read this value the eager way instead.
-                    _warn_once("write", f"cudamem.ScalarLogger: buffered logging failed: {exc!r}")
+                    warn_once(
+                        "logger:write",
+                        f"cudamem.ScalarLogger: buffered logging failed: {exc!r}",
+                        stacklevel=2,
+                    )
                     self._add_number(data, step, log_scalar(tensor))
                 data.next_step = step + 1
                 self._logged += 1
@@ -773,7 +766,11 @@ class ScalarLogger:
             if complete:
                 buffer.complete()
         except Exception as exc:
-            _warn_once("move", f"cudamem.ScalarLogger: moving values to the host failed: {exc!r}")
+            warn_once(
+                "logger:move",
+                f"cudamem.ScalarLogger: moving values to the host failed: {exc!r}",
+                stacklevel=2,
+            )
             buffer.abandon()
             self._buffers = {d: b for d, b in self._buffers.items() if b is not buffer}
 

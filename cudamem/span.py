@@ -24,12 +24,10 @@ left stranded on a stack.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import threading
 import time
-import warnings
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextvars import ContextVar
@@ -40,6 +38,7 @@ from typing_extensions import ParamSpec
 
 from . import _backend
 from ._device_arg import DeviceLike, resolve_device
+from ._warn import warn_once
 from .render.text import format_bytes, format_duration
 from .stats import DeviceCounters, device_name
 
@@ -419,7 +418,6 @@ _process_peak: dict[int, int] = {}
 _peak_inbox: deque[tuple[int, int]] = deque()
 _entry_hooks: tuple[EntryHook, ...] = ()
 _exit_hooks: tuple[tuple[ExitHook, tuple[type[BaseException], ...]], ...] = ()
-_warned: set[str] = set()
 #: The innermost span opened in this thread or task (its ``parent`` chain is the stack).
 _top: ContextVar[RawSpan | None] = ContextVar("cudamem_span", default=None)
 #: Per-thread cache of the thread's name (looked up once per thread, not once per span;
@@ -438,16 +436,6 @@ def _reset_state() -> None:
         _open_peak.clear()
         _process_peak.clear()
         _peak_inbox.clear()
-
-
-def _warn_once(key: str, message: str) -> None:
-    """A ``RuntimeWarning`` about cudamem's own bookkeeping, once per key. Under
-    ``-W error`` it is dropped rather than raised: it must never reach the user's code."""
-    if key in _warned:
-        return
-    _warned.add(key)
-    with contextlib.suppress(Exception):
-        warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
 # -- hooks ------------------------------------------------------------------------------
@@ -662,7 +650,7 @@ def _open(
         _open_peak.pop(span, None)
         span.armed, span.before, span.devs = True, (), ()
         span.note(f"entry measurement failed: {type(exc).__name__}: {exc}")
-        _warn_once("enter", f"cudamem: span entry measurement failed: {exc!r}")
+        warn_once("span:enter", f"cudamem: span entry measurement failed: {exc!r}", stacklevel=3)
     if nest:
         parent = _top.get()
         if parent is not None and parent.closed:
@@ -675,7 +663,11 @@ def _open(
             try:
                 hook(span)
             except Exception as err:
-                _warn_once(f"entry-hook{id(hook)}", f"cudamem: span entry hook failed: {err!r}")
+                warn_once(
+                    f"span:entry-hook{id(hook)}",
+                    f"cudamem: span entry hook failed: {err!r}",
+                    stacklevel=3,
+                )
     span.start_ns = _now_ns()
     return span
 
@@ -699,7 +691,7 @@ def _close(span: RawSpan, exc: BaseException | None, keeper: MemorySpan | None =
             span.exit_devs, span.after = (), ()
             span.unmeasured = "measurement failed"
             span.note(f"exit measurement failed: {type(err).__name__}: {err}")
-            _warn_once("exit", f"cudamem: span exit measurement failed: {err!r}")
+            warn_once("span:exit", f"cudamem: span exit measurement failed: {err!r}", stacklevel=3)
         if span.peak:
             _open_peak.pop(span, None)
             if _open_peak and not _only(_get_ident()):
@@ -749,11 +741,15 @@ def _close(span: RawSpan, exc: BaseException | None, keeper: MemorySpan | None =
                     if exc is None:  # the block's own exception always wins
                         pending = pending or err
                 else:
-                    _warn_once(f"exit-hook{id(hook)}", f"cudamem: span exit hook failed: {err!r}")
+                    warn_once(
+                        f"span:exit-hook{id(hook)}",
+                        f"cudamem: span exit hook failed: {err!r}",
+                        stacklevel=3,
+                    )
     except Exception as err:  # pragma: no cover - last line of defence
         span.closed = True
         _open_peak.pop(span, None)
-        _warn_once("exit-outer", f"cudamem: span bookkeeping failed: {err!r}")
+        warn_once("span:exit-outer", f"cudamem: span bookkeeping failed: {err!r}", stacklevel=3)
     if keeper is not None:
         keeper._extras = span.extras
     span.extras = None

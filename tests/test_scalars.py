@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import cudamem
-from cudamem import _backend
+from cudamem import _backend, _warn
 from cudamem import scalars as _scalars
 from cudamem.render.json import to_json
 from cudamem.scalars import ScalarLogger, log_scalar
@@ -432,7 +432,7 @@ def test_bookkeeping_warning_under_w_error_does_not_escape(
     import warnings
 
     monkeypatch.setattr(_scalars, "_wants_async", lambda device: True)
-    monkeypatch.setattr(_scalars, "_warned", set())
+    monkeypatch.setattr(_warn, "_warned", set())
 
     class Broken(_FakeEvents):
         def wait_event(self, event: Any) -> None:
@@ -633,7 +633,7 @@ def test_pipelined_path_records_one_event_per_batch(monkeypatch: pytest.MonkeyPa
 
 def test_failed_transfer_becomes_nan_and_warns(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_scalars, "_wants_async", lambda device: True)
-    monkeypatch.setattr(_scalars, "_warned", set())
+    monkeypatch.setattr(_warn, "_warned", set())
 
     class Broken(_FakeEvents):
         def wait_event(self, event: Any) -> None:

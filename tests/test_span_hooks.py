@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import cudamem
-from cudamem import _backend
+from cudamem import _backend, _warn
 from cudamem import span as _span
 from cudamem.render.json import to_data
 from cudamem.span import (
@@ -46,7 +46,7 @@ def fake() -> Iterator[FakeAllocator]:
 @pytest.fixture
 def fresh_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
     """cudamem warns once per problem per process; let this test see its own."""
-    monkeypatch.setattr(_span, "_warned", set())
+    monkeypatch.setattr(_warn, "_warned", set())
 
 
 # --------------------------------------------------------------------------- hooks
