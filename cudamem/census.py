@@ -16,9 +16,9 @@ from __future__ import annotations
 import bisect
 import sys
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, overload
+from typing import Any, ClassVar
 
 import torch
 
@@ -27,6 +27,7 @@ from ._autograd import StorageKey
 from ._device_arg import DeviceLike, resolve_device
 from ._frames import own_frame
 from ._search import SearchLimits
+from ._sequence import ItemSequence
 from .holders import Holders, find_holders
 
 __all__ = [
@@ -81,7 +82,7 @@ class LiveStorage:
 
 
 @dataclass(frozen=True, slots=True)
-class Census(Sequence[LiveStorage]):
+class Census(ItemSequence[LiveStorage]):
     """Every live storage once, largest first."""
 
     json_properties: ClassVar[tuple[str, ...]] = ("total", "by_device")
@@ -90,18 +91,9 @@ class Census(Sequence[LiveStorage]):
     notes: tuple[str, ...] = ()
     elapsed: float = 0.0
 
-    @overload
-    def __getitem__(self, index: int) -> LiveStorage: ...
-    @overload
-    def __getitem__(self, index: slice) -> Sequence[LiveStorage]: ...
-    def __getitem__(self, index: int | slice) -> LiveStorage | Sequence[LiveStorage]:
-        return self.storages[index]
-
-    def __len__(self) -> int:
-        return len(self.storages)
-
-    def __iter__(self) -> Iterator[LiveStorage]:
-        return iter(self.storages)
+    def _items(self) -> tuple[LiveStorage, ...]:
+        """The storages."""
+        return self.storages
 
     @property
     def total(self) -> int:

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import sys
 import types
-from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, overload
+from typing import Any
 
 import torch
 
@@ -25,6 +24,7 @@ from ._autograd import StorageKey
 from ._frames import own_frame
 from ._naming import Seg, is_sub
 from ._search import RawHolder, Search, SearchLimits
+from ._sequence import ItemSequence
 
 __all__ = ["Holder", "Holders", "who_holds"]
 
@@ -64,7 +64,7 @@ class Holder:
 
 
 @dataclass(frozen=True, slots=True)
-class Holders(Sequence[Holder]):
+class Holders(ItemSequence[Holder]):
     """The holders of one object: a read-only sequence of :class:`Holder`."""
 
     #: What was asked about, e.g. ``Tensor float32[1024, 1024] on cuda:0``.
@@ -76,18 +76,9 @@ class Holders(Sequence[Holder]):
     notes: tuple[str, ...] = ()
     elapsed: float = 0.0
 
-    @overload
-    def __getitem__(self, index: int) -> Holder: ...
-    @overload
-    def __getitem__(self, index: slice) -> Sequence[Holder]: ...
-    def __getitem__(self, index: int | slice) -> Holder | Sequence[Holder]:
-        return self.holders[index]
-
-    def __len__(self) -> int:
-        return len(self.holders)
-
-    def __iter__(self) -> Iterator[Holder]:
-        return iter(self.holders)
+    def _items(self) -> tuple[Holder, ...]:
+        """The holders."""
+        return self.holders
 
     @property
     def paths(self) -> list[str]:

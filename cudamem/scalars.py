@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from . import _backend
+from ._sequence import ItemSequence
 from ._warn import warn_once
 
 __all__ = [
@@ -1022,7 +1023,7 @@ class GraphHolder:
 
 
 @dataclass(frozen=True, slots=True)
-class GraphHolders(Sequence[GraphHolder]):
+class GraphHolders(ItemSequence[GraphHolder]):
     """Result of :func:`find_graph_holders`, largest ``graph_bytes`` first."""
 
     holders: tuple[GraphHolder, ...]
@@ -1032,18 +1033,9 @@ class GraphHolders(Sequence[GraphHolder]):
     notes: tuple[str, ...] = ()
     elapsed: float = 0.0
 
-    @overload
-    def __getitem__(self, index: int) -> GraphHolder: ...
-    @overload
-    def __getitem__(self, index: slice) -> Sequence[GraphHolder]: ...
-    def __getitem__(self, index: int | slice) -> GraphHolder | Sequence[GraphHolder]:
-        return self.holders[index]
-
-    def __len__(self) -> int:
-        return len(self.holders)
-
-    def __iter__(self) -> Iterator[GraphHolder]:
-        return iter(self.holders)
+    def _items(self) -> tuple[GraphHolder, ...]:
+        """The holders."""
+        return self.holders
 
     @property
     def graph_bytes(self) -> int:
