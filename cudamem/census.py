@@ -29,6 +29,7 @@ from ._frames import own_frame
 from ._search import SearchLimits
 from ._sequence import ItemSequence
 from .holders import Holders, find_holders
+from .snapshot import Block, allocated_blocks
 
 __all__ = [
     "Census",
@@ -141,38 +142,6 @@ class Unaccounted:
 
 
 # --------------------------------------------------------------------------- collection
-
-
-@dataclass(frozen=True, slots=True)
-class Block:
-    """One active allocator block: where it starts, its size, what was asked for."""
-
-    address: int
-    size: int
-    requested: int
-    #: Function names of its allocation stack (only while memory history is recorded).
-    frames: tuple[str, ...] = ()
-
-
-def _active_blocks(segments: Sequence[Any]) -> list[Block]:
-    """Active blocks of ``torch.cuda.memory_snapshot()`` segments (plain dicts)."""
-    out: list[Block] = []
-    for seg in segments:
-        blocks = seg.get("blocks") if isinstance(seg, dict) else None
-        for b in blocks or ():
-            if not isinstance(b, dict) or b.get("state") != "active_allocated":
-                continue
-            try:
-                size = int(b["size"])
-                frames = tuple(
-                    str(f.get("name", "")) for f in b.get("frames") or () if isinstance(f, dict)
-                )
-                out.append(
-                    Block(int(b["address"]), size, int(b.get("requested_size", size)), frames)
-                )
-            except (KeyError, TypeError, ValueError):
-                continue
-    return out
 
 
 @dataclass
@@ -427,7 +396,7 @@ def ledger_view(
     addresses = frozenset(k[2] for k in acc)
     if segments is None:
         segments = backend.memory_segments(index)
-    blocks = None if segments is None else _active_blocks(segments)
+    blocks = None if segments is None else allocated_blocks(segments)
     sizes = backend.cublas_workspace_sizes(index)
     if blocks is None:
         python = sum(a.nbytes for a in acc.values() if a.tensors > 0)
@@ -523,5 +492,5 @@ _WORKSPACE_FRAMES = (
 
 def _is_workspace(block: Block, sizes: tuple[int, ...]) -> bool:
     if block.frames:
-        return any(w in f for f in block.frames for w in _WORKSPACE_FRAMES)
+        return any(w in f.name for f in block.frames for w in _WORKSPACE_FRAMES)
     return block.requested in sizes

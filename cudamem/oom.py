@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
@@ -40,6 +40,7 @@ from . import _backend, _storages
 from ._frames import is_library_file
 from .leaks import leak_settings
 from .render.text import format_bytes
+from .snapshot import Frame, allocated_blocks, largest_free, segments_of, split_cache
 from .span import add_exit_hook
 
 if TYPE_CHECKING:
@@ -266,24 +267,8 @@ def _exc_message(exc: BaseException) -> str:
         return "<message unavailable>"
 
 
-def _largest_free(segments: Sequence[Mapping[str, Any]]) -> tuple[int, int]:
-    """``(largest free block, total free bytes)`` over the segments' inactive blocks."""
-    largest = total = 0
-    for seg in segments:
-        for blk in seg.get("blocks") or ():
-            if blk.get("state") == "inactive":
-                size = int(blk.get("size", 0))
-                total += size
-                largest = max(largest, size)
-    return largest, total
-
-
 def _stranded(backend: _backend.Backend, device: int, segments: Any) -> list[StrandedCache]:
-    """Streams whose cache holds no live tensor, through the snapshot module (issue 5)."""
-    try:
-        from .snapshot import split_cache
-    except ImportError:
-        return []
+    """Streams whose cache holds no live tensor (the snapshot module's cache split)."""
     current = backend.current_stream_handle(device)
     split = split_cache(segments, current_streams=(0,) if current is None else (0, current))
     return [
@@ -293,15 +278,14 @@ def _stranded(backend: _backend.Backend, device: int, segments: Any) -> list[Str
     ]
 
 
-def _frame_text(frames: Any) -> str | None:
+def _frame_text(frames: Sequence[Frame]) -> str | None:
     """The first frame outside torch and cudamem, as ``file:line in function``."""
-    for fr in frames or ():
-        filename = str(fr.get("filename", ""))
-        if not filename or is_library_file(filename):
+    for fr in frames:
+        if not fr.filename or is_library_file(fr.filename):
             continue
-        if filename.startswith("<") and filename != "<stdin>":
+        if fr.filename.startswith("<") and fr.filename != "<stdin>":
             continue
-        return f"{filename}:{fr.get('line', '?')} in {fr.get('name', '?')}"
+        return f"{fr.filename}:{fr.line or '?'} in {fr.name or '?'}"
     return None
 
 
@@ -311,15 +295,10 @@ def _allocation_sites(backend: _backend.Backend, device: int) -> dict[int, str]:
     if not snap:
         return {}
     sites: dict[int, str] = {}
-    for seg in snap.get("segments") or ():
-        if seg.get("device") != device:
-            continue
-        for blk in seg.get("blocks") or ():
-            if blk.get("state") != "active_allocated":
-                continue
-            text = _frame_text(blk.get("frames"))
-            if text is not None:
-                sites[int(blk.get("address", 0))] = text
+    for block in allocated_blocks(segments_of(snap, device)):
+        text = _frame_text(block.frames)
+        if text is not None:
+            sites[block.address] = text
     return sites
 
 
@@ -456,7 +435,7 @@ def build_report(
     try:
         segments = backend.memory_segments(device)
         if segments is not None:
-            largest, free_cache = _largest_free(segments)
+            largest, free_cache = largest_free(segments)
             fragmentation = 1.0 - largest / free_cache if free_cache else 0.0
             stranded = _stranded(backend, device, segments)
     except Exception as exc:

@@ -38,7 +38,7 @@ import pickle
 import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, ClassVar
+from typing import Any, BinaryIO, ClassVar, NamedTuple
 
 from . import _backend
 from ._backend import PoolOwners
@@ -48,14 +48,19 @@ __all__ = [
     "LARGE_PAGE",
     "MAX_SNAPSHOT_BYTES",
     "SMALL_PAGE",
+    "Block",
     "CacheSplit",
+    "Frame",
     "PoolBlock",
     "PoolBlocks",
     "PrivatePool",
     "StreamCache",
     "UnsafeSnapshotError",
+    "allocated_blocks",
+    "blocks_of",
     "graph_pool_blocks",
     "has_private_pools",
+    "largest_free",
     "load_snapshot",
     "loads_snapshot",
     "page_size",
@@ -233,25 +238,54 @@ def _int(value: Any) -> int:
     return int(value) if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
+class Frame(NamedTuple):
+    """One frame of a block's allocation stack (recorded while memory history is on)."""
+
+    name: str
+    filename: str
+    line: int
+
+
 @dataclass(frozen=True, slots=True)
-class _Block:
+class Block:
+    """One block of a snapshot segment: where it starts, its size, what was asked for."""
+
     address: int
     size: int
     requested: int
-    state: str
+    #: Its allocation stack, innermost first (only while memory history is recorded).
+    frames: tuple[Frame, ...] = ()
+    #: ``active_allocated``, ``inactive``, ``active_pending_free``, ...
+    state: str = _ALLOCATED
 
     @property
     def allocated(self) -> bool:
+        """Held by a live allocation."""
         return self.state == _ALLOCATED
 
     @property
+    def free(self) -> bool:
+        """Cached: free for the allocator to reuse."""
+        return self.state == _INACTIVE
+
+    @property
     def pending(self) -> bool:
-        # 'active_pending_free': freed by the program, still waiting for the events of the
-        # streams it was recorded on (record_stream). Any other active state counts alike.
+        """Freed by the program, still waiting for the events of the streams it was recorded
+        on (``record_stream``). Any other active state counts alike."""
         return self.state != _ALLOCATED and self.state.startswith("active")
 
 
-def _blocks(segment: Mapping[str, Any]) -> list[_Block]:
+def _frames(raw: Any) -> tuple[Frame, ...]:
+    if not isinstance(raw, list):
+        return ()
+    return tuple(
+        Frame(str(f.get("name", "")), str(f.get("filename", "")), _int(f.get("line")))
+        for f in raw
+        if isinstance(f, Mapping)
+    )
+
+
+def blocks_of(segment: Mapping[str, Any]) -> list[Block]:
     """The segment's blocks in address order; addresses are reconstructed when missing (as
     PyTorch's own viewer does: blocks tile their segment)."""
     raw = segment.get("blocks")
@@ -267,15 +301,31 @@ def _blocks(segment: Mapping[str, Any]) -> list[_Block]:
         start = _int(addr) or address
         state = b.get("state")
         out.append(
-            _Block(
+            Block(
                 start,
                 size,
                 _int(b.get("requested_size")) or size,
+                _frames(b.get("frames")),
                 state if isinstance(state, str) else _INACTIVE,
             )
         )
         address = start + size
     return out
+
+
+def allocated_blocks(segments: Iterable[Mapping[str, Any]]) -> list[Block]:
+    """Every allocated block of ``segments`` (``torch.cuda.memory_snapshot()`` segments)."""
+    return [
+        b for seg in segments if isinstance(seg, Mapping) for b in blocks_of(seg) if b.allocated
+    ]
+
+
+def largest_free(segments: Iterable[Mapping[str, Any]]) -> tuple[int, int]:
+    """``(largest free block, total free bytes)`` over the segments' cached blocks."""
+    sizes = [
+        b.size for seg in segments if isinstance(seg, Mapping) for b in blocks_of(seg) if b.free
+    ]
+    return max(sizes, default=0), sum(sizes)
 
 
 def segment_pool_id(segment: Mapping[str, Any]) -> tuple[int, int]:
@@ -293,7 +343,7 @@ def page_size(segment: Mapping[str, Any]) -> int | None:
     return SMALL_PAGE if segment.get("segment_type") == "small" else LARGE_PAGE
 
 
-def _returnable(segment: Mapping[str, Any], blocks: Sequence[_Block]) -> list[int]:
+def _returnable(segment: Mapping[str, Any], blocks: Sequence[Block]) -> list[int]:
     """Per block, the bytes ``empty_cache()`` hands back to CUDA (0 for allocated blocks).
 
     Pending blocks count as free: ``empty_cache()`` waits for their events first, and a freed
@@ -476,7 +526,7 @@ def _pool_kind(pool_id: tuple[int, int], owners: PoolOwners | None) -> str:
     return "shared_graph"
 
 
-def _starts_in(blocks: Sequence[_Block], addresses: Sequence[int]) -> list[bool]:
+def _starts_in(blocks: Sequence[Block], addresses: Sequence[int]) -> list[bool]:
     """Whether a live storage starts inside each block (``addresses`` sorted)."""
     out = []
     for b in blocks:
@@ -537,9 +587,9 @@ def split_cache(
             return True
         return pool_owners.graphs.get(pool, 0) > 0 or pool in pool_owners.mempools
 
-    parsed = [(seg, _blocks(seg), segment_pool_id(seg)) for seg in segs]
+    parsed = [(seg, blocks_of(seg), segment_pool_id(seg)) for seg in segs]
     pools: dict[tuple[int, int], _PoolAcc] = {}
-    per_stream: dict[int, list[tuple[Mapping[str, Any], list[_Block]]]] = {}
+    per_stream: dict[int, list[tuple[Mapping[str, Any], list[Block]]]] = {}
     reserved = live = 0
     expandable = False
     t = _Totals()
@@ -601,7 +651,7 @@ def split_cache(
 
 def _split_stream(
     stream: int,
-    members: Sequence[tuple[Mapping[str, Any], list[_Block]]],
+    members: Sequence[tuple[Mapping[str, Any], list[Block]]],
     current: set[int],
     addresses: Sequence[int] | None,
     t: _Totals,
@@ -682,7 +732,7 @@ def workspace_streams(
     for seg in segments:
         if not isinstance(seg, Mapping):
             continue
-        blocks = [b for b in _blocks(seg) if b.allocated and b.requested in wanted]
+        blocks = [b for b in blocks_of(seg) if b.allocated and b.requested in wanted]
         hits = _starts_in(blocks, addresses)
         n = sum(1 for hit in hits if not hit)
         if n:
@@ -744,7 +794,7 @@ def pool_blocks_of(
         (
             PoolBlock(b.address, b.size, segment_pool_id(s), _pool_kind(segment_pool_id(s), owners))
             for s in segs
-            for b in _blocks(s)
+            for b in blocks_of(s)
             if b.allocated
         ),
         key=lambda b: b.address,

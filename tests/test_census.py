@@ -10,8 +10,9 @@ import torch
 
 import cudamem
 from cudamem import _backend, census
-from cudamem.census import Block, _active_blocks, _classify_blocks
+from cudamem.census import _classify_blocks
 from cudamem.render.json import to_json
+from cudamem.snapshot import Block, Frame, allocated_blocks
 from tests.fakes import FakeAllocator
 
 M = __name__
@@ -134,10 +135,10 @@ def test_active_blocks_from_snapshot_segments() -> None:
             "frames": [{"name": "at::cuda::getCurrentCUDABlasHandle()", "filename": "x"}],
         },
     )
-    blocks = _active_blocks(segs)
+    blocks = allocated_blocks(segs)
     assert blocks == [
         Block(100, 512, 500),
-        Block(2000, 32 * MiB, 32 * MiB, ("at::cuda::getCurrentCUDABlasHandle()",)),
+        Block(2000, 32 * MiB, 32 * MiB, (Frame("at::cuda::getCurrentCUDABlasHandle()", "x", 0),)),
     ]
 
 
@@ -151,7 +152,7 @@ def test_classify_blocks() -> None:
         Block(0, 4 * MiB, 4 * MiB),  # a Python tensor
         Block(10 * MiB, 2 * MiB, 2 * MiB),  # saved by a graph only
         Block(20 * MiB, ws, ws),  # workspace, by size
-        Block(60 * MiB, ws, ws, ("setWorkspaceForHandle",)),  # workspace, by its stack
+        Block(60 * MiB, ws, ws, (Frame("setWorkspaceForHandle", "", 0),)),  # by its stack
         Block(100 * MiB, 512, 400),  # nobody
     ]
     acc = dict([_acc(0, 4 * MiB, 1), _acc(10 * MiB + 512, 1000, 0)])
