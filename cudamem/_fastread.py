@@ -571,15 +571,21 @@ class FastReader:
         finally:
             self._lock.release()
 
-    def _start(self) -> None:
+    def _take_spec(self) -> bool:
+        """Find what to build; ``False`` (and the state says why) when nothing can be."""
         if _switched_off():
             self._finish(DISABLED, f"{SWITCH_ENV}={os.environ.get(SWITCH_ENV)} turns it off")
-            return
+            return False
         spec = self._spec_fn()
         if isinstance(spec, ReaderUnavailable):
             self._finish(spec.state, spec.reason)
-            return
+            return False
         self._spec = spec
+        return True
+
+    def _start(self) -> None:
+        if not self._take_spec():
+            return
         self._state = BUILDING
         self._reason = "building or loading it in the background; the dict path serves meanwhile"
         self._thread = threading.Thread(
@@ -656,14 +662,8 @@ class FastReader:
             if self._state == ACTIVE:
                 return
             self.join()
-            if _switched_off():
-                self._finish(DISABLED, f"{SWITCH_ENV}={os.environ.get(SWITCH_ENV)} turns it off")
+            if not self._take_spec():
                 return
-            spec = self._spec_fn()
-            if isinstance(spec, ReaderUnavailable):
-                self._finish(spec.state, spec.reason)
-                return
-            self._spec = spec
             self._attempts = 0
             self._run(force)
 

@@ -501,21 +501,19 @@ class Series:
 
     def to_numpy(self) -> np.ndarray[Any, np.dtype[np.float64]]:
         """The values as a float64 array (a copy, without a Python float per value)."""
-        with self._logger._lock:
-            self._logger._flush_locked()
-            values: np.ndarray[Any, np.dtype[np.float64]] = np.array(
-                self._data.ordered_values(), dtype=np.float64
-            )
-            return values
+        values: np.ndarray[Any, np.dtype[np.float64]] = self._array(False, np.float64)
+        return values
 
     def steps_numpy(self) -> np.ndarray[Any, np.dtype[np.int64]]:
         """The steps as an int64 array."""
+        steps: np.ndarray[Any, np.dtype[np.int64]] = self._array(True, np.int64)
+        return steps
+
+    def _array(self, steps: bool, dtype: type[np.generic]) -> Any:
         with self._logger._lock:
             self._logger._flush_locked()
-            steps: np.ndarray[Any, np.dtype[np.int64]] = np.array(
-                self._data.ordered_steps(), dtype=np.int64
-            )
-            return steps
+            data = self._data
+            return np.array(data.ordered_steps() if steps else data.ordered_values(), dtype=dtype)
 
     def mean(self) -> float:
         """Mean of the values kept (NaN when empty; a NaN value makes it NaN)."""
