@@ -42,6 +42,7 @@ import torch
 from _common import emit, median
 
 import cudamem
+from cudamem.render.json import to_data
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda:0" if CUDA else "cpu")
@@ -215,7 +216,7 @@ def per_step(kind: StepKind, steps: int, rounds: int) -> dict[str, Any]:
         "ms": ms,
         "ratios": ratios,
         "growth": growth,
-        "logger_stats": stats.to_dict(),
+        "logger_stats": to_data(stats),
         "logger_transfers_per_value": stats.transfers / max(stats.logged, 1),
     }
 
@@ -279,7 +280,7 @@ def soak(n: int, maxlen: int) -> dict[str, Any]:
             "us_per_append": seconds / n * 1e6,
         }
         if isinstance(history, cudamem.ScalarLogger):
-            entry["stats"] = history.stats.to_dict()
+            entry["stats"] = to_data(history.stats)
             entry["len"] = len(history)
         results[name] = entry
         del history

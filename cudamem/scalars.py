@@ -28,7 +28,7 @@ from array import array
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, overload
+from typing import Any, ClassVar, overload
 
 import numpy as np
 import torch
@@ -179,20 +179,6 @@ class SeriesSummary:
     nan: int
     last_step: int | None
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready mapping."""
-        return {
-            "name": self.name,
-            "count": self.count,
-            "dropped": self.dropped,
-            "last": self.last,
-            "mean": self.mean,
-            "min": self.min,
-            "max": self.max,
-            "nan": self.nan,
-            "last_step": self.last_step,
-        }
-
     def __str__(self) -> str:
         if self.last is None:
             return f"{self.name}: empty"
@@ -220,17 +206,6 @@ class LoggerStats:
     kept: int = 0
     #: Host memory those values take: 8 bytes for the value and 8 for its step.
     host_bytes: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready mapping."""
-        return {
-            "logged": self.logged,
-            "transfers": self.transfers,
-            "pending": self.pending,
-            "buffer_bytes": dict(self.buffer_bytes),
-            "kept": self.kept,
-            "host_bytes": self.host_bytes,
-        }
 
     def __str__(self) -> str:
         from .render.text import format_bytes
@@ -997,18 +972,6 @@ class GraphHolder:
         """``graph_bytes + tensor_bytes``."""
         return self.graph_bytes + self.tensor_bytes
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready mapping."""
-        return {
-            "container": self.container,
-            "root_kind": self.root_kind,
-            "tensors": self.tensors,
-            "graph_bytes": self.graph_bytes,
-            "tensor_bytes": self.tensor_bytes,
-            "devices": list(self.devices),
-            "example": self.example,
-        }
-
     def __str__(self) -> str:
         from .render.text import format_bytes
 
@@ -1023,6 +986,8 @@ class GraphHolder:
 @dataclass(frozen=True, slots=True)
 class GraphHolders(ItemSequence[GraphHolder]):
     """Result of :func:`find_graph_holders`, largest ``graph_bytes`` first."""
+
+    json_properties: ClassVar[tuple[str, ...]] = ("graph_bytes",)
 
     holders: tuple[GraphHolder, ...]
     #: Live tensors with a ``grad_fn`` found (searched or not).
@@ -1039,16 +1004,6 @@ class GraphHolders(ItemSequence[GraphHolder]):
     def graph_bytes(self) -> int:
         """Sum over containers (a graph shared by two containers counts in each)."""
         return sum(h.graph_bytes for h in self.holders)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready mapping."""
-        return {
-            "holders": [h.to_dict() for h in self.holders],
-            "tensors": self.tensors,
-            "graph_bytes": self.graph_bytes,
-            "notes": list(self.notes),
-            "elapsed": self.elapsed,
-        }
 
     def __str__(self) -> str:
         from .render.scalars import render_graph_holders
@@ -1108,7 +1063,8 @@ def find_graph_holders(
         timeout: seconds before the search stops (with a note).
 
     Returns:
-        :class:`GraphHolders`, largest ``graph_bytes`` first; ``print()`` it or ``to_dict()``.
+        :class:`GraphHolders`, largest ``graph_bytes`` first; ``print()`` it (JSON:
+        ``cudamem.render.json.to_json``).
         Graph bytes exclude leaves (parameters, inputs) and anything a graph-free tensor
         also holds; a graph shared by two containers counts in each.
     """

@@ -19,7 +19,7 @@ import torch
 import cudamem
 from cudamem import _backend, _warn
 from cudamem import scalars as _scalars
-from cudamem.render.json import to_json
+from cudamem.render.json import to_data, to_json
 from cudamem.scalars import ScalarLogger, log_scalar
 
 # --------------------------------------------------------------------------- log_scalar
@@ -371,7 +371,7 @@ def test_memory_is_bounded_by_maxlen_and_reported() -> None:
     unbounded = ScalarLogger()
     unbounded.extend(range(5000))
     assert unbounded.stats.kept == 5000 and unbounded.stats.host_bytes == 5000 * 16
-    assert unbounded.stats.to_dict()["host_bytes"] == 80_000
+    assert to_data(unbounded.stats)["host_bytes"] == 80_000
 
 
 @pytest.mark.parametrize(
@@ -529,8 +529,8 @@ def test_str_repr_dict_json_pickle() -> None:
     clone.log("acc", 1.0)
     assert clone["acc"].steps == (3, 4)
     assert "transfers" in str(log.stats)
-    assert log.stats.to_dict()["logged"] == 4
-    assert log.summary()[0].to_dict()["count"] == 3
+    assert to_data(log.stats)["logged"] == 4
+    assert to_data(log.summary()[0])["count"] == 3
 
 
 # --------------------------------------------------------------------------- buffering
@@ -745,9 +745,9 @@ def test_find_graph_holders_names_seed000_loss_history() -> None:
     assert holder.devices == ("cpu",)
     assert holder.example.endswith("graph_history[0]")
     assert "graph_history" in str(found)
-    assert found.to_dict()["graph_bytes"] >= holder.graph_bytes
+    assert to_data(found)["graph_bytes"] >= holder.graph_bytes
     assert "graph_history" in str(holder)
-    assert holder.to_dict()["tensors"] == 3
+    assert to_data(holder)["tensors"] == 3
     assert not any("clean" in h.container for h in found)
 
 
