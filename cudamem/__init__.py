@@ -3,82 +3,33 @@
 Spans (``track``/``MemorySpan``) measure what code took and gave back per device;
 ``who_holds`` names what keeps a tensor alive; ``ScalarLogger`` logs losses without keeping
 graphs; ``explain``/``release`` reconcile nvidia-smi with PyTorch.
+
+This package exports what you call. The results those calls return are frozen values,
+importable from the modules that define them (``cudamem.span.SpanRecord``,
+``cudamem.census.Census``, ``cudamem.leaks.LeakReport``, ...): see the API reference.
 """
 
 from __future__ import annotations
 
-from ._history import History, SpanStats, clear_history, history, set_history_size
-from .census import Census, LiveStorage, Unaccounted, live_tensors, unaccounted
-from .holders import Holder, Holders, who_holds
-from .host import HostCopy, to_host
-from .leaks import (
-    Culprit,
-    Growth,
-    LeakedStorage,
-    LeakReport,
-    LeakSettings,
-    LeakWarning,
-    configure_leaks,
-    leak_settings,
-    leaks,
-)
-from .ledger import DeviceLedger, Explanation, LedgerLine, MachineStatus, explain, machine_status
-from .oom import OomEvent, OomGuard, OomReport, OomStorage, on_oom, oom_report
+from ._history import clear_history, history, set_history_size
+from .census import live_tensors, unaccounted
+from .holders import who_holds
+from .host import to_host
+from .leaks import LeakWarning, configure_leaks, leak_settings, leaks
+from .ledger import explain, machine_status
+from .oom import on_oom, oom_report
 from .plot import plot
-from .release import DeviceRelease, ReleaseResult, RemainingStorage, release
-from .scalars import (
-    GraphHolder,
-    GraphHolders,
-    LoggerStats,
-    ScalarLogger,
-    Series,
-    SeriesSummary,
-    find_graph_holders,
-    log_scalar,
-)
+from .release import release
+from .scalars import ScalarLogger, find_graph_holders, log_scalar
 from .snapshot import UnsafeSnapshotError, load_snapshot
-from .span import DeviceSpan, ExceptionInfo, MemorySpan, SpanRecord, max_allocated, track
-from .stats import AllocatorStats
+from .span import MemorySpan, max_allocated, track
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AllocatorStats",
-    "Census",
-    "Culprit",
-    "DeviceLedger",
-    "DeviceRelease",
-    "DeviceSpan",
-    "ExceptionInfo",
-    "Explanation",
-    "GraphHolder",
-    "GraphHolders",
-    "Growth",
-    "History",
-    "Holder",
-    "Holders",
-    "HostCopy",
-    "LeakReport",
-    "LeakSettings",
     "LeakWarning",
-    "LeakedStorage",
-    "LedgerLine",
-    "LiveStorage",
-    "LoggerStats",
-    "MachineStatus",
     "MemorySpan",
-    "OomEvent",
-    "OomGuard",
-    "OomReport",
-    "OomStorage",
-    "ReleaseResult",
-    "RemainingStorage",
     "ScalarLogger",
-    "Series",
-    "SeriesSummary",
-    "SpanRecord",
-    "SpanStats",
-    "Unaccounted",
     "UnsafeSnapshotError",
     "__version__",
     "clear_history",

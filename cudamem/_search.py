@@ -64,7 +64,7 @@ class SearchLimits:
 
 @dataclass
 class RawHolder:
-    """One root-to-target path, before it is frozen into a :class:`~cudamem.Holder`."""
+    """One root-to-target path, before it is frozen into a :class:`~cudamem.holders.Holder`."""
 
     target: int  # index of the target storage
     root_kind: str

@@ -27,7 +27,7 @@ def plot(
     axes say there is nothing to plot and why.
 
     Args:
-        hist: a [History][cudamem.History] (default: ``cudamem.history()``).
+        hist: a [History][cudamem._history.History] (default: ``cudamem.history()``).
         leaks: span names, or ``LeakWarning``/``Growth`` objects, whose points are marked red.
         ax: a matplotlib ``Axes`` to draw into (default: a new figure).
         title: the axes' title.

@@ -10,7 +10,7 @@ import torch
 
 import cudamem
 from cudamem import _backend, census
-from cudamem.census import _classify_blocks
+from cudamem.census import Census, LiveStorage, _classify_blocks
 from cudamem.render.json import to_json
 from cudamem.snapshot import Block, Frame, allocated_blocks
 from tests.fakes import FakeAllocator
@@ -19,7 +19,7 @@ M = __name__
 MiB = 1024**2
 
 
-def _mine(c: cudamem.Census, *tensors: torch.Tensor) -> list[cudamem.LiveStorage]:
+def _mine(c: Census, *tensors: torch.Tensor) -> list[LiveStorage]:
     ptrs = {t.untyped_storage().data_ptr() for t in tensors}
     return [s for s in c if s.data_ptr in ptrs]
 

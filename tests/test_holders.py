@@ -19,6 +19,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import cudamem
+from cudamem.holders import Holder
 from cudamem.render.json import to_json
 
 M = __name__  # module globals are named from this module
@@ -577,6 +578,6 @@ def test_render_and_json() -> None:
         data = json.loads(to_json(result))
         assert data["nbytes"] == 96 and data["device"] == "cpu"
         assert {h["path"] for h in data["holders"]} >= {f"{M}.shown[0]", f"{M}.shown[1]"}
-        assert isinstance(result[0], cudamem.Holder) and len(result[0:2]) == 2
+        assert isinstance(result[0], Holder) and len(result[0:2]) == 2
     finally:
         _clear("shown")

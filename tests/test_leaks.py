@@ -19,6 +19,7 @@ from cudamem import _backend, _storages
 from cudamem.leaks import (
     _WATCH,
     Culprit,
+    LeakSettings,
     LeakWarning,
     _detector,
     group_culprits,
@@ -208,7 +209,7 @@ def test_thresholds_are_configurable(fake: CpuFake) -> None:
     found = run_levels(fake, [i * 2 * MiB for i in range(8)], name="other")
     assert len(found) == 1
     assert found[0].growth is not None and found[0].growth.calls == 7
-    assert cudamem.configure_leaks() == cudamem.LeakSettings()
+    assert cudamem.configure_leaks() == LeakSettings()
     assert "3 of the last 8 calls" in str(cudamem.leak_settings())
 
 
@@ -223,7 +224,7 @@ def test_bad_settings_are_refused() -> None:
         cudamem.configure_leaks(rate_change=1.0)
     with pytest.raises(ValueError, match="enabled"):
         cudamem.configure_leaks(enabled="yes")
-    assert cudamem.leak_settings() == cudamem.LeakSettings()
+    assert cudamem.leak_settings() == LeakSettings()
 
 
 def test_disabled_detection_watches_nothing(fake: CpuFake) -> None:

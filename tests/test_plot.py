@@ -9,6 +9,7 @@ import pytest
 
 import cudamem
 from cudamem import _backend
+from cudamem._history import History
 from cudamem.render.series import nothing_to_plot, points
 from cudamem.render.svg import memory_chart
 
@@ -17,7 +18,7 @@ from .fakes import FakeAllocator
 MiB = 1024**2
 
 
-def _history() -> cudamem.History:
+def _history() -> History:
     fake = FakeAllocator()
     with _backend.use(fake), warnings.catch_warnings():
         warnings.simplefilter("ignore", cudamem.LeakWarning)  # this history does grow
@@ -61,7 +62,7 @@ def test_plot_draws_with_matplotlib() -> None:
     assert ax.collections[0].get_offsets().shape == (5, 2)
 
 
-def _cpu_history() -> cudamem.History:
+def _cpu_history() -> History:
     """Spans on a machine without a CUDA device: they finish, but measure no device."""
     with _backend.use(FakeAllocator(devices=0, contexts=())):
         for _ in range(3):

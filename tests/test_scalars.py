@@ -715,9 +715,12 @@ def test_many_threads_lose_no_value() -> None:
 
 
 def test_public_names() -> None:
-    for name in ("log_scalar", "ScalarLogger", "Series"):
+    for name in ("log_scalar", "ScalarLogger"):
         assert name in cudamem.__all__
         assert getattr(cudamem, name) is getattr(_scalars, name)
+    # The result types are imported from the module that defines them.
+    for name in ("Series", "SeriesSummary", "LoggerStats"):
+        assert name in _scalars.__all__ and name not in cudamem.__all__
 
 
 # --------------------------------------------------------------------------- graph holders

@@ -15,6 +15,7 @@ import torch
 import cudamem
 from cudamem import _backend
 from cudamem.render.json import to_json
+from cudamem.stats import AllocatorStats
 
 from .fakes import FakeAllocator
 
@@ -364,7 +365,7 @@ def test_to_dict_is_json_ready(fake: FakeAllocator) -> None:
 
 def test_bookkeeping_failure_never_reaches_user(fake: FakeAllocator) -> None:
     class Broken(FakeAllocator):
-        def read(self, device: int) -> cudamem.AllocatorStats:
+        def read(self, device: int) -> AllocatorStats:
             raise RuntimeError("driver went away")
 
     with (
