@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from ._history import History, SpanStats, clear_history, history, set_history_size
 from .census import Census, LiveStorage, Unaccounted, live_tensors, unaccounted
+from .culprits import Culprit
 from .device import (
     DeviceLedger,
     DeviceRelease,
@@ -23,9 +24,7 @@ from .device import (
 )
 from .holders import Holder, Holders, who_holds
 from .leaks import (
-    Culprit,
     Growth,
-    LeakedStorage,
     LeakReport,
     LeakSettings,
     LeakWarning,
@@ -33,7 +32,7 @@ from .leaks import (
     leak_settings,
     leaks,
 )
-from .oom import OomEvent, OomGuard, OomReport, OomStorage, on_oom, oom_report
+from .oom import OomEvent, OomGuard, OomReport, on_oom, oom_report
 from .plot import plot
 from .scalars import (
     GraphHolder,
@@ -72,7 +71,6 @@ __all__ = [
     "LeakReport",
     "LeakSettings",
     "LeakWarning",
-    "LeakedStorage",
     "LedgerLine",
     "LiveStorage",
     "LoggerStats",
@@ -81,7 +79,6 @@ __all__ = [
     "OomEvent",
     "OomGuard",
     "OomReport",
-    "OomStorage",
     "ReleaseResult",
     "RemainingStorage",
     "ScalarLogger",

@@ -190,14 +190,16 @@ def _collect(
     with_ledger: bool,
     notes: list[str],
 ) -> tuple[Any, Any, tuple[tuple[int, int], ...]]:
-    from .census import Census, live_tensors, storages_with_keys
+    from .census import Census, live_storages, live_tensors
     from .span import max_allocated
 
     live = ledger = None
     try:
-        # Holders only for the storages listed: the search is the expensive part.
+        # Holders only for the storages listed: the search is the expensive part. The second
+        # pass asks for the same storages (by identity), not for whatever is at their address.
         census = live_tensors()
-        listed = storages_with_keys([s.key for s in census.storages[:top]], holders=True)
+        refs = [s.ref for s in census.storages[:top] if s.ref is not None]
+        listed = live_storages(holders=True, among=refs)
         extra = census.notes
         if len(census) > top:
             rest = len(census) - top

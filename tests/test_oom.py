@@ -171,13 +171,17 @@ def test_report_names_largest_holder_and_advice(fake: OomFake) -> None:
     assert report.allocated == 768 * MiB
     top = report.storages[0]
     assert top.nbytes == 16 * MiB
-    assert top.holders[0] == "tests.test_oom.big_holder[0]"
+    assert top.paths[0] == "tests.test_oom.big_holder[0]"
     assert "more than the GPU has" in report.advice[0]
     text = str(report)
     assert "tried to allocate 200.0 GiB" in text
     assert "tests.test_oom.big_holder[0]" in text
     data = report.to_dict()
-    assert data["storages"][0]["holders"] == ["tests.test_oom.big_holder[0]"]
+    assert [h["path"] for h in data["storages"][0]["holders"]["holders"]] == [
+        "tests.test_oom.big_holder[0]"
+    ]
+    assert data["storages"][0]["nbytes"] == 16 * MiB
+    assert data["culprits"][0]["holder"] == "tests.test_oom.big_holder"
     assert data["requested"] == 200 * GiB
 
 
@@ -206,7 +210,7 @@ def test_fragmentation_advice() -> None:
         cache=60 * MiB,
         largest_free=20 * MiB,
         stranded=(),
-        storages=(),
+        culprits=(),
         others=None,
         non_pytorch=None,
     )
@@ -228,9 +232,12 @@ def test_oom_report_refuses_other_errors(fake: OomFake) -> None:
 
 
 def test_report_without_census(fake: OomFake, monkeypatch: pytest.MonkeyPatch) -> None:
-    from cudamem import _storages
+    from cudamem import census
 
-    monkeypatch.setattr(_storages, "_census", lambda: None)
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("census exploded")
+
+    monkeypatch.setattr(census, "live_storages", broken)
     report = oom_report(make_oom())
     assert report.storages == ()
     assert any("census" in n for n in report.notes)
