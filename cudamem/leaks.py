@@ -58,6 +58,7 @@ from . import span as _span
 from ._storages import StorageRef, matches_type
 from .census import LiveStorage
 from .culprits import NO_HOLDER, Culprit, group_culprits
+from .render.text import format_bytes
 
 if TYPE_CHECKING:
     from .span import MemorySpan, SpanRecord
@@ -128,8 +129,6 @@ class LeakSettings:
         return asdict(self)
 
     def __str__(self) -> str:
-        from .render.text import format_bytes
-
         return (
             f"growth detection {'on' if self.enabled else 'off'}: after {self.warmup} warm-up "
             f"call(s), {self.min_rises} of the last {self.window} calls rising by at least "
@@ -330,7 +329,10 @@ def end(name: str, start: Refs | None, *, explicit: bool) -> _Capture | None:
         if start is None:
             if not explicit:
                 return None
-            notes.append("the census failed at entry (see the cudamem.leaks debug log): storages not enumerated")
+            notes.append(
+                "the census failed at entry (see the cudamem.leaks debug log): "
+                "storages not enumerated"
+            )
             return _failed(name, notes)
         now = census.live_refs(None)
         new = _largest({r: v for r, v in now.items() if r not in start}, notes)
@@ -574,12 +576,12 @@ class _Detector:
                 return
             self._give_up(name, s, settings)
         logger.debug(
-            "cudamem: %r grows by %d bytes per call, but the storages a call creates that "
-            "outlive the next call hold %d bytes: not reported (the allocator's cache, "
-            "workspaces, or memory made outside the span; see cudamem.unaccounted())",
+            "cudamem: %r grows by %s per call, but the storages a call creates that outlive "
+            "the next call hold %s: not reported (the allocator's cache, workspaces, or memory "
+            "made outside the span; see cudamem.unaccounted())",
             name,
-            round(rate),
-            retained,
+            format_bytes(round(rate)),
+            format_bytes(retained),
         )
 
     def _investigate(

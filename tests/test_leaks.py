@@ -8,6 +8,7 @@ storages as large as its level unless a test asks for growth no tensor explains.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import warnings
@@ -87,6 +88,18 @@ def fake() -> Iterator[CpuFake]:
 
 def leak_warnings(record: list[warnings.WarningMessage]) -> list[LeakWarning]:
     return [w.message for w in record if isinstance(w.message, LeakWarning)]
+
+
+@contextlib.contextmanager
+def no_leak_warning() -> Iterator[None]:
+    """Fail on any LeakWarning, even one raised inside a span's exit hook (where cudamem
+    turns the error of ``simplefilter('error')`` into a "span hook failed" warning)."""
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        warnings.simplefilter("error", LeakWarning)
+        yield
+    texts = [str(w.message) for w in record]
+    assert not [t for t in texts if "LeakWarning" in t or "retains" in t], texts
 
 
 def run_levels(
@@ -341,8 +354,8 @@ def test_growth_no_storage_explains_is_not_reported(
     caplog.set_level(logging.DEBUG, logger="cudamem.leaks")
     assert run_levels(fake, [i * 4 * MiB for i in range(30)], keep=False) == []
     lines = [r.getMessage() for r in caplog.records if "not reported" in r.getMessage()]
-    assert lines and "'step' grows by 4194304 bytes per call" in lines[0]
-    assert "hold 0 bytes" in lines[0]
+    assert lines and "'step' grows by 4.0 MiB per call" in lines[0]
+    assert "hold 0 B:" in lines[0]
     assert _detector.findings == deque()
 
 
@@ -554,3 +567,85 @@ def test_leak_capture_keeps_nothing_alive(fake: CpuFake) -> None:
     outputs.clear()
     assert ref() is None
     assert report.count == 1
+
+
+# --------------------------------------------------------------------------- identity
+
+#: ``torch.frombuffer`` over one buffer: a new storage at the same address every time
+#: (what the caching allocator does after a free, made deterministic).
+BUFFER = bytearray(MiB)
+ghost: list[torch.Tensor] = []
+
+
+def _at_buffer() -> torch.Tensor:
+    return torch.frombuffer(BUFFER, dtype=torch.uint8)
+
+
+def test_storage_recreated_at_its_address_is_no_survivor(fake: CpuFake) -> None:
+    # zero_grad(set_to_none=True) between steps, backward() re-creating the gradient where
+    # the old one was: each call's storage dies in the next, and the level (cache) rises.
+    addresses = set()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for i in range(30):
+            with cudamem.track("step", sync=False):
+                ghost.append(_at_buffer())
+                fake.set_level(i * MiB, keep=False)
+            addresses.add(ghost[-1].untyped_storage().data_ptr())
+            ghost.clear()
+    assert len(addresses) == 1  # every call's storage sat at the same address
+    assert leak_warnings(record) == []  # by address, each would be a 1 MiB survivor
+
+
+def test_track_leaks_sees_a_new_storage_at_an_old_address(fake: CpuFake) -> None:
+    ghost.append(_at_buffer())
+    address = ghost[0].untyped_storage().data_ptr()
+    with cudamem.track("val", leaks=True) as span:
+        ghost.clear()
+        ghost.append(_at_buffer())  # new, though its address existed at entry
+    assert ghost[0].untyped_storage().data_ptr() == address
+    report = span.leaks
+    assert report.count == 1 and report.nbytes == MiB
+    assert report.culprits[0].holder == "tests.test_leaks.ghost"
+    # Later, another storage at that address is not the one the span left.
+    ghost.clear()
+    ghost.append(_at_buffer())
+    assert cudamem.leaks(since=span).count == 0
+    ghost.clear()
+
+
+def test_leak_capture_releases_its_references(fake: CpuFake) -> None:
+    # An armed capture of a non-explicit span keeps nothing on the span, and the detector
+    # lets go of its captures once it has decided.
+    found = run_levels(fake, [i * 4 * MiB for i in range(8)])
+    assert len(found) == 1
+    series = _detector.series["step"]
+    assert series.pending is None and series.captured is None
+    assert "step" not in cudamem.span._leak_names  # type: ignore[attr-defined]
+    span = cudamem.track("step", sync=False)
+    with span:
+        fake.set_level(fake.allocated[0])
+    assert span._leak is None
+
+
+def test_cpu_training_with_set_to_none_never_warns(fake: CpuFake) -> None:
+    # Real gradients: each step's outlive it, zero_grad(set_to_none=True) frees them at the
+    # start of the next and backward() re-creates them (glibc usually hands back the same
+    # addresses). The allocator level (the fake) rises by cache only.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256)
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(64, 256)
+    losses: list[float] = []
+    with no_leak_warning():
+        for i in range(20):
+            with cudamem.track("train", sync=False):
+                opt.zero_grad(set_to_none=True)
+                loss = model(x).square().mean()
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+                fake.set_level(i * 256 * 1024, keep=False)
+    assert len(losses) == 20

@@ -185,6 +185,36 @@ def test_report_names_largest_holder_and_advice(fake: OomFake) -> None:
     assert data["requested"] == 200 * GiB
 
 
+def test_report_groups_the_largest_storages_by_container(fake: OomFake) -> None:
+    for _ in range(3):
+        big_holder.append(torch.empty(24 * MiB, dtype=torch.uint8))  # pages never touched
+    fake.alloc(768 * MiB)
+    report = oom_report(make_oom(OLD_MESSAGE))  # a request that fits: advice on holders
+    top = report.culprits[0]
+    assert (top.holder, top.items, top.storages, top.nbytes) == (
+        "tests.test_oom.big_holder",
+        3,
+        3,
+        72 * MiB,
+    )
+    assert any("3 items of tests.test_oom.big_holder hold 72.0 MiB" in a for a in report.advice)
+    text = str(report)
+    assert "held by:\n  tests.test_oom.big_holder: 3 tensors, 72.0 MiB" in text
+
+
+def test_report_names_the_container_that_keeps_graphs(fake: OomFake) -> None:
+    w = torch.randn(2 * MiB, requires_grad=True)  # 8 MiB: each loss saves a sigmoid of it
+    for _ in range(3):
+        big_holder.append(torch.sigmoid(w * 2).sum())
+    fake.alloc(768 * MiB)
+    report = oom_report(make_oom(OLD_MESSAGE))
+    graph = [c for c in report.culprits if c.holder == "tests.test_oom.big_holder"]
+    assert graph and graph[0].autograd_bytes >= 3 * 8 * MiB
+    assert any(
+        a.startswith("tests.test_oom.big_holder keeps autograd graphs alive") for a in report.advice
+    )
+
+
 def test_fragmentation_and_stranded_streams(fake: OomFake) -> None:
     fake.alloc(100 * MiB)
     fake.segments = [
