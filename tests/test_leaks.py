@@ -9,6 +9,7 @@ storages as large as its level unless a test asks for growth no tensor explains.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import random
 import warnings
@@ -649,3 +650,23 @@ def test_cpu_training_with_set_to_none_never_warns(fake: CpuFake) -> None:
                 losses.append(loss.item())
                 fake.set_level(i * 256 * 1024, keep=False)
     assert len(losses) == 20
+
+
+def _live_refs() -> int:
+    from cudamem._storages import StorageRef
+
+    gc.collect()
+    return sum(type(o) is StorageRef for o in gc.get_objects())
+
+
+def test_detection_holds_no_references_once_decided(fake: CpuFake) -> None:
+    # Weak references pin a small C++ header each: every one cudamem took is released.
+    baseline = _live_refs()
+    found = run_levels(fake, [i * 4 * MiB for i in range(12)])  # a leak, warned once
+    run_levels(fake, [i * 4 * MiB for i in range(12)], name="cache", keep=False)  # let go
+    assert len(found) == 1
+    with cudamem.track("val", leaks=True) as span:
+        fake.grow(MiB)
+    assert _live_refs() > baseline  # the span's report: its storages and their refs
+    del span
+    assert _live_refs() <= baseline
