@@ -28,11 +28,12 @@ slope and survivors that explain it: their bytes must be at least ``min_explaine
 of the per-call growth. Growth that no surviving storage accounts for (the allocator's
 cache, workspaces, memory made outside the span) is not a leak of live tensors: cudamem
 looks at up to three consecutive calls (a leak every other call shows in one of them),
-then stays silent but for a ``logging.debug`` line. The survivors are named through
-``who_holds`` and grouped by container (:mod:`cudamem.culprits`). The warning repeats only
-when the picture changes: other holders, or a per-call rate ``rate_change`` times higher
-or lower than the one last reported (a rate change starts a new window, so the new rate is
-measured on its own).
+then stays silent but for a ``logging.debug`` line, and captures nothing of that span for a
+window of calls, then two, four, ... up to 32 windows while such episodes repeat. The
+survivors are named through ``who_holds`` and grouped by container (:mod:`cudamem.culprits`).
+The warning repeats only when the picture changes: other holders, or a per-call rate
+``rate_change`` times higher or lower than the one last reported (a rate change starts a new
+window, so the new rate is measured on its own).
 
 **What a span left behind.** ``track(..., leaks=True)`` snapshots the live storages at entry
 and exit; ``span.leaks`` lists those created inside and alive at exit, with holders, and
@@ -418,10 +419,12 @@ class _Series:
         "captured",
         "checked_rate",
         "cooldown",
+        "hold",
         "last",
         "levels",
         "pending",
         "phase",
+        "quiet",
         "rises",
         "warned",
     )
@@ -441,6 +444,11 @@ class _Series:
         #: Captured calls already found not to explain the growth, this episode.
         self.attempts = 0
         self.checked_rate = 0.0
+        #: Episodes in a row whose growth no survivors explained, and the calls left before
+        #: another capture may be armed (doubling each time: a slope that is the allocator's
+        #: cache must not keep the census running).
+        self.quiet = 0
+        self.hold = 0
         #: (holder groups, per-call rate) of the last warning.
         self.warned: tuple[frozenset[str], float] | None = None
 
@@ -469,10 +477,19 @@ class _Detector:
         if name in _span._leak_names:
             _span._leak_names = _span._leak_names - {name}
 
-    def _give_up(self, name: str, s: _Series, settings: LeakSettings) -> None:
-        """Back to watching, after a window's rest: the episode is over without a finding."""
+    def _give_up(
+        self, name: str, s: _Series, settings: LeakSettings, *, unexplained: bool = False
+    ) -> None:
+        """Back to watching, after a window's rest: the episode is over without a finding.
+
+        ``unexplained``: the slope went on but nothing confirmed it; no capture for a while
+        (one window, then two, four, ... up to 32), whatever the slope does meanwhile.
+        """
         self._disarm(name, s)
         s.phase, s.pending, s.cooldown = _WATCH, None, settings.window
+        if unexplained:
+            s.hold = settings.window * 2 ** min(s.quiet, 5)
+            s.quiet += 1
 
     def captured(self, name: str, refs: Refs) -> None:
         """A span of ``name`` finished a capture (called before the exit hooks run)."""
@@ -511,6 +528,8 @@ class _Detector:
             s.rises.append(rose)
             if s.cooldown:
                 s.cooldown -= 1
+            if s.hold:
+                s.hold -= 1
             action = self._step(name, s, settings)
             if action is None:
                 return
@@ -537,7 +556,7 @@ class _Detector:
             elif s.armed_exits >= 2:
                 # No call could be captured (the census failed): nothing can confirm it.
                 logger.debug("cudamem: %r could not be captured; growth not checked", name)
-                self._give_up(name, s, settings)
+                self._give_up(name, s, settings, unexplained=True)
             return None
         if s.phase == _PENDING:
             if sustained:
@@ -559,7 +578,7 @@ class _Detector:
                 s.phase = _WATCH
             return None
         # _WATCH: suspicion (one rise short of the rule) arms a capture of the next call.
-        if sustained or (s.cooldown == 0 and rises >= settings.min_rises - 1):
+        if s.hold == 0 and (sustained or (s.cooldown == 0 and rises >= settings.min_rises - 1)):
             self._arm(name, s)
         return None
 
@@ -574,7 +593,7 @@ class _Detector:
             if s.attempts < MAX_ATTEMPTS and s.captured is not None:
                 s.pending, s.captured, s.phase = s.captured, None, _PENDING
                 return
-            self._give_up(name, s, settings)
+            self._give_up(name, s, settings, unexplained=True)
         logger.debug(
             "cudamem: %r grows by %s per call, but the storages a call creates that outlive "
             "the next call hold %s: not reported (the allocator's cache, workspaces, or memory "
@@ -626,7 +645,7 @@ class _Detector:
             s = self.series.get(name)
             if s is None:
                 return
-            s.phase, s.checked_rate, s.pending = _LEAKING, rate, None
+            s.phase, s.checked_rate, s.pending, s.quiet = _LEAKING, rate, None, 0
             previous = s.warned
             if previous is not None and previous[0] == signature[0]:
                 ratio = rate / previous[1] if previous[1] > 0 else math.inf

@@ -360,6 +360,25 @@ def test_growth_no_storage_explains_is_not_reported(
     assert _detector.findings == deque()
 
 
+def test_unexplained_growth_backs_off_the_census(
+    fake: CpuFake, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A slope that is only the allocator's cache, forever: the census runs a few episodes,
+    # then ever more rarely (without the back-off: two snapshots per call, 600 here).
+    passes: list[int] = []
+    real = census.live_refs
+
+    def counting(device_type: str | None = None) -> object:
+        passes.append(len(passes))
+        return real(device_type)
+
+    monkeypatch.setattr(census, "live_refs", counting)
+    assert run_levels(fake, [i * 4 * MiB for i in range(300)], keep=False) == []
+    assert 0 < len(passes) <= 60
+    series = _detector.series["step"]
+    assert series.quiet >= 4 and series.hold > 0
+
+
 def test_survivors_under_half_the_growth_are_not_reported(fake: CpuFake) -> None:
     # Each call: +4 MiB on the allocator, of which a surviving tensor holds 1 MiB.
     with warnings.catch_warnings(record=True) as record:
