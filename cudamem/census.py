@@ -35,6 +35,7 @@ __all__ = [
     "LiveStorage",
     "Unaccounted",
     "ledger_view",
+    "listing_order",
     "live_refs",
     "live_storage_keys",
     "live_storages",
@@ -125,6 +126,12 @@ class LiveStorage:
 
         shape = "×".join(map(str, self.shape)) or "scalar"
         return f"{format_bytes(self.nbytes)} {self.dtype}[{shape}] on {self.device}"
+
+
+def listing_order(storage: LiveStorage) -> tuple[int, str]:
+    """Sort key for listing storages: largest first, then by holder path, never by address
+    (which differs from run to run), so that the same program gives the same table."""
+    return (-storage.nbytes, min(storage.paths, default="\uffff"))
 
 
 @dataclass(frozen=True, slots=True)

@@ -268,7 +268,7 @@ class Growth:
 
 def _report(name: str, checked: str, refs: Iterable[StorageRef], notes: list[str]) -> LeakReport:
     """Holders for the storages among ``refs`` still alive now (any device)."""
-    found = list(census.live_storages(None, holders=True, among=refs))
+    found = sorted(census.live_storages(None, holders=True, among=refs), key=census.listing_order)
     return LeakReport(
         span=name,
         checked=checked,

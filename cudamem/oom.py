@@ -464,7 +464,8 @@ def build_report(
             for s in census.live_storages(device_type)
             if s.ref is not None and (device_type != "cuda" or s.device == f"cuda:{device}")
         ][:top]
-        for s in census.live_storages(device_type, holders=holders, among=listed):
+        found = census.live_storages(device_type, holders=holders, among=listed)
+        for s in sorted(found, key=census.listing_order):
             # An address is the right key here: the blocks of this very instant.
             storages.append(replace(s, allocated_at=sites.get(s.data_ptr)))
         culprits = group_culprits(storages) if holders else []

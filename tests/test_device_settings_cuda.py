@@ -252,7 +252,9 @@ def test_record_stream_pending_free_line() -> None:
         """
         )
     )
-    assert got["busy"], "the side stream finished before explain(): sleep longer"
+    # Whether the side stream is still busy does not matter: the allocator processes the
+    # stream's event only at its next allocation or empty_cache(), so the block stays
+    # pending until then (seen on the H200: synchronize() alone leaves it pending).
     assert got["line"] == got["snapshot"] == got["counters"] == 32 * MiB
     assert got["after"] is None  # no line when there is none
     # empty_cache() waits for the event and returns what the split predicted: the whole
