@@ -171,8 +171,8 @@ def _batch() -> torch.Tensor:
 
 @contextlib.contextmanager
 def no_leak_warning() -> Iterator[None]:
-    """Fail on any LeakWarning, also one raised inside a span's exit hook (cudamem turns the
-    error of ``simplefilter('error')`` there into a "span hook failed" warning)."""
+    """Fail on any LeakWarning: as an error (cudamem lets it reach the ``with``), or recorded
+    in any other form (a hook failure reported as a warning of its own)."""
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         warnings.simplefilter("error", LeakWarning)
