@@ -11,10 +11,11 @@ from typing import Any
 from cudamem._history import History, SpanStats
 from cudamem._nvml import DeviceMemory, GpuProcess, NvmlDevice, NvmlStatus
 from cudamem.census import Census, LiveStorage, Unaccounted
+from cudamem.culprits import Culprit
 from cudamem.holders import Holder, Holders
-from cudamem.leaks import Culprit, Growth, LeakedStorage, LeakReport
+from cudamem.leaks import Growth, LeakReport
 from cudamem.ledger import DeviceLedger, Explanation, LedgerLine, MachineStatus
-from cudamem.oom import OomReport, OomStorage, StrandedCache
+from cudamem.oom import OomReport, StrandedCache
 from cudamem.release import DeviceRelease, ReleaseResult, RemainingStorage
 from cudamem.runner import RunReport
 from cudamem.scalars import GraphHolder, GraphHolders, LoggerStats, SeriesSummary
@@ -170,15 +171,18 @@ def growth(*culprits: Culprit, **kw: Any) -> Growth:
     return Growth(**values)
 
 
-def leaked(nbytes: int = 4 * MiB, holders_: tuple[str, ...] = (), **kw: Any) -> LeakedStorage:
-    values: dict[str, Any] = dict(
-        nbytes=nbytes, device="cuda:0", dtype="float32", shape=(1024, 1024), holders=holders_
-    )
-    values.update(kw)
-    return LeakedStorage(**values)
+def paths(*items: str) -> Holders | None:
+    """Holders of a storage, by path (``None``: nobody asked)."""
+    return holders(*(holder(p) for p in items))
 
 
-def leak_report(*storages: LeakedStorage, **kw: Any) -> LeakReport:
+def leaked(nbytes: int = 4 * MiB, holders_: tuple[str, ...] = (), **kw: Any) -> LiveStorage:
+    """A storage a span left behind, held by ``holders_`` (paths)."""
+    kw.setdefault("holders", paths(*holders_))
+    return live_storage(nbytes, **kw)
+
+
+def leak_report(*storages: LiveStorage, **kw: Any) -> LeakReport:
     values: dict[str, Any] = dict(
         span="step",
         checked="at exit",
@@ -211,15 +215,14 @@ def oom_report(**kw: Any) -> OomReport:
         other_processes=324 * MiB,
         stranded=(StrandedCache(stream=0x7F00, reserved=64 * MiB, segments=2),),
         storages=(
-            OomStorage(
-                nbytes=8 * GiB,
-                device="cuda:0",
+            live_storage(
+                8 * GiB,
                 dtype="float16",
                 shape=(4, 1024, 1024, 1024),
-                holders=("__main__.cache['kv']", "__main__.model.kv"),
+                holders=paths("__main__.cache['kv']", "__main__.model.kv"),
                 allocated_at="train.py:42 in build",
             ),
-            OomStorage(nbytes=1 * GiB, device="cuda:0", dtype="float16", shape=(), holders=()),
+            live_storage(1 * GiB, dtype="float16", shape=(), holders=paths()),
         ),
         advice=("free the cache: del cache['kv']",),
         notes=(),

@@ -9,7 +9,7 @@ import pytest
 
 from cudamem.render.oom import render_oom
 
-from .built import oom_report
+from .built import GiB, culprit, oom_report
 
 
 @pytest.fixture(autouse=True)
@@ -23,7 +23,10 @@ def _utc(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 def test_full_report() -> None:
-    r = oom_report()
+    held = culprit(
+        "__main__.cache", tensors=1, storages=1, nbytes=8 * GiB, autograd_bytes=0, example=""
+    )
+    r = oom_report(culprits=(held,))
     assert render_oom(r) == str(r)
     assert str(r).splitlines() == [
         "=== cudamem OOM post-mortem (2026-12-01T10:00:00, span 'train_step') ===",
@@ -42,6 +45,8 @@ def test_full_report() -> None:
         "  8.0 GiB  float16[4×1024×1024×1024]  __main__.cache['kv'] (+1 more)  "
         "[allocated at train.py:42 in build]",
         "  1.0 GiB  float16[scalar]            no holder reachable from Python",
+        "held by:",
+        "  __main__.cache: 1 tensor, 8.0 GiB",
         "what to do:",
         "  - free the cache: del cache['kv']",
     ]
