@@ -31,7 +31,7 @@ storage is attributed to a rooted holder when it has one, else to
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -101,9 +101,10 @@ def through_graph(path: str) -> bool:
     return len(parts) > 1 and any("grad_fn" in p or "saved" in p for p in parts[1:])
 
 
-def _close(step: str, start: int) -> int:
-    """Index of the ``]`` closing the ``[`` at ``start`` (quotes and nesting respected)."""
-    depth, quote, i = 0, "", start
+def _brackets(step: str, start: int) -> Iterator[tuple[int, int]]:
+    """``(open, close)`` of each outermost ``[...]`` of ``step`` from ``start``: quotes and
+    nesting respected (a quoted name outside brackets, ``local 'x[0]'``, has none)."""
+    depth, quote, opened, i = 0, "", -1, start
     while i < len(step):
         c = step[i]
         if quote:
@@ -114,39 +115,24 @@ def _close(step: str, start: int) -> int:
         elif c in "'\"":
             quote = c
         elif c == "[":
+            if depth == 0:
+                opened = i
             depth += 1
-        elif c == "]":
+        elif c == "]" and depth:
             depth -= 1
             if depth == 0:
-                return i
+                yield opened, i
         i += 1
-    return -1
 
 
 def _int_subscripts(step: str) -> list[tuple[int, int]]:
     """``(open, close)`` of every integer subscript of a step (``[3]``, not ``['a']``)."""
     label = _FRAME_LABEL.match(step)
-    i = label.end() if label else 0
-    out: list[tuple[int, int]] = []
-    quote = ""
-    while i < len(step):
-        c = step[i]
-        if quote:
-            if c == "\\":
-                i += 1
-            elif c == quote:
-                quote = ""
-        elif c in "'\"":
-            quote = c  # a quoted name outside brackets: local 'x[0]'
-        elif c == "[":
-            j = _close(step, i)
-            if j < 0:
-                break
-            if _INT.fullmatch(step[i + 1 : j].strip()):
-                out.append((i, j))
-            i = j
-        i += 1
-    return out
+    return [
+        (i, j)
+        for i, j in _brackets(step, label.end() if label else 0)
+        if _INT.fullmatch(step[i + 1 : j].strip())
+    ]
 
 
 def container_of(path: str) -> str:

@@ -684,11 +684,7 @@ class ScalarLogger:
             if tensor is None:
                 tensor = _check_tensor(value)
             with self._lock:
-                data = self._series.get(name)
-                if data is None:
-                    data = self._series[name] = _SeriesData(name, self._maxlen)
-                if step is None:
-                    step = data.next_step
+                data, step = self._series_at(name, step)
                 try:
                     self._write(tensor, data, step)
                 except Exception as exc:
@@ -705,11 +701,7 @@ class ScalarLogger:
             return
         number = log_scalar(value)
         with self._lock:
-            data = self._series.get(name)
-            if data is None:
-                data = self._series[name] = _SeriesData(name, self._maxlen)
-            if step is None:
-                step = data.next_step
+            data, step = self._series_at(name, step)
             self._add_number(data, step, number)
             data.next_step = step + 1
             self._logged += 1
@@ -719,6 +711,14 @@ class ScalarLogger:
             self._order.append(_Record(data, step, number, True))
         else:
             data.add(step, number)
+
+    def _series_at(self, name: str, step: int | None) -> tuple[_SeriesData, int]:
+        """The series ``name`` (made on first use) and the step of its next value; the lock
+        is held."""
+        data = self._series.get(name)
+        if data is None:
+            data = self._series[name] = _SeriesData(name, self._maxlen)
+        return data, data.next_step if step is None else step
 
     def _write(self, tensor: torch.Tensor, data: _SeriesData, step: int) -> None:
         device = tensor.device

@@ -61,6 +61,12 @@ def _inner_patterns(c: Culprit, limit: int = 3) -> list[str]:
     return inner
 
 
+def _culprit_lines(c: Culprit) -> list[str]:
+    """The culprit's line, then the paths inside it worth showing."""
+    inner = _inner_patterns(c)
+    return [f"  {render_culprit(c)}", *([f"    as {', '.join(inner)}"] if inner else [])]
+
+
 def render_growth(g: Growth) -> str:
     """The text of a :class:`~cudamem.LeakWarning`: the rate, then one line per culprit."""
     lines = [
@@ -68,10 +74,7 @@ def render_growth(g: Growth) -> str:
         f"({_plural(g.calls, 'call')})"
     ]
     for c in g.culprits:
-        lines.append(f"  {render_culprit(c)}")
-        inner = _inner_patterns(c)
-        if inner:
-            lines.append(f"    as {', '.join(inner)}")
+        lines.extend(_culprit_lines(c))
         if c.example and c.example != c.holder:
             lines.append(f"    e.g. {c.example}")
         hint = _hint(c)
@@ -98,10 +101,7 @@ def render_leak_report(r: LeakReport) -> str:
         f"{format_bytes(r.nbytes)}, alive {r.checked}"
     ]
     for c in r.culprits:
-        lines.append(f"  {render_culprit(c)}")
-        inner = _inner_patterns(c)
-        if inner:
-            lines.append(f"    as {', '.join(inner)}")
+        lines.extend(_culprit_lines(c))
     rows = [
         [
             format_bytes(s.nbytes),
