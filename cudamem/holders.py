@@ -110,8 +110,9 @@ def who_holds(
         max_paths: most paths reported.
 
     Returns:
-        :class:`Holders`, a sequence of :class:`Holder` (``print()`` it, or ``to_dict()``).
-        The caller's own reference to ``obj`` is shown once, marked as the caller's.
+        :class:`Holders`, a sequence of :class:`Holder` (``print()`` it; JSON:
+        ``render.json.to_json()``). The caller's own reference to ``obj`` is shown once,
+        marked as the caller's.
     """
     limits = SearchLimits(max_depth, max_nodes, timeout, max_paths)
     return find_holders([obj], limits, _caller_frame())[0]

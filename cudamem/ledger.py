@@ -939,8 +939,8 @@ def explain(device: DeviceLike | None = None) -> Explanation:
             CUDA context on.
 
     Returns:
-        An :class:`Explanation`; ``print()`` it for a table, ``to_dict()`` for JSON. Each
-        ledger's lines add up to NVML's ``used`` and say what frees them.
+        An :class:`Explanation`; ``print()`` it for a table, ``render.json.to_json()`` it for
+        JSON. Each ledger's lines add up to NVML's ``used`` and say what frees them.
 
     Creates no CUDA context, synchronizes nothing and never turns allocator history
     recording on; with no driver or no GPU it explains that in one line instead of raising.
