@@ -23,6 +23,7 @@ from typing import Any
 __all__ = [
     "LiveStorage",
     "available",
+    "cublas_workspaces",
     "key_device",
     "live_keys",
     "live_storages",
@@ -127,3 +128,23 @@ def _convert(entry: Any, *, holders: bool) -> LiveStorage:
         data_ptr=int(entry.data_ptr),
         truncated=bool(entry.truncated),
     )
+
+
+def cublas_workspaces() -> list[tuple[int, int, int]]:
+    """``(device, bytes, count)`` of the cuBLAS workspaces on each device with a context (the
+    census's split of allocated memory: blocks of the workspace size no tensor lives in);
+    empty when there are none or the census cannot tell."""
+    census = _census()
+    if census is None:
+        return []
+    from . import _backend
+
+    out = []
+    for device in _backend.get().initialized_devices():
+        try:
+            split = census.unaccounted(device)
+        except Exception:
+            continue
+        if split.cublas_workspaces:
+            out.append((device, int(split.cublas_workspaces), int(split.workspace_count)))
+    return out

@@ -726,6 +726,7 @@ def _name_culprits(
             "live tensor accounts for (see cudamem.unaccounted()), or it is created "
             "outside the span"
         )
+        notes.extend(_workspace_notes())
         return [], retained
     # Name the groups from the survivors, then total each group over every live storage it
     # holds: "loss_history: 10 tensors, 40 MiB" rather than the one captured call's share.
@@ -738,6 +739,26 @@ def _name_culprits(
     culprits = [totals.get(c.holder, c) for c in named]
     culprits.sort(key=lambda c: c.nbytes, reverse=True)
     return culprits, retained
+
+
+#: cuBLAS workspaces of a training step: one for the forward thread, one for autograd's.
+STEP_WORKSPACES = 2
+
+
+def _workspace_notes() -> list[str]:
+    """Growth no storage accounts for, when cuBLAS workspaces pile up: name them."""
+    if _backend.get().storage_device_type() != "cuda":
+        return []
+    from .render.text import format_bytes
+
+    return [
+        f"{format_bytes(nbytes)} of the allocated memory on cuda:{device} is {count} cuBLAS "
+        "workspaces held by no tensor: cuBLAS keeps one per handle and stream (a training "
+        "step uses two), so a new torch.cuda.Stream per call adds more every call; reuse one "
+        "stream, or cudamem.release(clear_cublas=True) frees them"
+        for device, nbytes, count in _storages.cublas_workspaces()
+        if count > STEP_WORKSPACES
+    ]
 
 
 _detector = _Detector()

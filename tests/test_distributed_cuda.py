@@ -139,3 +139,69 @@ def test_two_gpus_without_set_device_memory_lands_on_gpu0(tmp_path: Path) -> Non
     on_gpu0 = {h["rank"] for h in report["gpus"] if h["gpu"] == stray["gpu"]}
     assert {0, 1} <= on_gpu0
     assert "memory on a GPU that is not the rank's own:" in got[0]["text"]
+
+
+# --------------------------------------------------------------------------- seed 001's runs
+
+
+def _seed001(case: str, device: int) -> dict[str, Any]:
+    from cudamem import demo
+
+    return demo._run(case, device)
+
+
+def _allocated(out: dict[str, Any]) -> list[int]:
+    return [r["allocated"] for r in out["runs"]]
+
+
+def _cublas_bytes(out: dict[str, Any], device: int) -> int:
+    lines = out["ledgers"][str(device)]["lines"]
+    return sum(ln["bytes"] or 0 for ln in lines if "cublas" in ln["key"].lower())
+
+
+@pytest.mark.cuda
+def test_seed001_new_stream_per_run_grows_by_cublas_workspaces() -> None:
+    out = _seed001("stream", 0)
+    levels = _allocated(out)
+    rises = [b - a for a, b in zip(levels, levels[1:], strict=False)]
+    assert min(rises) >= 32 * MiB and max(rises) - min(rises) <= MiB, levels  # H200: 65 MiB
+    assert abs(_cublas_bytes(out, 0) - levels[-1]) <= MiB
+    assert any("cuBLAS workspaces held by no tensor" in w for w in out["leak_warnings"])
+    assert out["release"]["still_allocated"] == 0
+    assert out["release"]["freed_allocated"] >= levels[-1] - MiB
+
+
+@pytest.mark.cuda
+def test_seed001_new_thread_per_run_grows_once() -> None:
+    out = _seed001("thread", 0)
+    levels = _allocated(out)
+    assert max(levels[-3:]) - min(levels[-3:]) <= MiB, levels
+    assert out["leak_warnings"] == []
+    assert abs(_cublas_bytes(out, 0) - levels[-1]) <= MiB
+    assert out["release"]["still_allocated"] == 0
+
+
+@pytest.mark.multigpu
+def test_seed001_on_gpu1_stream_runs_make_a_context_on_gpu0() -> None:
+    bad = _seed001("stream", 1)
+    levels = _allocated(bad)
+    assert levels[-1] - levels[0] >= (len(levels) - 1) * 32 * MiB, levels
+    assert 0 in bad["contexts"]
+    zero = bad["ledgers"]["0"]
+    assert zero["allocated"] == 0 and zero["reserved"] == 0
+    context = next(ln for ln in zero["lines"] if ln["key"].startswith("context"))
+    assert 256 * MiB <= context["bytes"] <= 1536 * MiB
+    good = _seed001("stream-set-device", 1)
+    assert 0 not in good["contexts"]
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("case", ["plain", "pin-memory"])
+def test_seed001_on_gpu1_plain_and_pinned_loops_stay_flat(case: str) -> None:
+    out = _seed001(case, 1)
+    levels = _allocated(out)
+    assert max(levels) - min(levels) <= MiB, levels
+    assert out["leak_warnings"] == []
+    assert out["release"]["still_allocated"] == 0
+    if case == "plain":
+        assert 0 not in out["contexts"]
