@@ -704,7 +704,7 @@ def _seed001_stream(device: int, gpus: int, key: str) -> Experiment:
     out = _run("stream", device)
     levels = _levels(out)
     rises = [levels[i + 1] - levels[i] for i in range(len(levels) - 1)]
-    per_stream = _ledger_says(out, device, r"per (handle and )?stream|\(handle, stream\)", "cublas")
+    per_stream = _ledger_says(out, device, r"per[^.;]{0,24}stream", "cublas")
     checks = [
         Check(
             "allocated rises by the same amount every run",
@@ -797,7 +797,7 @@ def seed001_gpu1_context_on_gpu0() -> Experiment:
     bad, good = _run("stream", 1), _run("stream-set-device", 1)
     context = next(iter(_lines(bad, 0, "context")), None)
     zero = bad["ledgers"].get("0", {})
-    never = _ledger_says(bad, 0, r"never used|did not use|never touched|untouched")
+    never = _ledger_says(bad, 0, r"never used|did not use|never touched|untouched|unused device")
     rows = []
     for label, out in (("no set_device (current: cuda:0)", bad), ("set_device(1) first", good)):
         ctx = next(iter(_lines(out, 0, "context")), None)
