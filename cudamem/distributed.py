@@ -46,6 +46,7 @@ __all__ = [
     "CONTEXT_ESTIMATE",
     "DistributedReport",
     "GpuHolding",
+    "HostGpu",
     "Outlier",
     "RankDevice",
     "RankGrowth",
@@ -536,12 +537,16 @@ def _line_from_dict(d: Mapping[str, Any]) -> LedgerLine:
     )
 
 
-def _failure(what: str, exc: BaseException) -> str:
+def _describe(exc: BaseException) -> str:
     try:
         text = str(exc)
     except Exception:
         text = "<message unavailable>"
-    return f"{what}: {type(exc).__name__}: {text[:300]}"
+    return f"{type(exc).__name__}: {text[:300]}"
+
+
+def _failure(what: str, exc: BaseException) -> str:
+    return f"{what}: {_describe(exc)}"
 
 
 # --------------------------------------------------------------------------- collection
@@ -1211,7 +1216,10 @@ def gather_report(
     try:
         size = int(dist.get_world_size(group))
         rank = int(dist.get_rank())
-        members = [int(r) for r in dist.get_process_group_ranks(group or dist.group.WORLD)]
+        members = [
+            int(r)
+            for r in dist.get_process_group_ranks(dist.group.WORLD if group is None else group)
+        ]
         backend = str(dist.get_backend(group))
     except Exception as exc:
         raise ValueError(f"group is not a usable process group: {exc}") from None
@@ -1229,7 +1237,7 @@ def gather_report(
     try:
         answers = _exchange(dist, _encode(row), group, timeout=timeout, all_ranks=all_ranks)
     except Exception as exc:
-        answers, error = None, _failure("exchange", exc)
+        answers, error = None, _describe(exc)
     seconds = time.perf_counter() - started
     collector = members[0]
     if answers is None and error is None:
