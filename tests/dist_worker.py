@@ -7,7 +7,8 @@ step's output in a module-global list, so it grows 1 MiB per step and its leak d
 Then every rank calls ``gather_report`` and writes what it got to ``OUT_DIR/rank<N>.json``.
 
 Modes: ``ok``; ``all`` (``all_ranks=True``); ``raise`` (rank 1's span history raises inside
-collection); ``absent`` (rank 1 never calls ``gather_report``).
+collection); ``absent`` (rank 1 never calls ``gather_report``); ``fallback`` (the rows go over
+cudamem's gloo side group, as when torch hides its store).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch.distributed as dist
 import cudamem
 import cudamem.distributed as cdist
 from cudamem import _backend, _history
+from cudamem.distributed import _transport
 from cudamem.leaks import LeakWarning
 from tests.fakes import CpuStorageBackend
 
@@ -51,6 +53,8 @@ def main() -> int:
                 if rank == 1:
                     kept.append(y)
                 del x, y
+        if mode == "fallback":
+            _transport._store = lambda dist: None  # type: ignore[assignment]
         if mode == "raise" and rank == 1:
             _history.history = _boom  # type: ignore[assignment]
         if mode == "absent" and rank == 1:

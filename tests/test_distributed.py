@@ -30,10 +30,13 @@ from cudamem.distributed import (
     RankGrowth,
     RankReport,
     RankSpan,
+    _collect,
+    _transport,
     build_report,
     collect_rank,
     gather_report,
 )
+from cudamem.distributed._results import absent_row
 from cudamem.render.distributed import render_distributed
 from cudamem.render.json import to_json
 
@@ -121,7 +124,7 @@ def test_rank1_grows_and_is_named_the_outlier(ok_run: dict[int, dict[str, Any]])
 
 def test_the_report_renders_a_table_per_rank(ok_run: dict[int, dict[str, Any]]) -> None:
     text = ok_run[0]["text"]
-    assert text.startswith("cudamem distributed report: 2 ranks on 1 host")
+    assert text.startswith("cudamem distributed report: 2 ranks on 1 host, gathered on rank 0")
     assert f"rank 0 (pid {ok_run[0]['pid']}" in text
     assert f"rank 1 (pid {ok_run[1]['pid']}" in text
     assert (
@@ -142,6 +145,15 @@ def test_all_ranks_get_the_report(tmp_path: Path) -> None:
         assert report["collector"] == rank
         assert {r["pid"] for r in report["ranks"]} == {got[0]["pid"], got[1]["pid"]}
         assert report["growth_outlier"]["rank"] == 1
+
+
+def test_without_the_store_the_rows_go_over_the_group_itself(tmp_path: Path) -> None:
+    got = run_torchrun("fallback", tmp_path)
+    assert got[1]["report"] is None
+    report = got[0]["report"]
+    assert {r["rank"]: r["pid"] for r in report["ranks"]} == {0: got[0]["pid"], 1: got[1]["pid"]}
+    assert report["growth_outlier"]["rank"] == 1
+    assert all(r["errors"] == [] for r in report["ranks"])
 
 
 def test_a_rank_raising_inside_collection_still_yields_a_report(tmp_path: Path) -> None:
@@ -233,7 +245,7 @@ def test_collect_rank_survives_every_part_failing(monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setattr(_history, "history", boom)
     monkeypatch.setattr(_nvml, "status", boom)
-    monkeypatch.setattr(cdist, "_collect_growth", boom)
+    monkeypatch.setattr(_collect, "_collect_growth", boom)
     row = collect_rank(3, 4)
     assert row.rank == 3 and row.world_size == 4 and row.pid == os.getpid()
     assert row.errors == (
@@ -260,6 +272,71 @@ def test_a_crashing_collection_still_sends_a_row(monkeypatch: pytest.MonkeyPatch
     assert report is not None
     assert report[0].pid == os.getpid()
     assert report[0].errors == ("collecting this rank's row: MemoryError: no room",)
+
+
+def _as_rank(store: Any, payload: str, members: tuple[int, ...], me: int, **kw: Any) -> Any:
+    """One simulated rank's first call (each rank counts its own calls)."""
+    _transport._calls.counts.clear()
+    return _transport._via_store(store, payload, members, me, **kw)
+
+
+def test_the_store_exchange_reads_every_row_and_cleans_up() -> None:
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    members = (0, 1, 2)
+    assert _as_rank(store, "one", members, 1, timeout=1, all_ranks=False) is None
+    assert _as_rank(store, "two", members, 2, timeout=1, all_ranks=False) is None
+    got = _as_rank(store, "zero", members, 0, timeout=1, all_ranks=False)
+    assert got == (["zero", "one", "two"], None)
+    assert not any(store.check([k]) for k in _keys(members, 1))
+
+
+def test_the_store_exchange_times_out_into_what_arrived() -> None:
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    members = (0, 1, 2)
+    _as_rank(store, "one", members, 1, timeout=1, all_ranks=False)
+    payloads, error = _as_rank(store, "zero", members, 0, timeout=0.5, all_ranks=False)
+    assert payloads == ["zero", "one", None]
+    assert error == "1 of 3 rows missing"
+
+
+def test_each_call_has_its_own_keys() -> None:
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    members = (0, 1)
+    _transport._calls.counts.clear()
+    for n in (1, 2):
+        _transport._calls.counts[members] = n - 1
+        _transport._via_store(store, f"rank 1, call {n}", members, 1, timeout=1, all_ranks=False)
+    _transport._calls.counts[members] = 1  # the collector's second call reads call 2's row
+    got = _transport._via_store(store, "rank 0", members, 0, timeout=1, all_ranks=False)
+    assert got == (["rank 0", "rank 1, call 2"], None)
+    assert store.check([_keys(members, 1)[1]])  # call 1's row is still there, unread
+
+
+def _keys(members: tuple[int, ...], n: int) -> list[str]:
+    import zlib
+
+    tag = f"{zlib.crc32(','.join(map(str, members)).encode()):08x}-{len(members)}"
+    return [f"cudamem/report/{tag}/{n}/{r}" for r in members]
+
+
+def test_the_store_exchange_for_all_ranks_is_cleaned_by_the_last_reader() -> None:
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    members = (4, 5)
+    store.set(_keys(members, 1)[1], "five")  # rank 5's row is there already
+    first = _as_rank(store, "four", members, 4, timeout=1, all_ranks=True)
+    assert first == (["four", "five"], None)
+    assert store.check(_keys(members, 1))  # rank 5 has not read yet
+    second = _as_rank(store, "five", members, 5, timeout=1, all_ranks=True)
+    assert second == (["four", "five"], None)
+    assert not store.check([_keys(members, 1)[0]])
 
 
 @pytest.mark.parametrize(
@@ -499,7 +576,7 @@ def test_unknown_stays_unknown_in_the_table() -> None:
 
 
 def test_missing_ranks_and_round_trips() -> None:
-    rows = [_row(0, 1), cdist._absent(1, 2, "no answer within 5 s (timeout)")]
+    rows = [_row(0, 1), absent_row(1, 2, "no answer within 5 s (timeout)")]
     report = build_report(rows, world_size=2)
     assert report.pids == {0: 1, 1: None}
     assert "no row from rank(s) 1" in report.notes

@@ -190,8 +190,8 @@ def render_distributed(report: DistributedReport) -> str:
     hosts = {r.host for r in report.ranks if r.host is not None}
     head = (
         f"cudamem distributed report: {_plural(report.world_size, 'rank')} on "
-        f"{_plural(len(hosts), 'host')}, gathered on rank {report.collector} in "
-        f"{report.seconds * 1e3:.1f} ms"
+        f"{_plural(len(hosts), 'host')}, gathered on rank {report.collector} "
+        f"(waited {report.seconds * 1e3:.1f} ms for the rows)"
     )
     parts = [head, _summary(report)]
     for outlier in (report.peak_outlier, report.growth_outlier):
