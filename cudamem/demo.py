@@ -797,7 +797,9 @@ def seed001_gpu1_context_on_gpu0() -> Experiment:
     bad, good = _run("stream", 1), _run("stream-set-device", 1)
     context = next(iter(_lines(bad, 0, "context")), None)
     zero = bad["ledgers"].get("0", {})
-    never = _ledger_says(bad, 0, r"never used|did not use|never touched|untouched|unused device")
+    never = _ledger_says(
+        bad, 0, r"never used|never allocated|did not use|never touched|untouched|unused device"
+    )
     rows = []
     for label, out in (("no set_device (current: cuda:0)", bad), ("set_device(1) first", good)):
         ctx = next(iter(_lines(out, 0, "context")), None)

@@ -50,7 +50,7 @@ def _out(
     *,
     device: int = 0,
     cublas: int | None = None,
-    cublas_label: str = "allocated: cuBLAS workspaces",
+    cublas_note: str = "",
     warnings: Sequence[str] = (),
     contexts: list[int] | None = None,
     still: int = 0,
@@ -58,7 +58,12 @@ def _out(
 ) -> dict[str, Any]:
     lines = [
         _line("context", "CUDA context and loaded kernels", 744 * MiB, CONTEXT_FREES),
-        _line("allocated_cublas", cublas_label, levels[-1] if cublas is None else cublas),
+        _line(
+            "allocated_cublas",
+            "allocated: cuBLAS workspaces",
+            levels[-1] if cublas is None else cublas,
+            note=cublas_note,
+        ),
     ]
     out = {
         "case": "x",
@@ -86,7 +91,12 @@ STREAM_WARNING = (
     "seed001 run retains +65.0 MiB per call (5 calls)\n  note: 325.0 MiB of the allocated "
     "memory on cuda:0 is 10 cuBLAS workspaces held by no tensor: ..."
 )
-PER_STREAM = "allocated: cuBLAS workspaces, one per handle and stream"
+#: The ledger's wording (its cuBLAS line's note, its label for a context on an unused device).
+PER_STREAM_NOTE = (
+    "10 workspace(s), one per cuBLAS handle and stream, on 5 stream(s): a new "
+    "torch.cuda.Stream (or thread) per run adds one each run"
+)
+UNUSED_LABEL = "CUDA context on a device this process never allocated on"
 
 
 @pytest.fixture
@@ -109,7 +119,7 @@ def _checks(exp: demo.Experiment) -> dict[str, bool]:
 
 def test_stream_per_run_passes_with_the_per_stream_line(runs: dict[Any, Any]) -> None:
     levels = [65 * MiB * (k + 1) for k in range(6)]
-    runs[("stream", 0)] = _out(levels, cublas_label=PER_STREAM, warnings=[STREAM_WARNING])
+    runs[("stream", 0)] = _out(levels, cublas_note=PER_STREAM_NOTE, warnings=[STREAM_WARNING])
     exp = demo.seed001_stream_per_run()
     assert all(_checks(exp).values()), render_experiment(exp)
     text = render_experiment(exp)
@@ -140,17 +150,15 @@ def test_thread_per_run_grows_once_then_flat(runs: dict[Any, Any]) -> None:
     assert checks["no LeakWarning: growth that stops is not a leak"] is False
 
 
-def _context_case(words: str, contexts: list[int]) -> dict[str, Any]:
+def _context_case(label: str, contexts: list[int]) -> dict[str, Any]:
     out = _out([65 * MiB] * 6, device=1, contexts=contexts)
-    out["ledgers"]["0"] = _ledger(
-        0, [_line("context", f"CUDA context{words}", 524 * MiB, CONTEXT_FREES)]
-    )
+    out["ledgers"]["0"] = _ledger(0, [_line("context", label, 524 * MiB, CONTEXT_FREES)])
     out["nvml_process"]["0"] = 524 * MiB
     return out
 
 
 def test_context_on_gpu0_names_the_cause_and_the_fix(runs: dict[Any, Any]) -> None:
-    runs[("stream", 1)] = _context_case(" on a device this process never used", [0, 1])
+    runs[("stream", 1)] = _context_case(UNUSED_LABEL, [0, 1])
     runs[("stream-set-device", 1)] = _out([65 * MiB] * 6, device=1, contexts=[1])
     exp = demo.seed001_gpu1_context_on_gpu0()
     assert all(_checks(exp).values()), render_experiment(exp)
@@ -159,7 +167,7 @@ def test_context_on_gpu0_names_the_cause_and_the_fix(runs: dict[Any, Any]) -> No
         ("set_device(1) first", "cuda:1", "n/a", "n/a"),
     )
     # Without the ledger's wording, and with the fix not working, those checks fail.
-    runs[("stream", 1)] = _context_case(" and loaded kernels", [0, 1])
+    runs[("stream", 1)] = _context_case("CUDA context and loaded kernels", [0, 1])
     runs[("stream-set-device", 1)] = _out([65 * MiB] * 6, device=1, contexts=[0, 1])
     demo_checks = _checks(demo.seed001_gpu1_context_on_gpu0())
     assert demo_checks["explain() says this process never used cuda:0"] is False
