@@ -23,7 +23,6 @@ import torch
 import cudamem
 import cudamem.distributed as cdist
 from cudamem import _history, _nvml
-from cudamem.device import LedgerLine
 from cudamem.distributed import (
     HostGpu,
     RankDevice,
@@ -37,6 +36,7 @@ from cudamem.distributed import (
     gather_report,
 )
 from cudamem.distributed._results import absent_row
+from cudamem.ledger import LedgerLine
 from cudamem.render.distributed import render_distributed
 from cudamem.render.json import to_json
 

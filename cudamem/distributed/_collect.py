@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .. import _backend, _history, _nvml
-from ..device import LedgerLine
+from ..ledger import LedgerLine
 from ..stats import device_name
 from ._results import (
     CONTEXT_ESTIMATE,
@@ -235,7 +235,7 @@ def collect_rank(
         ledgers: dict[int, Any] = {}
         if ledger and used:
             try:
-                from ..device import explain
+                from ..ledger import explain
 
                 explanation = explain()
                 ledgers = {lg.device: lg for lg in explanation.devices}

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import _nvml
-from ..device import LedgerLine
+from ..ledger import LedgerLine
 from ..render.text import format_bytes
 from ..stats import device_name
 

@@ -40,6 +40,12 @@ def _status(row: RankReport) -> str:
     return "ok"
 
 
+def _process(row: RankReport) -> str:
+    if row.pid is None:
+        return "n/a"
+    return f"pid {row.pid} on {row.host or 'n/a'}"
+
+
 def _own(row: RankReport) -> str:
     return "n/a" if row.own_device is None else f"cuda:{row.own_device}"
 
@@ -50,8 +56,7 @@ def _summary(report: DistributedReport) -> str:
         rows.append(
             [
                 str(r.rank),
-                "n/a" if r.pid is None else str(r.pid),
-                r.host or "n/a",
+                _process(r),
                 _own(r),
                 ", ".join(f"cuda:{d.device}" for d in r.devices) or "none",
                 format_bytes(_sum(d.allocated for d in r.devices)),
@@ -65,8 +70,7 @@ def _summary(report: DistributedReport) -> str:
         )
     headers = [
         "rank",
-        "pid",
-        "host",
+        "process",
         "own",
         "devices",
         "allocated",
@@ -77,7 +81,7 @@ def _summary(report: DistributedReport) -> str:
         "NCCL (inferred)",
         "status",
     ]
-    return render_table(headers, rows, align="rrlllrrrrrrl")
+    return render_table(headers, rows, align="rlllrrrrrrl")
 
 
 def _gpu_map(report: DistributedReport) -> str:

@@ -1,16 +1,19 @@
 """The distributed guide's example (docs/guide/distributed.md): one report for every rank.
 
+    python docs/examples/distributed_report.py          # starts torchrun itself
     torchrun --standalone --nproc_per_node=2 docs/examples/distributed_report.py
 
 On GPUs each rank trains on its own device over NCCL (``NCCL_NVLS_ENABLE=0`` keeps NVLink
-multicast off); ``--no-set-device`` leaves ``torch.cuda.set_device`` out, as many scripts do.
-On a machine without a GPU the ranks talk over gloo, and a stand-in allocator that counts
-the process's live CPU tensors plays the GPU, so the report has something to show. Either
-way rank 1 keeps every step's output in a list: it grows, and the report names it.
+multicast off), one rank per GPU, two at most; ``--no-set-device`` leaves
+``torch.cuda.set_device`` out, as many scripts do. On a machine without a GPU two ranks talk
+over gloo, and a stand-in allocator that counts the process's live CPU tensors plays the GPU,
+so the report has something to show. Either way the last rank keeps every step's output in a
+list: it grows, and the report names it.
 """
 
 import contextlib
 import os
+import subprocess
 import sys
 import warnings
 
@@ -57,8 +60,19 @@ class CpuTensorsAsGpu(_backend.Backend):
         self.peak = sum(live_storage_keys("cpu").values())
 
 
+def launch() -> int:
+    """Not started by torchrun: start it, one rank per GPU (two ranks on a CPU)."""
+    gpus = torch.cuda.device_count()
+    ranks = 2 if gpus == 0 else min(gpus, 2)
+    env = dict(os.environ, OMP_NUM_THREADS="1", NCCL_NVLS_ENABLE="0")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += [f"--nproc_per_node={ranks}", __file__, *sys.argv[1:]]
+    return subprocess.run(cmd, env=env, check=False).returncode
+
+
 def main() -> None:
     rank, local = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    last = int(os.environ["WORLD_SIZE"]) - 1
     gpu = torch.cuda.is_available()
     stand_in = contextlib.nullcontext()
     if gpu:
@@ -86,8 +100,8 @@ def main() -> None:
                     for p in model.parameters():
                         dist.all_reduce(p.grad)
                 opt.step()
-                if rank == 1:
-                    outputs.append(out.detach())  # rank 1 keeps 1 MiB per step
+                if rank == last and last > 0:
+                    outputs.append(out.detach())  # the last rank keeps 1 MiB a step
             del x, out, loss
 
         report = cudamem.distributed.gather_report(timeout=60)
@@ -97,4 +111,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    if "RANK" not in os.environ:
+        sys.exit(launch())
     main()
