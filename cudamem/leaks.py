@@ -594,19 +594,23 @@ class _Detector:
         except Exception as exc:  # never into the user's step
             logger.debug("cudamem: checking the survivors of %r failed: %r", name, exc)
             retained = 0
+        notes: list[str] = []
         if retained < settings.min_explained * rate:
-            self._unexplained(name, rate, retained, settings)
-            return
+            # No tensor explains it; piling cuBLAS workspaces (held by no tensor) still can.
+            notes = _workspace_notes()
+            if not notes:
+                self._unexplained(name, rate, retained, settings)
+                return
         with self.lock:
             s = self.series.get(name)
             if s is not None:
                 self._disarm(name, s)
-        notes: list[str] = []
         culprits: list[Culprit] = []
-        try:
-            culprits = _name_culprits(pending)
-        except Exception as exc:  # never into the user's step
-            notes.append(f"naming the culprits failed: {type(exc).__name__}: {exc}")
+        if not notes:
+            try:
+                culprits = _name_culprits(pending)
+            except Exception as exc:  # never into the user's step
+                notes.append(f"naming the culprits failed: {type(exc).__name__}: {exc}")
         growth = Growth(
             name=name,
             per_call=round(rate),
@@ -648,6 +652,43 @@ def _name_culprits(pending: Refs) -> list[Culprit]:
     culprits = [c if c.holder == NO_HOLDER else totals.get(c.holder, c) for c in named]
     culprits.sort(key=lambda c: c.nbytes, reverse=True)
     return culprits
+
+
+#: cuBLAS workspaces of a training step: one for the forward thread, one for autograd's.
+STEP_WORKSPACES = 2
+
+
+def _cublas_workspaces() -> list[tuple[int, int, int]]:
+    """``(device, bytes, count)`` of the cuBLAS workspaces on each device with a context (the
+    census's split of allocated memory: blocks of the workspace size no tensor lives in)."""
+    out = []
+    for device in _backend.get().initialized_devices():
+        try:
+            split = census.unaccounted(device)
+        except Exception:
+            continue
+        if split.cublas_workspaces:
+            out.append((device, int(split.cublas_workspaces), int(split.workspace_count)))
+    return out
+
+
+def _workspace_notes() -> list[str]:
+    """Growth no storage accounts for, when cuBLAS workspaces pile up: name them."""
+    try:
+        if _backend.get().storage_device_type() != "cuda":
+            return []
+        piles = _cublas_workspaces()
+    except Exception as exc:  # never into the user's step
+        logger.debug("cudamem: reading the cuBLAS workspaces failed: %r", exc)
+        return []
+    return [
+        f"{format_bytes(nbytes)} of the allocated memory on cuda:{device} is {count} cuBLAS "
+        "workspaces held by no tensor: cuBLAS keeps one per handle and stream (a training "
+        "step uses two), so a new torch.cuda.Stream per call adds more every call; reuse one "
+        "stream, or cudamem.release(clear_cublas=True) frees them"
+        for device, nbytes, count in piles
+        if count > STEP_WORKSPACES
+    ]
 
 
 _detector = _Detector()

@@ -693,3 +693,37 @@ def test_detection_holds_no_references_once_decided(fake: CpuFake) -> None:
     assert _live_refs() > baseline  # the span's report: its storages and their refs
     del span
     assert _live_refs() <= baseline
+
+
+def test_growth_no_storage_explains_names_piling_cublas_workspaces(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A new torch.cuda.Stream per call: +65 MiB of workspaces each call, no tensor at all.
+    gpu = FakeAllocator(devices=1, contexts=(0,))  # its storages are CUDA ones: none here
+    piles = [(0, 325 * MiB, 10)]
+    monkeypatch.setattr(sys.modules["cudamem.leaks"], "_cublas_workspaces", lambda: piles)
+    cudamem.configure_leaks()
+    with _backend.use(gpu), warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(12):
+            with cudamem.track("run", sync=False):
+                gpu.alloc(65 * MiB)
+    (found,) = leak_warnings(record)
+    assert found.growth is not None and found.growth.culprits == ()
+    assert (
+        "325.0 MiB of the allocated memory on cuda:0 is 10 cuBLAS workspaces held by no tensor"
+        in str(found)
+    )
+    assert "cudamem.release(clear_cublas=True) frees them" in str(found)
+    # A training step's own two workspaces are not named.
+    piles[:] = [(0, 65 * MiB, 2)]
+    cudamem.configure_leaks()
+    gpu = FakeAllocator(devices=1, contexts=(0,))
+    with _backend.use(gpu), warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(12):
+            with cudamem.track("run", sync=False):
+                gpu.alloc(65 * MiB)
+    # Nothing explains that growth then: no warning (a debug line says why).
+    assert leak_warnings(record) == []
+    cudamem.configure_leaks()
