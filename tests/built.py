@@ -6,7 +6,11 @@ text, JSON or HTML a renderer makes of it. Override fields with keyword argument
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
 from typing import Any
+
+import pytest
 
 from cudamem._history import History, SpanStats
 from cudamem._nvml import DeviceMemory, GpuProcess, NvmlDevice, NvmlStatus
@@ -28,6 +32,16 @@ GiB = 1024**3
 
 #: A time.time() value (2026-12-01 10:00:00 UTC).
 T0 = 1_796_119_200.0
+
+
+@pytest.fixture
+def utc(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Local time is UTC (reports print local time): their text is exact anywhere."""
+    monkeypatch.setenv("TZ", "UTC")
+    time.tzset()
+    yield
+    monkeypatch.undo()
+    time.tzset()
 
 
 def stats(device: int = 0, allocated: int = 0, reserved: int = 0, **kw: int) -> AllocatorStats:

@@ -2,24 +2,13 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator
-
 import pytest
 
 from cudamem.render.oom import render_oom
 
-from .built import GiB, culprit, oom_report
+from .built import GiB, culprit, oom_report, utc  # noqa: F401  (the fixture)
 
-
-@pytest.fixture(autouse=True)
-def _utc(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """The report's time is local time: pin the zone so the text is exact."""
-    monkeypatch.setenv("TZ", "UTC")
-    time.tzset()
-    yield
-    monkeypatch.undo()
-    time.tzset()
+pytestmark = pytest.mark.usefixtures("utc")
 
 
 def test_full_report() -> None:

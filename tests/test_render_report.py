@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import re
-import time
-from collections.abc import Iterator
 from html.parser import HTMLParser
 
 import pytest
@@ -28,18 +26,13 @@ from .built import (
     run_report,
     span,
     span_stats,
+    utc,  # noqa: F401  (the fixture)
 )
 
 HOSTILE = "<script>alert('x')</script>&"
 
 
-@pytest.fixture(autouse=True)
-def _utc(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setenv("TZ", "UTC")
-    time.tzset()
-    yield
-    monkeypatch.undo()
-    time.tzset()
+pytestmark = pytest.mark.usefixtures("utc")
 
 
 def _full() -> RunReport:
