@@ -23,6 +23,30 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
+def _stray(
+    row: RankReport,
+    device: RankDevice | None,
+    gpu: int | None,
+    used: int | None,
+    levels: tuple[int | None, int | None],
+) -> StrayMemory:
+    """A rank's memory on a GPU not its own: a device it holds a context on, or (``device``
+    ``None``) a process NVML lists there; ``levels`` is the allocator's (allocated,
+    reserved) when known."""
+    return StrayMemory(
+        row.rank,
+        row.pid,
+        row.host,
+        None if device is None else device.device,
+        gpu,
+        row.own_device,
+        used,
+        levels[0],
+        levels[1],
+        _stray_cause(row, device, gpu),
+    )
+
+
 def _stray_cause(row: RankReport, device: RankDevice | None, gpu: int | None) -> str:
     own = row.own_device
     own_text = device_name(own) if own is not None else "unknown"
@@ -156,37 +180,11 @@ def build_report(
                 seen_uuids.add(d.uuid)
             if row.own_device is None or d.device == row.own_device:
                 continue
-            strays.append(
-                StrayMemory(
-                    row.rank,
-                    row.pid,
-                    row.host,
-                    d.device,
-                    d.gpu,
-                    row.own_device,
-                    d.process_used,
-                    d.allocated,
-                    d.reserved,
-                    _stray_cause(row, d, d.gpu),
-                )
-            )
+            strays.append(_stray(row, d, d.gpu, d.process_used, (d.allocated, d.reserved)))
         for h in holdings:
             if h.rank != row.rank or h.own is not False or h.uuid in seen_uuids:
                 continue
-            strays.append(
-                StrayMemory(
-                    row.rank,
-                    row.pid,
-                    row.host,
-                    None,
-                    h.gpu,
-                    row.own_device,
-                    h.used,
-                    None,
-                    None,
-                    _stray_cause(row, None, h.gpu),
-                )
-            )
+            strays.append(_stray(row, None, h.gpu, h.used, (None, None)))
     stray_gpus = {s.gpu for s in strays if s.gpu is not None}
     for gpu in sorted(stray_gpus):
         ranks = sorted({s.rank for s in strays if s.gpu == gpu})
