@@ -7,6 +7,8 @@ graphs; ``explain``/``release`` reconcile nvidia-smi with PyTorch.
 
 from __future__ import annotations
 
+from typing import Any
+
 from ._history import History, SpanStats, clear_history, history, set_history_size
 from .census import Census, LiveStorage, Unaccounted, live_tensors, unaccounted
 from .device import (
@@ -21,6 +23,7 @@ from .device import (
     machine_status,
     release,
 )
+from .diff import DiffEntry, MemoryDiff, diff
 from .holders import Holder, Holders, who_holds
 from .leaks import (
     Culprit,
@@ -33,6 +36,7 @@ from .leaks import (
     leak_settings,
     leaks,
 )
+from .memviz import SnapshotDump, dump_snapshot
 from .oom import OomEvent, OomGuard, OomReport, OomStorage, on_oom, oom_report
 from .plot import plot
 from .scalars import (
@@ -60,6 +64,7 @@ __all__ = [
     "DeviceLedger",
     "DeviceRelease",
     "DeviceSpan",
+    "DiffEntry",
     "ExceptionInfo",
     "Explanation",
     "GraphHolder",
@@ -77,6 +82,7 @@ __all__ = [
     "LiveStorage",
     "LoggerStats",
     "MachineStatus",
+    "MemoryDiff",
     "MemorySpan",
     "OomEvent",
     "OomGuard",
@@ -87,6 +93,7 @@ __all__ = [
     "ScalarLogger",
     "Series",
     "SeriesSummary",
+    "SnapshotDump",
     "SpanRecord",
     "SpanStats",
     "StatsDelta",
@@ -95,6 +102,8 @@ __all__ = [
     "__version__",
     "clear_history",
     "configure_leaks",
+    "diff",
+    "dump_snapshot",
     "explain",
     "find_graph_holders",
     "history",
@@ -115,3 +124,10 @@ __all__ = [
     "unaccounted",
     "who_holds",
 ]
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """``%load_ext cudamem``: the notebook magics (:mod:`cudamem.integrations.notebook`)."""
+    from .integrations.notebook import load_ipython_extension as load
+
+    load(ipython)

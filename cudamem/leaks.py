@@ -40,7 +40,7 @@ import sys
 import threading
 import warnings
 from collections import deque
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
@@ -763,10 +763,33 @@ def _stacklevel() -> int:
     return level
 
 
+#: Called with every :class:`Growth` about to be warned about (integrations count culprits
+#: and dump snapshots there). Replaced, never mutated.
+_growth_hooks: tuple[Callable[[Growth], None], ...] = ()
+
+
+def add_growth_hook(hook: Callable[[Growth], None]) -> None:
+    """Call ``hook(growth)`` before each :class:`LeakWarning` (errors are swallowed)."""
+    global _growth_hooks
+    if hook not in _growth_hooks:
+        _growth_hooks = (*_growth_hooks, hook)
+
+
+def remove_growth_hook(hook: Callable[[Growth], None]) -> None:
+    """Undo :func:`add_growth_hook`."""
+    global _growth_hooks
+    _growth_hooks = tuple(h for h in _growth_hooks if h is not hook)
+
+
 def _emit(growth: Growth) -> None:
     """One warning, and the same text to logging when anyone listens."""
     from .render.leaks import render_growth
 
+    for hook in _growth_hooks:
+        try:
+            hook(growth)
+        except Exception as exc:  # an integration's hook must not stop the warning
+            logger.debug("cudamem: growth hook %r failed: %r", hook, exc)
     text = render_growth(growth)
     warnings.warn(LeakWarning(text, growth), stacklevel=_stacklevel())
     # Only when logging is configured: Python's last-resort handler would otherwise print
