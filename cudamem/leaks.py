@@ -330,9 +330,12 @@ def _in_container(path: str) -> bool:
 
 
 def _candidates(holders: tuple[str, ...]) -> tuple[str, ...]:
-    """The holders a storage is attributed to: direct ones if any, else all."""
-    direct = tuple(h for h in holders if not _through_graph(h))
-    return direct or holders
+    """The holders a storage is attributed to: direct ones if any, else all; among them,
+    those with a named root. A path that starts at an object with no root (``<list_iterator
+    object> → ...``: a ``for`` loop's iterator on a running frame's stack) reaches
+    everything a framework holds and would take every storage's vote."""
+    pool = tuple(h for h in holders if not _through_graph(h)) or holders
+    return tuple(h for h in pool if not h.startswith("<")) or pool
 
 
 def group_culprits(storages: Iterable[_storages.LiveStorage]) -> list[Culprit]:

@@ -238,6 +238,11 @@ class SpanRecord:
             "notes": list(self.notes),
         }
 
+    def _repr_html_(self) -> str:
+        from .render.notebook import record_html
+
+        return record_html(self)
+
     def __str__(self) -> str:
         from .render.text import format_duration
 
@@ -673,6 +678,11 @@ class MemorySpan:
 
     def __repr__(self) -> str:
         return f"<MemorySpan {self}>"
+
+    def _repr_html_(self) -> str:
+        from .render.notebook import span_html
+
+        return span_html(self)
 
 
 @overload

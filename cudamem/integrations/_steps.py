@@ -197,6 +197,20 @@ class StepMeter:
             values["leak_culprits"] = float(self._culprits.get(stage, 0))
         return {self.name(stage, k): values[k] for k in METRICS if k in values}
 
+    def summarize(self, stage: str, steps: list[dict[str, float]]) -> dict[str, float]:
+        """Several steps as one set: the last step's levels (allocated, reserved, culprits),
+        the highest peak, the mean retained per step."""
+        if not steps:
+            return {}
+        out = dict(steps[-1])
+        peak = self.name(stage, "peak_mib")
+        if peak in out:
+            out[peak] = max(s.get(peak, 0.0) for s in steps)
+        retained = self.name(stage, "retained_mib")
+        if retained in out:
+            out[retained] = sum(s.get(retained, 0.0) for s in steps) / len(steps)
+        return out
+
     def _on_growth(self, growth: Growth) -> None:
         for stage, span_name in self.span_names.items():
             if growth.name == span_name:

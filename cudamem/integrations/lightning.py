@@ -7,9 +7,9 @@
     trainer = L.Trainer(callbacks=[CudamemCallback()], logger=TensorBoardLogger("logs"))
 
 Every training (and validation) batch runs inside a cudamem span opened in
-``on_train_batch_start`` and closed in ``on_train_batch_end``. Its figures are logged with
-``pl_module.log_dict`` (so TensorBoard, W&B, CSV, MLflow, whatever logger the trainer has,
-receive them, at the trainer's ``log_every_n_steps``):
+``on_train_batch_start`` and closed in ``on_train_batch_end``. Its figures go to every logger
+the trainer has (TensorBoard, W&B, CSV, MLflow, ...: ``logger.log_metrics``) at the trainer's
+``log_every_n_steps`` and logging step, like the module's own ``self.log`` values:
 
 ========================  ==================================================================
 ``cudamem/allocated_mib``  allocated at the end of the batch
@@ -19,7 +19,8 @@ receive them, at the trainer's ``log_every_n_steps``):
 ``cudamem/leak_culprits``  holder groups named by the latest LeakWarning (0 until one)
 ========================  ==================================================================
 
-Validation batches log the same under ``cudamem/val_…``. A batch span that keeps growing
+Each validation run logs one row of the same under ``cudamem/val_…`` (the last batch's
+levels, the highest peak, the mean retained per batch). A batch span that keeps growing
 gets cudamem's :class:`~cudamem.LeakWarning` naming who holds the growth (``callback.leaks``
 keeps the findings); an out-of-memory error gets cudamem's post-mortem from ``on_exception``
 (``callback.oom_report``). On a CPU model nothing is logged unless ``device='cpu'``, which
@@ -100,6 +101,7 @@ class CudamemCallback(Callback):  # type: ignore[misc,unused-ignore]
         self.oom_report: OomReport | None = None
         #: Metrics of the last measured batch of each stage (``'train'``, ``'val'``).
         self.last_metrics: dict[str, dict[str, float]] = {}
+        self._val: list[dict[str, float]] = []
 
     @property
     def leaks(self) -> tuple[Growth, ...]:
@@ -130,11 +132,34 @@ class CudamemCallback(Callback):  # type: ignore[misc,unused-ignore]
 
     # -- batches ------------------------------------------------------------------------
 
-    def _log(self, pl_module: Any, stage: str, metrics: Mapping[str, float] | None) -> None:
+    def _log(self, trainer: Any, stage: str, metrics: Mapping[str, float] | None) -> None:
+        """Hand ``metrics`` to every logger of the trainer, at the trainer's logging step.
+
+        Straight to ``logger.log_metrics`` rather than through ``pl_module.log``, which would
+        turn each float into a tensor on the model's device (a GPU allocation per metric and
+        step, kept in the result collection) inside the very steps being measured.
+        """
         if not metrics:
             return
         self.last_metrics[stage] = dict(metrics)
-        pl_module.log_dict(dict(metrics), on_step=True, on_epoch=False, batch_size=1)
+        loggers = getattr(trainer, "loggers", None) or ()
+        if not loggers:
+            return
+        step = getattr(getattr(trainer.fit_loop, "epoch_loop", None), "_batches_that_stepped", None)
+        if not isinstance(step, int):
+            step = int(trainer.global_step)
+        for logger in loggers:
+            logger.log_metrics(dict(metrics), step=step)
+
+    @staticmethod
+    def _log_now(trainer: Any) -> bool:
+        """Lightning's own rule: every ``log_every_n_steps`` batches, and when stopping."""
+        connector = getattr(trainer, "_logger_connector", None)
+        should = getattr(connector, "should_update_logs", None)
+        if isinstance(should, bool):
+            return should
+        n = max(1, int(getattr(trainer, "log_every_n_steps", 1) or 1))
+        return (int(trainer.global_step) + 1) % n == 0
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self.meter.start("train")
@@ -142,7 +167,11 @@ class CudamemCallback(Callback):  # type: ignore[misc,unused-ignore]
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._log(pl_module, "train", self.meter.end("train"))
+        metrics = self.meter.end("train")
+        if metrics and self._log_now(trainer):
+            self._log(trainer, "train", metrics)
+        elif metrics:
+            self.last_metrics["train"] = metrics
 
     def on_validation_batch_start(
         self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
@@ -160,7 +189,15 @@ class CudamemCallback(Callback):  # type: ignore[misc,unused-ignore]
         dataloader_idx: int = 0,
     ) -> None:
         if self.validation and not trainer.sanity_checking:
-            self._log(pl_module, "val", self.meter.end("val"))
+            metrics = self.meter.end("val")
+            if metrics:
+                self._val.append(metrics)
+
+    def on_validation_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        """One row per validation run: last levels, highest peak, mean retained per batch."""
+        steps, self._val = self._val, []
+        if steps and not trainer.sanity_checking:
+            self._log(trainer, "val", self.meter.summarize("val", steps))
 
     # -- failure ------------------------------------------------------------------------
 

@@ -118,7 +118,7 @@ class CudamemTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-ignor
     ) -> None:
         if logs is None or not self._pending:
             return
-        values = self._summary(self._pending)
+        values = self.meter.summarize("train", self._pending)
         self._pending.clear()
         self.last_values = values
         logs.update(values)
@@ -129,18 +129,6 @@ class CudamemTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-ignor
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.meter.end_run()
-
-    def _summary(self, steps: list[dict[str, float]]) -> dict[str, float]:
-        """The last step's levels, the highest peak, the mean retained per step."""
-        last = steps[-1]
-        out = dict(last)
-        peak = self.meter.name("train", "peak_mib")
-        if peak in last:
-            out[peak] = max(s.get(peak, 0.0) for s in steps)
-        retained = self.meter.name("train", "retained_mib")
-        if retained in last:
-            out[retained] = sum(s.get(retained, 0.0) for s in steps) / len(steps)
-        return out
 
 
 def attach(trainer: Any, **kwargs: Any) -> CudamemTrainerCallback:
