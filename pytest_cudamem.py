@@ -18,7 +18,6 @@ collecting tests never imports torch through this plugin and never initialises C
 from __future__ import annotations
 
 import warnings
-
 from collections.abc import Generator, Iterator
 from typing import Any
 

@@ -166,9 +166,7 @@ def _census_groups(census: Any, notes: list[str]) -> dict[str, _Group]:
         if s.holders is None:
             unsearched += 1
         paths = () if s.holders is None else tuple(h.path for h in s.holders if not h.caller)
-        items.append(
-            _storages.LiveStorage(s.key, int(s.nbytes), s.device, s.dtype, s.shape, paths)
-        )
+        items.append(_storages.LiveStorage(s.key, int(s.nbytes), s.device, s.dtype, s.shape, paths))
     if unsearched:
         notes.append(
             f"{unsearched} storage(s) without holders: take the census with "
@@ -351,4 +349,3 @@ def diff(a: Any, b: Any) -> MemoryDiff:
             "second): if every call does, it grows by that much per call"
         )
     return _join("span", ga, gb, (level_a, level_b), notes)
-

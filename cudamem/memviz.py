@@ -271,13 +271,23 @@ def _dump(path: Path, *, holders: bool, reason: str) -> SnapshotDump:
             "torch.cuda.memory._record_memory_history(), or auto_dump(record_history=True), "
             "for the timeline and allocation stacks)"
         )
-    device_type = backend.storage_device_type()
-    storages = _storages(device_type, notes) if holders else []
-    workspace = {d: backend.cublas_workspace_sizes(d) for d in set(devices)}
-    live, live_bytes, named, named_bytes = annotate_snapshot(
-        snap, storages, workspace_sizes=workspace, match_device=device_type == "cuda"
-    )
-    storages.clear()
+    if holders:
+        device_type = backend.storage_device_type()
+        storages = _storages(device_type, notes)
+        workspace = {d: backend.cublas_workspace_sizes(d) for d in set(devices)}
+        live, live_bytes, named, named_bytes = annotate_snapshot(
+            snap, storages, workspace_sizes=workspace, match_device=device_type == "cuda"
+        )
+        storages.clear()
+    else:
+        sizes = [
+            _int(b.get("size"))
+            for seg in segments or ()
+            if isinstance(seg, dict)
+            for b in seg.get("blocks") or ()
+            if isinstance(b, dict) and b.get("state") in _LIVE
+        ]
+        live, live_bytes, named, named_bytes = len(sizes), sum(sizes), 0, 0
     _write_atomic(path, snap)
     return SnapshotDump(
         path=str(path),

@@ -97,9 +97,7 @@ def test_who_holds_explains_the_output_cache(shell: Any) -> None:
     assert f"Out[{n}]" in str(found) and "fix: %forget out" in str(found)
     assert "fix: <code>%forget out</code>" in found._repr_html_()
     # The fix works: after it nothing holds the storage.
-    ref = torch.multiprocessing.reductions.StorageWeakRef(
-        shell.user_ns["Out"][n].untyped_storage()
-    )
+    ref = torch.multiprocessing.reductions.StorageWeakRef(shell.user_ns["Out"][n].untyped_storage())
     cell(shell, "%forget out")
     assert ref.expired()
 

@@ -366,7 +366,10 @@ def test_test_memory_fixture_object_validates_device() -> None:
 
 def test_plugin_module_is_light() -> None:
     """Importing the registered plugin module imports neither torch nor cudamem."""
-    code = "import sys, pytest_cudamem; print(sorted(m for m in ('torch', 'cudamem') if m in sys.modules))"
+    code = (
+        "import sys, pytest_cudamem\n"
+        "print(sorted(m for m in ('torch', 'cudamem') if m in sys.modules))"
+    )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120

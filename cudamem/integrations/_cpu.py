@@ -45,7 +45,9 @@ class CpuStorageBackend(Backend):
             return AllocatorStats.zero(device, now)
         total = sum(live_storage_keys("cpu").values())
         self._peak = max(self._peak, total)
-        return AllocatorStats(0, total, total, total, total, self._peak, self._peak, 0, 0, 0, 0, 0, 0, now)
+        return AllocatorStats(
+            0, total, total, total, total, self._peak, self._peak, 0, 0, 0, 0, 0, 0, now
+        )
 
     def synchronize(self, device: int) -> None:
         """CPU work is synchronous: nothing to wait for."""

@@ -39,7 +39,7 @@ from ..span import MemorySpan
 if TYPE_CHECKING:
     from ..leaks import Growth
 
-__all__ = ["MODES", "METRICS", "StepMeter"]
+__all__ = ["METRICS", "MODES", "StepMeter"]
 
 MODES = ("auto", "cuda", "cpu")
 #: Metric names (without prefix and stage) in the order they are logged.

@@ -42,7 +42,7 @@ from ._steps import StepMeter
 try:
     from lightning.pytorch import Callback
 except ImportError:  # pragma: no cover - the older package name
-    from pytorch_lightning import Callback  # type: ignore[no-redef,unused-ignore]
+    from pytorch_lightning import Callback  # type: ignore[assignment,no-redef,unused-ignore]
 
 if TYPE_CHECKING:
     from ..leaks import Growth
@@ -161,7 +161,9 @@ class CudamemCallback(Callback):  # type: ignore[misc,unused-ignore]
         n = max(1, int(getattr(trainer, "log_every_n_steps", 1) or 1))
         return (int(trainer.global_step) + 1) % n == 0
 
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
+    ) -> None:
         self.meter.start("train")
 
     def on_train_batch_end(

@@ -230,7 +230,7 @@ def _show(shell: Any, span: MemorySpan, *, leaks: bool) -> None:
         report = str(span.leaks)
         text += "\n" + report
         html += pre_html(report)
-    display({"text/plain": text, "text/html": html}, raw=True)
+    display({"text/plain": text, "text/html": html}, raw=True)  # type: ignore[no-untyped-call,unused-ignore]
 
 
 def _track_magic(shell: Any, line: str, cell: str) -> Any:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import gc
 import re
-from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,7 +68,9 @@ def parse_size(value: Any, name: str = "limit") -> int:
             raise ValueError(f"{name} must be >= 0, got {value}")
         return value
     if not isinstance(value, str):
-        raise TypeError(f"{name} must be a size like '512 MiB' or an int, not {type(value).__name__}")
+        raise TypeError(
+            f"{name} must be a size like '512 MiB' or an int, not {type(value).__name__}"
+        )
     m = _SIZE.match(value)
     unit = (m.group(2) if m else "").lower() or "b"
     if m is None or unit not in _UNITS:
@@ -223,9 +224,9 @@ def _baseline(device: str, *, peak: bool) -> _Baseline:
     return base
 
 
-def _survivors(base: _Baseline) -> dict[Hashable, int]:
+def _survivors(base: _Baseline) -> dict[tuple[str, int], int]:
     """Storages created since ``base`` that stay alive through a few settle rounds."""
-    new: dict[Hashable, int] = {}
+    new: dict[tuple[str, int], int] = {}
     for _ in range(RECHECKS):
         _settle(base.device)
         now = live_storage_keys(base.device)
@@ -261,9 +262,10 @@ def _judge(
     if leak_limit is not None:
         new = _survivors(base)
         found = storages_with_keys(new.keys(), holders=True) if new else ()
-        for s in found:
-            paths = () if s.holders is None else tuple(h.path for h in s.holders if not h.caller)
-            leaked.append(LeakedStorage(s.nbytes, s.device, s.dtype, s.shape, paths))
+        for live in found:
+            holders = live.holders
+            paths = () if holders is None else tuple(h.path for h in holders if not h.caller)
+            leaked.append(LeakedStorage(live.nbytes, live.device, live.dtype, live.shape, paths))
         total = sum(s.nbytes for s in leaked)
         if base.device == "cuda":
             per_device: dict[str, int] = {}

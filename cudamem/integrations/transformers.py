@@ -225,7 +225,7 @@ def _track(model: Any, optimizer: Any) -> tuple[dict[tuple[str, int], tuple[Any,
             (kind, index, ptr), nbytes = info
             key = (kind if index < 0 else f"{kind}:{index}", ptr)
             if key not in tracked:
-                tracked[key] = (StorageWeakRef(t.untyped_storage()), nbytes)
+                tracked[key] = (StorageWeakRef(t.untyped_storage()), nbytes)  # type: ignore[no-untyped-call]
     except Exception as exc:
         notes.append(f"could not list every storage: {type(exc).__name__}: {exc}")
     return tracked, notes

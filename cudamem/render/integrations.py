@@ -51,7 +51,7 @@ def render_memory_check(check: MemoryCheck) -> str:
             f"after it (limit {format_bytes(check.leak_limit)}):"
         )
         for s in check.leaked[:10]:
-            shape = "×".join(map(str, s.shape)) or "scalar"
+            shape = "×".join(map(str, s.shape or ())) or "scalar"
             lines.append(f"  {format_bytes(s.nbytes)} {s.dtype}[{shape}] on {s.device}, held by:")
             lines.extend(f"    {h}" for h in s.holders[:5])
             if not s.holders:

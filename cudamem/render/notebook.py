@@ -40,10 +40,14 @@ def _e(value: Any) -> str:
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], numeric: Sequence[bool]) -> str:
-    head = "".join(f"<th {_NUM if n else _CELL}>{_e(h)}</th>" for h, n in zip(headers, numeric))
+    head = "".join(
+        f"<th {_NUM if n else _CELL}>{_e(h)}</th>" for h, n in zip(headers, numeric, strict=True)
+    )
     body = "".join(
         "<tr>"
-        + "".join(f"<td {_NUM if n else _CELL}>{_e(c)}</td>" for c, n in zip(row, numeric))
+        + "".join(
+            f"<td {_NUM if n else _CELL}>{_e(c)}</td>" for c, n in zip(row, numeric, strict=True)
+        )
         + "</tr>"
         for row in rows
     )
