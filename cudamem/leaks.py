@@ -739,6 +739,17 @@ def _name_culprits(
     ]
     totals = {c.holder: c for c in group_culprits(members) if c.holder in wanted}
     culprits = [totals.get(c.holder, c) for c in named]
+    # A group holding less in all than one call's smallest counted growth cannot be where
+    # the growth goes: typically a small tensor a framework replaces every step whose
+    # successor lands at the freed address (storages are compared by address).
+    floor = _settings.min_bytes_per_call
+    small = [c for c in culprits if c.nbytes < floor]
+    culprits = [c for c in culprits if c.nbytes >= floor]
+    if small and not culprits:
+        notes.append(
+            "the storages that outlived the call hold too little to explain the growth: "
+            + ", ".join(c.holder for c in small[:3])
+        )
     culprits.sort(key=lambda c: c.nbytes, reverse=True)
     return culprits, retained
 

@@ -157,6 +157,11 @@ def test_release_trainer_names_the_callers_own_reference(tmp_path: Path) -> None
     holders = " ".join(c.holder for c in result.remaining)
     assert "local 'model'" in holders or ": model" in holders, str(result)
     assert "still alive" in str(result) and "del those references" in str(result)
+    # The next call checks those storages again: after `del model` they are gone.
+    left = result.tracked - result.freed
+    del model
+    again = release_trainer(trainer)
+    assert again.tracked == left and again.freed == left and again.remaining == ()
 
 
 def test_release_trainer_keep_model(tmp_path: Path) -> None:

@@ -33,7 +33,10 @@ Needs ``transformers`` and ``accelerate`` (``pip install 'cudamem[transformers]'
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import re
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -238,6 +241,12 @@ def _drop(trainer: Any, name: str, dropped: list[str], *, keep: bool = False) ->
     dropped.append(f"trainer.{name}")
 
 
+#: Per Trainer (weakly): storages a release found still alive, checked again next time.
+_earlier: weakref.WeakKeyDictionary[Any, dict[tuple[str, int], tuple[Any, int]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 def release_trainer(trainer: Any, *, keep_model: bool = False) -> TrainerRelease:
     """Free what a finished ``transformers.Trainer`` holds, and name what is still held.
 
@@ -248,6 +257,8 @@ def release_trainer(trainer: Any, *, keep_model: bool = False) -> TrainerRelease
 
     Returns:
         :class:`TrainerRelease`. The Trainer cannot train again afterwards (build a new one).
+        Storages found still alive are checked again by the next call on the same Trainer,
+        so ``del model; release_trainer(trainer)`` confirms they are gone.
     """
     handler = getattr(trainer, "callback_handler", None)
     if handler is None or not hasattr(trainer, "args"):
@@ -256,6 +267,10 @@ def release_trainer(trainer: Any, *, keep_model: bool = False) -> TrainerRelease
 
     model = getattr(trainer, "model", None)
     tracked, notes = _track(None if keep_model else model, getattr(trainer, "optimizer", None))
+    # Storages an earlier call found still alive are checked again (after `del model`).
+    with contextlib.suppress(TypeError):
+        for key, value in _earlier.pop(trainer, {}).items():
+            tracked.setdefault(key, value)
     if keep_model and model is not None:
         # Gradients are not needed to save or evaluate the model.
         import torch
@@ -291,6 +306,9 @@ def release_trainer(trainer: Any, *, keep_model: bool = False) -> TrainerRelease
         notes.append(f"cudamem.release() failed: {type(exc).__name__}: {exc}")
     alive = {k: n for k, (ref, n) in tracked.items() if not ref.expired()}
     count, tracked_bytes = len(tracked), sum(n for _, n in tracked.values())
+    if alive:
+        with contextlib.suppress(TypeError):  # a Trainer that takes no weak reference
+            _earlier[trainer] = {k: v for k, v in tracked.items() if k in alive}
     tracked.clear()
     remaining: tuple[Culprit, ...] = ()
     if alive:
@@ -307,15 +325,43 @@ def release_trainer(trainer: Any, *, keep_model: bool = False) -> TrainerRelease
     )
 
 
+_FIRST_STEP = re.compile(r"^(?:\.|: )(?:local '[^']*'|[A-Za-z_][A-Za-z0-9_]*)")
+
+
+def _owner(holder: Any) -> str:
+    """The variable a path starts from: ``__main__.model`` for ``__main__.model.lm_head.weight``,
+    ``train.py:12 in main(): model`` for a local. A model's hundreds of parameters are one
+    line, named by what keeps them all."""
+    path, root = str(holder.path), str(holder.root)
+    if path.startswith(root):
+        m = _FIRST_STEP.match(path[len(root) :])
+        if m is not None:
+            return root + m.group(0)
+    from ..leaks import holder_group
+
+    return holder_group(path)[0]
+
+
 def _holders_of(alive: dict[tuple[str, int], int], notes: list[str]) -> tuple[Culprit, ...]:
-    from .. import _storages
-    from ..leaks import group_culprits
+    """Still-alive storages grouped by the variable that holds them, the largest first."""
+    from ..census import storages_with_keys
+    from ..leaks import Culprit
 
     try:
-        found = _storages.live_storages(None, holders=True, keys=alive.keys())
+        found = storages_with_keys(alive.keys(), holders=True)
     except Exception as exc:
         notes.append(f"holders not found: {type(exc).__name__}: {exc}")
         return ()
-    if found is None:
-        return ()
-    return tuple(group_culprits(found))
+    groups: dict[str, dict[str, Any]] = {}
+    for s in found:
+        holders = [h for h in (s.holders or ()) if not h.caller]
+        name = _owner(holders[0]) if holders else "(no holder reachable from Python)"
+        g = groups.setdefault(name, {"n": 0, "bytes": 0, "example": ""})
+        g["n"] += 1
+        g["bytes"] += s.nbytes
+        g["example"] = g["example"] or (holders[0].path if holders else name)
+    culprits = [
+        Culprit(name, g["n"], g["n"], g["bytes"], 0, g["example"]) for name, g in groups.items()
+    ]
+    culprits.sort(key=lambda c: c.nbytes, reverse=True)
+    return tuple(culprits)
