@@ -265,7 +265,7 @@ def _dump(path: Path, *, holders: bool, reason: str) -> SnapshotDump:
     while len(traces) <= max(devices, default=0):
         traces.append([])  # memory_viz reads device_traces[device] for every device shown
     entries = sum(len(t) for t in traces if isinstance(t, list))
-    if entries == 0:
+    if entries == 0 and segments:
         notes.append(
             "no allocation history: only the current blocks are shown (turn on "
             "torch.cuda.memory._record_memory_history(), or auto_dump(record_history=True), "
