@@ -149,7 +149,10 @@ class CudamemCallback(Callback):  # type: ignore[misc,unused-ignore]
         if not isinstance(step, int):
             step = int(trainer.global_step)
         for logger in loggers:
-            logger.log_metrics(dict(metrics), step=step)
+            try:
+                logger.log_metrics(dict(metrics), step=step)
+            except Exception as exc:  # a logger's failure must not stop the training step
+                warnings.warn(f"cudamem: {type(logger).__name__} refused the metrics: {exc!r}", 2)
 
     @staticmethod
     def _log_now(trainer: Any) -> bool:
