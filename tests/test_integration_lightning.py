@@ -217,3 +217,32 @@ def test_cuda_leak_names_the_list(tmp_path: Path) -> None:
     assert found[0].growth.culprits[0].holder.endswith("outputs_seen")
     retained = [float(r["cudamem/retained_mib"]) for r in rows if r.get("cudamem/retained_mib")]
     assert sorted(retained)[len(retained) // 2] == pytest.approx(0.25, abs=0.01)
+
+
+def test_a_failing_logger_does_not_stop_training(tmp_path: Path) -> None:
+    from lightning.pytorch.loggers import Logger
+
+    class Broken(Logger):  # type: ignore[misc]
+        name = "broken"
+        version = 0
+
+        def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+            if any(k.startswith("cudamem/") for k in metrics):
+                raise OSError("disk full")
+
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=3,
+        log_every_n_steps=1,
+        logger=Broken(),
+        callbacks=[CudamemCallback(device="cpu")],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    with pytest.warns(RuntimeWarning, match="Broken refused the metrics: OSError"):
+        trainer.fit(Model(), loader())
+    assert trainer.global_step == 3

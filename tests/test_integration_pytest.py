@@ -192,6 +192,36 @@ def test_a_failing_test_is_not_judged_again(inner: pytest.Pytester) -> None:
     result.stdout.no_fnmatch_line("*still alive after it*")
 
 
+def test_a_broken_check_never_changes_the_outcome(inner: pytest.Pytester) -> None:
+    inner.makeconftest(
+        """
+        from cudamem.integrations import pytest_plugin
+
+        SAVED = pytest_plugin._judge
+
+        def _broken(*args, **kwargs):
+            raise MemoryError("census exploded")
+
+        pytest_plugin._judge = _broken
+
+        def pytest_unconfigure(config):
+            pytest_plugin._judge = SAVED
+        """
+    )
+    inner.makepyfile(
+        test_ok="""
+        import pytest
+
+        @pytest.mark.limit_gpu_leaks(device="cpu")
+        def test_passes():
+            pass
+        """
+    )
+    result = run(inner, "-W", "always")
+    result.assert_outcomes(passed=1, warnings=1)
+    result.stdout.fnmatch_lines(["*cudamem could not check*census exploded*"])
+
+
 def test_bad_marker_arguments_name_the_argument(inner: pytest.Pytester) -> None:
     inner.makepyfile(
         test_bad="""

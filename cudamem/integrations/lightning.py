@@ -152,7 +152,10 @@ class CudamemCallback(Callback):  # type: ignore[misc,unused-ignore]
             try:
                 logger.log_metrics(dict(metrics), step=step)
             except Exception as exc:  # a logger's failure must not stop the training step
-                warnings.warn(f"cudamem: {type(logger).__name__} refused the metrics: {exc!r}", 2)
+                name = type(logger).__name__
+                warnings.warn(
+                    f"cudamem: {name} refused the metrics: {exc!r}", RuntimeWarning, stacklevel=2
+                )
 
     @staticmethod
     def _log_now(trainer: Any) -> bool:
