@@ -11,20 +11,9 @@ from typing import Any
 
 from ._history import History, SpanStats, clear_history, history, set_history_size
 from .census import Census, LiveStorage, Unaccounted, live_tensors, unaccounted
-from .device import (
-    DeviceLedger,
-    DeviceRelease,
-    Explanation,
-    LedgerLine,
-    MachineStatus,
-    ReleaseResult,
-    RemainingStorage,
-    explain,
-    machine_status,
-    release,
-)
 from .diff import DiffEntry, MemoryDiff, diff
 from .holders import Holder, Holders, who_holds
+from .host import HostCopy, to_host
 from .leaks import (
     Culprit,
     Growth,
@@ -36,20 +25,20 @@ from .leaks import (
     leak_settings,
     leaks,
 )
+from .ledger import DeviceLedger, Explanation, LedgerLine, MachineStatus, explain, machine_status
 from .memviz import SnapshotDump, dump_snapshot
 from .oom import OomEvent, OomGuard, OomReport, OomStorage, on_oom, oom_report
 from .plot import plot
+from .release import DeviceRelease, ReleaseResult, RemainingStorage, release
 from .scalars import (
     GraphHolder,
     GraphHolders,
-    HostCopy,
     LoggerStats,
     ScalarLogger,
     Series,
     SeriesSummary,
     find_graph_holders,
     log_scalar,
-    to_host,
 )
 from .snapshot import UnsafeSnapshotError, load_snapshot
 from .span import DeviceSpan, ExceptionInfo, MemorySpan, SpanRecord, max_allocated, track

@@ -64,12 +64,28 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from .device import machine_status
+    from . import _backend
+    from .ledger import machine_status
     from .render.json import to_json
 
     status = machine_status()
-    print(to_json(status) if args.json else status)
+    reader = _backend.reader_status()
+    if args.json:
+        print(to_json({**status.to_dict(), "reader": reader.to_dict()}))
+    else:
+        print(f"{status}\n\n{reader}")
     return 0
+
+
+def _cmd_build_reader(args: argparse.Namespace) -> int:
+    from . import _backend
+    from .render.json import to_json
+
+    if not args.json:
+        print("[cudamem] building the C++ counter reader ...", file=sys.stderr)
+    status = _backend.build_reader(validate=not args.no_validate)
+    print(to_json(status) if args.json else status)
+    return 0 if status.state in ("active", "ready", "cached") else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,6 +113,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     status.add_argument("--json", action="store_true", help="print the status as JSON")
     status.set_defaults(func=_cmd_status)
+    build = sub.add_parser(
+        "build-reader",
+        help="compile the C++ counter reader now (spans otherwise build it in the background)",
+    )
+    build.add_argument("--json", action="store_true", help="print the reader's status as JSON")
+    build.add_argument(
+        "--no-validate",
+        action="store_true",
+        help="do not check it against the dict read on cuda:0 (which starts CUDA there)",
+    )
+    build.set_defaults(func=_cmd_build_reader)
     return parser
 
 

@@ -201,7 +201,8 @@ class _Meter:
 def seed000_losses() -> Experiment:
     """Seed 000: what ten logged losses and outputs keep alive, and the fixes."""
     from .holders import who_holds
-    from .scalars import ScalarLogger, to_host
+    from .host import to_host
+    from .scalars import ScalarLogger
 
     key = "seed000-losses"
     title = "Seed 000: ten losses of sigmoid(x * 2).mean() kept as tensors, numbers, outputs"
@@ -326,7 +327,7 @@ def seed000_who_holds() -> Experiment:
 
 _SEED001_SCRIPT = r"""
 import gc, json, sys, torch, cudamem
-from cudamem.device import machine_status
+from cudamem.ledger import machine_status
 dev = int(sys.argv[1])
 def used():
     for d in machine_status().devices:
@@ -469,7 +470,7 @@ class NaiveN(torch.nn.Module):
 
 def seed001_sequential() -> Experiment:
     """Seed 001: training twice in one process, with and without ``del optimizer``."""
-    from .device import release
+    from .release import release
 
     key = "seed001-sequential"
     title = "Seed 001: sequential training runs, with and without `del optimizer`"

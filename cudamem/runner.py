@@ -215,7 +215,7 @@ def _collect(
             notes.append(f"peak of cuda:{d} unavailable: {exc}")
     if with_ledger and backend.initialized_devices():
         try:
-            from .device import explain
+            from .ledger import explain
 
             ledger = explain()
         except Exception as exc:

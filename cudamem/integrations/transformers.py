@@ -46,8 +46,8 @@ from transformers import TrainerCallback
 from ._steps import StepMeter
 
 if TYPE_CHECKING:
-    from ..device import ReleaseResult
     from ..leaks import Culprit, Growth
+    from ..release import ReleaseResult
 
 __all__ = ["CudamemTrainerCallback", "TrainerRelease", "attach", "release_trainer"]
 
@@ -263,7 +263,7 @@ def release_trainer(trainer: Any, *, keep_model: bool = False) -> TrainerRelease
     handler = getattr(trainer, "callback_handler", None)
     if handler is None or not hasattr(trainer, "args"):
         raise TypeError(f"trainer must be a transformers.Trainer, not {type(trainer).__name__}")
-    from .. import device as _device
+    from ..release import release
 
     model = getattr(trainer, "model", None)
     tracked, notes = _track(None if keep_model else model, getattr(trainer, "optimizer", None))
@@ -301,7 +301,7 @@ def release_trainer(trainer: Any, *, keep_model: bool = False) -> TrainerRelease
     gc.collect()
     result: ReleaseResult | None = None
     try:
-        result = _device.release(holders=False)
+        result = release(holders=False)
     except Exception as exc:
         notes.append(f"cudamem.release() failed: {type(exc).__name__}: {exc}")
     alive = {k: n for k, (ref, n) in tracked.items() if not ref.expired()}

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any
 from .text import format_bytes, format_duration
 
 if TYPE_CHECKING:
-    from ..device import DeviceLedger, Explanation
     from ..holders import Holders
     from ..integrations.notebook import NotebookHolders
+    from ..ledger import DeviceLedger, Explanation
     from ..span import MemorySpan, SpanRecord
 
 __all__ = [
