@@ -316,5 +316,8 @@ def test_cuda_dump_names_a_real_block(tmp_path: Path) -> None:
     ]
     assert any(n.endswith("losses[0]") for n in names)
     assert "cudamem holder" in _memory_viz.memory(snap, format_flamegraph=lambda s: s)
-    _memory_viz.segsum(snap)
+    assert "total_allocated" in _memory_viz.segsum(snap)
+    assert "Device 0 ---" in _memory_viz.trace(snap)
+    for plot in (_memory_viz.segment_plot, _memory_viz.trace_plot):
+        assert "snapshot.pickle" in plot(snap)
     losses.clear()
