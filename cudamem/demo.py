@@ -1,6 +1,6 @@
 """The seeds' experiments, reproduced through cudamem: collection only, no printing.
 
-Each experiment returns a frozen :class:`Experiment` (a table, a one-line explanation and
+Each experiment returns a frozen ``Experiment`` (a table, a one-line explanation and
 PASS/FAIL checks); ``python -m cudamem demo`` renders them. Experiments that need a GPU are
 returned as skipped on a machine without one.
 """
@@ -591,7 +591,17 @@ def run_demo(
     """Run the experiments (or ``only`` those keys) and return their results.
 
     An experiment that fails with an exception becomes a failed check, not a crash.
+    Raises ValueError naming an unknown key in ``only`` (and the valid ones).
     """
+    keys = [key for key, _ in experiments()]
+    if only is not None:
+        if isinstance(only, str):
+            raise TypeError("only must be a sequence of experiment keys, not a str")
+        unknown = [k for k in only if k not in keys]
+        if unknown:
+            raise ValueError(
+                f"only: unknown experiment key {unknown[0]!r}; valid keys: {', '.join(keys)}"
+            )
     results = []
     for key, func in experiments():
         if only and key not in only:

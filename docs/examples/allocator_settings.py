@@ -119,8 +119,7 @@ CHILD = "CUDAMEM_EXAMPLE_SCENARIO"
 
 def main() -> int:
     if not torch.cuda.is_available():
-        print("allocator_settings.py needs a CUDA GPU: torch sees none here")
-        return 0
+        sys.exit("allocator_settings.py: this example needs a CUDA GPU")
     if os.environ.get(CHILD) in SCENARIOS:
         SCENARIOS[os.environ[CHILD]]()
         return 0
@@ -133,8 +132,8 @@ def main() -> int:
         env = {**os.environ, CHILD: name}
         if name == "expandable":
             env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-        if len(names) > 1:
-            print(f"===== {name}", flush=True)
+        if len(names) > 1:  # a section of docs/output/allocator_settings-gpu.txt
+            print(f"=== {name} ===", flush=True)
         done = subprocess.run([sys.executable, __file__], env=env, check=False)
         if done.returncode:
             return done.returncode
