@@ -103,4 +103,6 @@ def gpu_memory(request: pytest.FixtureRequest) -> Iterator[Any]:
     from cudamem.integrations import pytest_plugin
 
     device = request.config.getoption("cudamem_device") or "cuda"
-    yield pytest_plugin.TestMemory(request.node.nodeid, device)
+    memory = pytest_plugin.TestMemory(request.node.nodeid, device)
+    yield memory
+    memory.close()

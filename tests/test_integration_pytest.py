@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import cudamem
 from cudamem.integrations.pytest_plugin import MemoryCheck, TestMemory, parse_size
 
 pytest_plugins = ["pytester"]
@@ -392,6 +393,34 @@ def test_test_memory_fixture_object_validates_device() -> None:
         TestMemory("t", "tpu")
     with pytest.raises(ValueError, match="leak_limit"):
         TestMemory("t", "cpu").check(leak_limit="lots")
+
+
+def test_cuda_peak_is_folded_through_the_tests_own_spans() -> None:
+    """The fake GPU: a span inside the test resets PyTorch's peak counter; the check still
+    sees the test's peak, and its own measurement joins neither the history nor growth
+    detection."""
+    from cudamem import _backend
+
+    from .fakes import FakeAllocator
+
+    fake = FakeAllocator()
+    MiB = 1024**2
+    with _backend.use(fake):
+        mem = TestMemory("t", "cuda")
+        fake.alloc(8 * MiB)
+        fake.free(8 * MiB)
+        with cudamem.track("inner"):  # resets the counter on entry
+            fake.alloc(MiB)
+            fake.free(MiB)
+        first = mem.check()
+        fake.alloc(12 * MiB)
+        fake.free(12 * MiB)
+        second = mem.check()
+        mem.close()
+    assert first.peaks == (("cuda:0", 8 * MiB),)
+    assert second.peaks == (("cuda:0", 12 * MiB),) and second.peak == 12 * MiB
+    assert first.leaked_bytes == 0 and first.unexplained == ()
+    assert [r.name for r in cudamem.history().spans] == ["inner"]
 
 
 def test_plugin_module_is_light() -> None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import gc
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pytest
@@ -32,7 +32,7 @@ import pytest
 from .. import _backend
 from ..census import live_storage_keys, storages_with_keys
 from ..leaks import LeakedStorage
-from ..span import _fold_and_reset
+from ..span import RawSpan, _close, _open
 
 __all__ = [
     "MemoryCheck",
@@ -204,6 +204,9 @@ class _Baseline:
     keys: dict[tuple[str, int], int]
     allocated: dict[int, int]
     cpu_peak: _CpuPeak | None = None
+    #: The CUDA peak: a span of cudamem's own (no history, no growth detection), so that
+    #: spans the test opens fold their peaks into it as into any enclosing span.
+    span: RawSpan | None = None
     notes: list[str] = field(default_factory=list)
 
 
@@ -213,15 +216,27 @@ def _baseline(device: str, *, peak: bool) -> _Baseline:
     allocated: dict[int, int] = {}
     if device == "cuda":
         for d in backend.initialized_devices():
-            stats = backend.read(d)
-            allocated[d] = stats.allocated
-            if peak:
-                _fold_and_reset(backend, d, stats.peak_allocated)
+            allocated[d] = backend.read(d).allocated
     base = _Baseline(device, live_storage_keys(device), allocated)
-    if peak and device == "cpu":
+    if peak and device == "cuda":
+        base.span = _open("cudamem test", None, False, True, False, False, False, hooks=False)
+    elif peak:
         base.cpu_peak = _CpuPeak()
         base.cpu_peak.start()
     return base
+
+
+def _cuda_peaks(base: _Baseline) -> list[tuple[str, int]]:
+    """Per device, the most allocated at once beyond the test's start (closes its span)."""
+    span, base.span = base.span, None
+    if span is None:
+        return []
+    _close(span, None, hooks=False)
+    record = span.record()
+    return [
+        (f"cuda:{d.device}", max(0, (d.peak or 0) - base.allocated.get(d.device, 0)))
+        for d in record.devices
+    ]
 
 
 def _survivors(base: _Baseline) -> dict[tuple[str, int], int]:
@@ -252,10 +267,8 @@ def _judge(
             peaks.append(("cpu", base.cpu_peak.peak))
         elif base.cpu_peak.note:
             notes.append(base.cpu_peak.note)
-    elif base.device == "cuda":
-        for d in backend.initialized_devices():
-            stats = backend.read(d)
-            peaks.append((f"cuda:{d}", max(0, stats.peak_allocated - base.allocated.get(d, 0))))
+    elif base.span is not None:
+        peaks.extend(_cuda_peaks(base))
     leaked: list[LeakedStorage] = []
     unexplained: list[tuple[str, int]] = []
     total = 0
@@ -386,6 +399,7 @@ def finish(run: Run, *, failed: bool) -> BaseException | None:
     if failed:
         if run.base.cpu_peak is not None:
             run.base.cpu_peak.stop()
+        _cuda_peaks(run.base)  # close the peak span
         return None
     check = _judge(
         run.name,
@@ -414,6 +428,7 @@ class TestMemory:
         self.name = name
         self.device = device
         self._base = _baseline(device, peak=device == "cuda")
+        self._peaks: dict[str, int] = {}
 
     def check(
         self, leak_limit: int | str = 0, memory_limit: int | str | None = None
@@ -421,4 +436,16 @@ class TestMemory:
         """What the test created that is alive now, with holders, and its peak so far."""
         leak = parse_size(leak_limit, "leak_limit")
         memory = None if memory_limit is None else parse_size(memory_limit, "memory_limit")
-        return _judge(self.name, self._base, leak_limit=leak, memory_limit=memory)
+        was_measuring = self._base.span is not None
+        check = _judge(self.name, self._base, leak_limit=leak, memory_limit=memory)
+        for device, peak in check.peaks:
+            self._peaks[device] = max(peak, self._peaks.get(device, 0))
+        if was_measuring:  # keep measuring the peak for a later check
+            self._base.span = _open(
+                "cudamem test", None, False, True, False, False, False, hooks=False
+            )
+        return replace(check, peaks=tuple(sorted(self._peaks.items())))
+
+    def close(self) -> None:
+        """Stop measuring (the fixture's teardown)."""
+        _cuda_peaks(self._base)

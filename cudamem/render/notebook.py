@@ -72,7 +72,8 @@ def record_html(record: SpanRecord) -> str:
         + "</div>"
     )
     if not record.devices:
-        return f"<div>{title}<div>no CUDA device in use</div>{_notes(record.notes)}</div>"
+        why = record.unmeasured or "no data"
+        return f"<div>{title}<div>n/a ({_e(why)})</div>{_notes(record.notes)}</div>"
     rows = [
         [
             f"cuda:{d.device}",

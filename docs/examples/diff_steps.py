@@ -18,13 +18,14 @@ def step(i):
     return out.sum().item()
 
 
+print("=== census ===")
 before = cudamem.live_tensors("cpu", holders=True)
 for i in range(4):
     step(i)
 after = cudamem.live_tensors("cpu", holders=True)
 print(cudamem.diff(before, after))
-print()
 
+print("=== spans ===")
 with cudamem.track("step", leaks=True) as first:
     step(4)
 with cudamem.track("step", leaks=True) as second:

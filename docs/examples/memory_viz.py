@@ -18,6 +18,7 @@ if GPU:
     for _ in range(3):
         losses.append(torch.sigmoid(x * 2).mean())  # each keeps its graph (4 MiB)
 
+print("=== dump ===")
 dump = cudamem.dump_snapshot("snapshot.pickle")
 print(dump)
 snap = cudamem.load_snapshot("snapshot.pickle")  # plain data only: no code runs

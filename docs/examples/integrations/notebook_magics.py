@@ -11,7 +11,7 @@ shell = InteractiveShell.instance(config=config)
 
 CELLS = [
     "%load_ext cudamem",
-    "import torch, cudamem\nx = torch.randn(1024, 1024)",
+    "import torch, cudamem\ntorch.manual_seed(0)\nx = torch.randn(1024, 1024)",
     "%%track prepare --leaks\nbatch = torch.randn(512, 1024)\nfeatures = (batch @ x).relu()",
     "features[:2, :3]",
     "del features\n%who_holds Out[4]",

@@ -25,8 +25,10 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-config = GPT2Config(vocab_size=1000, n_positions=64, n_embd=128, n_layer=2, n_head=2,
-                    bos_token_id=0, eos_token_id=0)
+torch.manual_seed(0)
+config = GPT2Config(
+    vocab_size=1000, n_positions=64, n_embd=128, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0
+)
 model = GPT2LMHeadModel(config)
 args = TrainingArguments(
     output_dir=tempfile.mkdtemp(),

@@ -1,7 +1,7 @@
 """The pytest guide's example (docs/guide/pytest.md): run it with
 
-    pytest -p pytest_cudamem docs/examples/pytest_limits.py        (plugin not installed)
-    pytest docs/examples/pytest_limits.py                          (pip install cudamem)
+    pytest -p pytest_cudamem docs/examples/integrations/pytest_limits.py        (plugin not installed)
+    pytest docs/examples/integrations/pytest_limits.py                          (pip install cudamem)
 
 ``DEVICE`` is ``cpu`` so that it runs anywhere; on a GPU machine set it to ``"cuda"`` (and
 the tensors below to ``device="cuda"``).
