@@ -11,12 +11,16 @@ importable from the modules that define them (``cudamem.span.SpanRecord``,
 
 from __future__ import annotations
 
+from typing import Any
+
 from ._history import clear_history, history, set_history_size
 from .census import live_tensors, unaccounted
+from .diff import diff
 from .holders import who_holds
 from .host import to_host
 from .leaks import LeakWarning, configure_leaks, leak_settings, leaks
 from .ledger import explain, machine_status
+from .memviz import dump_snapshot
 from .oom import on_oom, oom_report
 from .plot import plot
 from .release import release
@@ -34,6 +38,8 @@ __all__ = [
     "__version__",
     "clear_history",
     "configure_leaks",
+    "diff",
+    "dump_snapshot",
     "explain",
     "find_graph_holders",
     "history",
@@ -54,3 +60,10 @@ __all__ = [
     "unaccounted",
     "who_holds",
 ]
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """``%load_ext cudamem``: the notebook magics (:mod:`cudamem.integrations.notebook`)."""
+    from .integrations.notebook import load_ipython_extension as load
+
+    load(ipython)

@@ -49,7 +49,7 @@ import sys
 import threading
 import warnings
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
@@ -650,6 +650,10 @@ def _name_culprits(pending: Refs) -> list[Culprit]:
     wanted = {p for c in named for p in c.patterns}
     totals = {c.holder: c for c in group_culprits(everything, patterns=wanted)}
     culprits = [c if c.holder == NO_HOLDER else totals.get(c.holder, c) for c in named]
+    # A group holding less in all than the smallest growth counted per call is not where the
+    # growth goes (a framework's latest logged scalar, say): name it only if nothing else is.
+    floor = _settings.min_bytes_per_call
+    culprits = [c for c in culprits if c.nbytes >= floor] or culprits
     culprits.sort(key=lambda c: c.nbytes, reverse=True)
     return culprits
 
@@ -708,10 +712,33 @@ def _stacklevel() -> int:
     return level
 
 
+#: Called with every :class:`Growth` about to be warned about (integrations count culprits
+#: and dump snapshots there). Replaced, never mutated.
+_growth_hooks: tuple[Callable[[Growth], None], ...] = ()
+
+
+def add_growth_hook(hook: Callable[[Growth], None]) -> None:
+    """Call ``hook(growth)`` before each :class:`LeakWarning` (errors are swallowed)."""
+    global _growth_hooks
+    if hook not in _growth_hooks:
+        _growth_hooks = (*_growth_hooks, hook)
+
+
+def remove_growth_hook(hook: Callable[[Growth], None]) -> None:
+    """Undo :func:`add_growth_hook`."""
+    global _growth_hooks
+    _growth_hooks = tuple(h for h in _growth_hooks if h is not hook)
+
+
 def _emit(growth: Growth) -> None:
     """One warning, and the same text to logging when anyone listens."""
     from .render.leaks import render_growth
 
+    for hook in _growth_hooks:
+        try:
+            hook(growth)
+        except Exception as exc:  # an integration's hook must not stop the warning
+            logger.debug("cudamem: growth hook %r failed: %r", hook, exc)
     text = render_growth(growth)
     warnings.warn(LeakWarning(text, growth), stacklevel=_stacklevel())
     # Only when logging is configured: Python's last-resort handler would otherwise print

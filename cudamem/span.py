@@ -232,6 +232,11 @@ class SpanRecord:
         seen = ", ".join(device_name(d.device) for d in self.devices) or "none"
         raise KeyError(f"span {self.name!r} saw no {device_name(index)} (devices: {seen})")
 
+    def _repr_html_(self) -> str:
+        from .render.notebook import record_html
+
+        return record_html(self)
+
     def __str__(self) -> str:
         body = "; ".join(str(d) for d in self.devices) or f"n/a ({self.unmeasured or 'no data'})"
         text = f"{self.name}: {body}, {format_duration(self.duration)}"
@@ -607,9 +612,12 @@ def _open(
     leaks: bool,
     nest: bool = True,
     push: bool = True,
+    *,
+    hooks: bool = True,
 ) -> RawSpan:
     """Open a span: read the counters, join this thread's (or task's) stack, run the entry
-    hooks. Never raises."""
+    hooks (``hooks=False``: a measurement of cudamem's own, which no feature sees, e.g. the
+    pytest plugin's per-test peak). Never raises."""
     span = RawSpan(name, device, sync, peak, leaks)
     try:
         backend = _backend._active
@@ -658,7 +666,7 @@ def _open(
         span.parent = parent
         if push:
             _top.set(span)
-    if _entry_hooks:
+    if _entry_hooks and hooks:
         for hook in _entry_hooks:
             try:
                 hook(span)
@@ -672,7 +680,13 @@ def _open(
     return span
 
 
-def _close(span: RawSpan, exc: BaseException | None, keeper: MemorySpan | None = None) -> None:
+def _close(
+    span: RawSpan,
+    exc: BaseException | None,
+    keeper: MemorySpan | None = None,
+    *,
+    hooks: bool = True,
+) -> None:
     """Close a span: read the counters, leave the stack, hand the span to its parent or
     to the exit hooks. The hooks' per-span data moves to ``keeper`` (or is dropped), so
     the history never keeps it. Raises only a warning an exit hook may propagate
@@ -733,7 +747,7 @@ def _close(span: RawSpan, exc: BaseException | None, keeper: MemorySpan | None =
         else:
             span.top_level = True
             _unlink(span)
-        for hook, propagate in _exit_hooks:
+        for hook, propagate in _exit_hooks if hooks else ():
             try:
                 hook(span)
             except Exception as err:
@@ -1035,6 +1049,11 @@ class MemorySpan:
 
     def __repr__(self) -> str:
         return f"<MemorySpan {self}>"
+
+    def _repr_html_(self) -> str:
+        from .render.notebook import span_html
+
+        return span_html(self)
 
 
 _Opts = tuple[str, "int | None", bool, bool, bool]

@@ -26,6 +26,8 @@ RESULTS = {
     "scalars": ("Series", "SeriesSummary", "LoggerStats"),
     "host": ("HostCopy",),
     "runner": ("RunReport",),
+    "diff": ("MemoryDiff", "DiffEntry"),
+    "memviz": ("SnapshotDump", "AutoDump"),
 }
 
 
@@ -52,6 +54,8 @@ def test_what_users_call_is_exported() -> None:
         "plot",
         "load_snapshot",
         "find_graph_holders",
+        "dump_snapshot",
+        "diff",
         "unaccounted",
         "history",
         "max_allocated",
