@@ -38,6 +38,7 @@ _RES = attrgetter("res_delta")
 _PEAK = attrgetter("peak_total")
 _PEAK_DELTA = attrgetter("peak_delta")
 _NAME = attrgetter("name")
+_AFTER = attrgetter("after")
 _START = attrgetter("start_ns")
 _END = attrgetter("end_ns")
 
@@ -60,6 +61,9 @@ class SpanStats:
     total_allocated_delta: int
     mean_duration: float
     max_duration: float
+    #: Calls that measured a CUDA device (the byte figures aggregate over all calls; with
+    #: none measured they are 0 and say nothing: renderers show ``n/a``).
+    measured: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready mapping."""
@@ -74,6 +78,7 @@ class _Aggregate:
         "dur_max",
         "dur_sum",
         "errors",
+        "measured",
         "peak_calls",
         "peak_max",
         "peak_sum",
@@ -84,7 +89,7 @@ class _Aggregate:
     )
 
     def __init__(self) -> None:
-        self.calls = self.errors = self.peak_calls = 0
+        self.calls = self.errors = self.peak_calls = self.measured = 0
         self.alloc_sum = self.res_sum = self.peak_sum = self.peakd_sum = 0
         self.alloc_max = self.res_max = self.peak_max = self.peakd_max = -(2**63)
         self.dur_sum = self.dur_max = 0.0
@@ -94,6 +99,8 @@ class _Aggregate:
         self.calls += 1
         if r.exception is not None:
             self.errors += 1
+        if r.after:
+            self.measured += 1
         a, res, dur = r.alloc_delta, r.res_delta, (r.end_ns - r.start_ns) / 1e9
         self.alloc_sum += a
         self.res_sum += res
@@ -124,6 +131,7 @@ class _Aggregate:
         n = len(spans)
         self.calls += n
         self.errors += n - list(map(_EXCEPTION, spans)).count(None)
+        self.measured += n - list(map(_AFTER, spans)).count(())
         allocs = list(map(_ALLOC, spans))
         ress = list(map(_RES, spans))
         durs = list(map(sub, map(_END, spans), map(_START, spans)))
@@ -160,6 +168,7 @@ class _Aggregate:
             total_allocated_delta=self.alloc_sum,
             mean_duration=self.dur_sum / n,
             max_duration=self.dur_max,
+            measured=self.measured,
         )
 
 
