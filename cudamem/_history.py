@@ -132,7 +132,8 @@ class _Aggregate:
             return
         n = len(spans)
         # One C-level read of every column per span, then C-level sums over columns.
-        errs, afters, allocs, ress, starts, ends, peaks, peakds = zip(*map(_COLUMNS, spans))
+        columns = zip(*map(_COLUMNS, spans), strict=True)
+        errs, afters, allocs, ress, starts, ends, peaks, peakds = columns
         self.calls += n
         self.errors += n - errs.count(None)
         self.measured += n - afters.count(())

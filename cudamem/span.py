@@ -744,6 +744,7 @@ def _close(span: RawSpan, exc: BaseException | None, keeper: MemorySpan | None =
     try:
         backend = _backend._active
         span.end_ns = _now_ns()
+        after: tuple[tuple[int, int, int], ...]
         try:
             devs = span.devs
             if span.device is None:
