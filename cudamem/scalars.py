@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from . import _backend
+from .culprits import container_of
 
 __all__ = [
     "GraphHolder",
@@ -1073,28 +1074,6 @@ def _key_device(key: tuple[str, int, int]) -> str:
     return key[0] if key[1] < 0 else f"{key[0]}:{key[1]}"
 
 
-def _container_of(path: str) -> str:
-    """``__main__.loss_history[3]`` → ``__main__.loss_history``; a path that does not end in
-    a subscript names a variable, which is its own container."""
-    if not path.endswith("]"):
-        return path
-    depth, quote = 0, ""
-    for i in range(len(path) - 1, -1, -1):
-        c = path[i]
-        if quote:
-            if c == quote and (i == 0 or path[i - 1] != "\\"):
-                quote = ""
-        elif c in "'\"":
-            quote = c
-        elif c == "]":
-            depth += 1
-        elif c == "[":
-            depth -= 1
-            if depth == 0:
-                return path[:i] or path
-    return path
-
-
 class _Group:
     __slots__ = ("example", "owners", "root_kind")
 
@@ -1171,7 +1150,7 @@ def find_graph_holders(
                 for h in found:
                     if h.via != "itself" or " → " in h.path:
                         continue  # an alias, or a tensor inside another graph
-                    name = _container_of(h.path)
+                    name = container_of(h.path)
                     group = groups.get(name)
                     if group is None:
                         group = groups[name] = _Group(h.root_kind, h.path)
