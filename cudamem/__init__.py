@@ -21,7 +21,7 @@ from .device import (
     machine_status,
     release,
 )
-from .holders import Holder, Holders, who_holds
+from .holders import GraphHolder, GraphHolders, Holder, Holders, find_graph_holders, who_holds
 from .leaks import (
     Culprit,
     Growth,
@@ -36,14 +36,11 @@ from .leaks import (
 from .oom import OomEvent, OomGuard, OomReport, OomStorage, on_oom, oom_report
 from .plot import plot
 from .scalars import (
-    GraphHolder,
-    GraphHolders,
     HostCopy,
     LoggerStats,
     ScalarLogger,
     Series,
     SeriesSummary,
-    find_graph_holders,
     log_scalar,
     to_host,
 )

@@ -22,7 +22,7 @@ from typing import Any, overload
 
 import torch
 
-from . import _autograd, _backend
+from . import _autograd, _backend, _heap
 from ._autograd import StorageKey
 from ._device_arg import DeviceLike, resolve_device
 from ._search import SearchLimits
@@ -250,7 +250,7 @@ def _gather(device: str | None) -> tuple[dict[StorageKey, _Acc], list[str]]:
             a.nbytes = max(a.nbytes, nbytes)
             if numel > a.numel:
                 a.dtype, a.shape, a.numel = dtype, shape, numel
-    owners = [t for t in tensors if _has_grad_fn(t)]
+    owners = [t for t in tensors if _autograd.has_graph_or_grad(t)]
     walk = _autograd.walk_graphs(owners, known={id(t) for t in tensors})
     for _owner, _chain, key, nbytes, _label in walk.saved:
         if device is not None and _device_text(key) != device:
@@ -289,8 +289,9 @@ def _discount_preserved(
     after every Python reference is gone. A layer's input saved by its graph is then a
     "Python tensor" that nothing in Python refers to: the memory is held by the graph, and the
     census should say so. Such an object has no referrer but cudamem's own lists and is no
-    running frame's local: one ``gc.get_referrers`` scan over the candidates (tensors whose
-    storage a graph saved) and a walk of every thread's frames tell them apart.
+    running frame's local: one referrer pass over the candidates (tensors whose storage a
+    graph saved; see :func:`cudamem._heap.referrers`) and a walk of every thread's frames
+    tell them apart.
     """
     import gc
     import types
@@ -313,11 +314,15 @@ def _discount_preserved(
     ours.update(id(entry) for entry in walk.saved)
     ours.update(id(entry) for entry in walk.grads)
     ours.update(id(entry) for entry in cands.values())
+    ours.update((id(walk.py_nodes), id(walk.not_inspected)))
+    ours.update(id(entry) for entry in walk.py_nodes.values())
+    ours.update(id(entry) for entry in walk.not_inspected)
     referenced: set[int] = set()
     objs = [t for t, _k in cands.values()]
     ours.add(id(objs))
     try:
-        referrers = gc.get_referrers(*objs)
+        referrers = _heap.referrers(objs)
+        ours.add(id(referrers))
         for r in referrers:
             if id(r) in ours or type(r) is _Acc:
                 continue
@@ -347,16 +352,6 @@ def _label(a: _Acc, key: StorageKey) -> str:
     shape = ", ".join(map(str, a.shape))
     what = "Tensor" if a.tensors else "Saved tensor"
     return f"{what} {a.dtype}[{shape}] on {_device_text(key)}"
-
-
-def _has_grad_fn(t: Any) -> bool:
-    try:
-        with torch._C.DisableTorchFunctionSubclass():
-            return torch._C.TensorBase.__dict__["grad_fn"].__get__(t) is not None or (
-                _autograd.grad_of(t) is not None
-            )
-    except Exception:
-        return False
 
 
 def _device_text(key: StorageKey) -> str:
