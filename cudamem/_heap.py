@@ -22,19 +22,49 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 import time
 from collections.abc import Callable, Collection, Iterator
 from itertools import compress, repeat
 from operator import is_
 from typing import Any
 
-__all__ = ["CHUNK", "SMALL", "chunked_pass", "gc_paused", "referrers", "snapshot"]
+__all__ = [
+    "CHUNK",
+    "OURS",
+    "SMALL",
+    "chunked_pass",
+    "gc_paused",
+    "ignored",
+    "referrers",
+    "snapshot",
+]
 
 #: Objects asked about at once below which ``gc.get_referrers`` beats a chunked pass.
 SMALL = 64
 #: Heap objects per ``gc.get_referents`` call in a chunked pass.
 CHUNK = 1024
 _SUB = 32
+
+
+#: ids of cudamem's own containers alive now, in any thread (a search's bookkeeping, the
+#: census's list of tensors): never reported as holders, never climbed through.
+OURS: set[int] = set()
+OURS_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def ignored(*containers: Any) -> Iterator[None]:
+    """While the block runs, no holder search (in any thread) takes ``containers`` for
+    holders."""
+    ids = [id(c) for c in containers]
+    with OURS_LOCK:
+        OURS.update(ids)
+    try:
+        yield
+    finally:
+        with OURS_LOCK:
+            OURS.difference_update(ids)
 
 
 @contextlib.contextmanager

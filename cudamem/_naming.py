@@ -57,8 +57,9 @@ _MAX_KEY_TEXT = 60
 class Seg(NamedTuple):
     """One step of a path. ``kind`` decides how it is written (see ``holders._join``)."""
 
-    #: attr key index member keyof local dictattrs closure via autograd storage, or lazy:
-    #: an instance attribute named only once the path is read (see ``resolve_lazy``).
+    #: attr key index member keyof local dictattrs closure via autograd storage; lazy: an
+    #: instance attribute named only once the path is read (see ``resolve_lazy``);
+    #: framelocals: a finished frame's copy of its locals (no path goes through it).
     kind: str
     text: str
     #: For ``dictattrs``: the owner is an ``nn.Module``; for ``local``: the frame's label.
@@ -277,25 +278,32 @@ MAX_SEGS = 8
 class _Found:
     """References found so far from one referrer to one child."""
 
-    __slots__ = ("count", "first", "last", "segs")
+    __slots__ = ("count", "hi", "ints", "lo", "segs")
 
     def __init__(self) -> None:
         self.segs: list[Seg] = []
         self.count = 0
-        self.first = -1  # list indices: first and last seen (-1: not an index edge)
-        self.last = -1
+        self.ints = True  # every reference is a list index or an int dict key
+        self.lo = self.hi = 0  # the lowest and highest of them
 
-    def add(self, seg: Seg) -> None:
+    def add(self, seg: Seg, index: int | None = None) -> None:
+        if index is None:
+            self.ints = False
+        elif not self.count:
+            self.lo = self.hi = index
+        else:
+            self.lo, self.hi = min(self.lo, index), max(self.hi, index)
         self.count += 1
         if len(self.segs) < MAX_SEGS:
             self.segs.append(seg)
 
     def ref(self) -> Ref:
-        span = None
         if self.count == 1:
             return _ref((self.segs[0],), 1, None)
-        if self.first >= 0 and self.last - self.first + 1 == self.count:
-            span = (self.first, self.last)
+        span = None
+        # distinct positions (list indices, dict keys) covering lo..hi once each
+        if self.ints and self.hi - self.lo + 1 == self.count:
+            span = (self.lo, self.hi)
         return _ref(tuple(self.segs), self.count, span)
 
 
@@ -414,13 +422,17 @@ def _small_dict_refs(
         if id(v) in kids:
             text = key_text(k)
             if text is not None:
-                _found(out, id(v)).add(Seg("key", text))
+                _found(out, id(v)).add(Seg("key", text), _int_key(k))
             else:
                 if odd_keys is not None:
                     odd_keys[id(k)] = k
                 _found(out, id(v)).add(Seg("key", f"<{type_name(type(k))}>", str(id(k))))
         if id(k) in kids:
             _found(out, id(k)).add(Seg("keyof", ""))
+
+
+def _int_key(key: Any) -> int | None:
+    return key if type(key) is int else None
 
 
 def _kid(kids: Mapping[int, Any] | AbstractSet[int], cid: int) -> Any:
@@ -431,11 +443,7 @@ def _sequence_refs(it: Iterator[Any], kids: Any, out: dict[int, _Found]) -> None
     # One C-level pass finds the matching positions; only those are looked at in Python.
     items = list(it)
     for i in compress(count(), map(kids.__contains__, map(id, items))):
-        f = _found(out, id(items[i]))
-        f.add(Seg("index", str(i)))
-        if f.first < 0:
-            f.first = i
-        f.last = i
+        _found(out, id(items[i])).add(Seg("index", str(i)), i)
     items.clear()
 
 
@@ -451,7 +459,7 @@ def _dict_refs(
     for k, v in compress(dict.items(d), map(contains, map(id, dict.values(d)))):
         text = key_text(k)
         if text is not None:
-            _found(out, id(v)).add(make(text, ""))
+            _found(out, id(v)).add(make(text, ""), _int_key(k))
         else:
             if odd_keys is not None:
                 odd_keys[id(k)] = k
@@ -526,6 +534,14 @@ def _method_refs(ref: Any, child: Any) -> list[Seg]:
 
 
 def _frame_refs(ref: Any, child: Any) -> list[Seg]:
+    if type(child) is dict:
+        try:
+            # A finished frame (a traceback's) keeps a dict copy of its locals (3.11, 3.12):
+            # its values are the frame's own locals, named as such; the copy is no holder.
+            if ref.f_locals is child:
+                return [Seg("framelocals", "")]
+        except Exception:
+            pass
     return _frame_edges(ref, child, frame_label(ref)) or [Seg("via", "frame")]
 
 

@@ -59,7 +59,7 @@ from ._naming import (
     type_name,
 )
 
-__all__ = ["RawHolder", "Search", "SearchLimits", "own_frame"]
+__all__ = ["SEARCH_LOCK", "RawHolder", "Search", "SearchLimits", "own_frame"]
 
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 _MODULE_DICT: Any = vars(types.ModuleType)["__dict__"]
@@ -74,9 +74,11 @@ _ITERATORS = frozenset({"enumerate", "zip", "map", "filter", "reversed"})
 _TEMPORARY_TYPES: tuple[type, ...] = (tuple, dict, functools.partial, types.MethodType)
 
 _NONE: dict[int, Ref] = {}
-#: ids of the containers of every search running now, in any thread.
-_OURS: set[int] = set()
-_OURS_LOCK = threading.Lock()
+_OURS = _heap.OURS
+_OURS_LOCK = _heap.OURS_LOCK
+#: One search at a time in the process: a search running in another thread would find the
+#: first one's bookkeeping (lists of tensors on its stack) as holders.
+SEARCH_LOCK = threading.RLock()
 
 
 def own_frame(frame: types.FrameType) -> bool:
@@ -239,6 +241,33 @@ class _Mult:
         self.stars.update(other.stars)
 
 
+def _chain(prev: dict[int, tuple[int, Ref] | None], node: int) -> tuple[list[Ref], list[int]]:
+    """The first path down to ``node``: its steps and the objects along it, root first."""
+    refs: list[Ref] = []
+    ids = [node]
+    while True:
+        step = prev[node]
+        if step is None:
+            break
+        refs.append(step[1])
+        node = step[0]
+        ids.append(node)
+    refs.reverse()
+    ids.reverse()
+    return refs, ids
+
+
+def _through(prev: dict[int, tuple[int, Ref] | None], node: int, x: int) -> bool:
+    """Whether the first path down to ``node`` passes through ``x``."""
+    while True:
+        if node == x:
+            return True
+        step = prev[node]
+        if step is None:
+            return False
+        node = step[0]
+
+
 def _chain_ranges(
     prev: dict[int, tuple[int, Ref] | None], node: int, into: dict[int, tuple[int, int]]
 ) -> None:
@@ -279,8 +308,10 @@ class Search:
         caller: types.FrameType | None,
         *,
         light: bool = False,
+        scan: tuple[list[Any], _autograd.GraphWalk] | None = None,
     ) -> None:
         self.light = light  # identity targets only: no tensor scan, no autograd walk
+        self._scan = scan  # every tensor and the graph walk, made by the caller just now
         self.keys = keys
         self.objects = objects  # the queried objects, one per target
         self.limits = limits
@@ -347,6 +378,7 @@ class Search:
         self._ids.clear()
         self.tensors = []
         self.walk = None
+        self._scan = None
         self.heap = None
         self.objects = []
         self.caller = None
@@ -398,7 +430,9 @@ class Search:
             if self.timed_out():
                 self._stop("timeout")
             return
-        self.tensors = self._own(_autograd.all_tensors())
+        prepared, self._scan = self._scan, None
+        tensors = prepared[0] if prepared is not None else _autograd.all_tensors()
+        self.tensors = self._own(tensors)
         for n, t in enumerate(self.tensors):
             if not n & 0xFFF and self.timed_out():
                 self._stop("timeout")
@@ -418,9 +452,13 @@ class Search:
             if base is not None:
                 self.bases.add(id(base))
             self._start(t, i, Seg("storage", ""), via)
-        owners = self._own([t for t in self.tensors if _autograd.has_graph_or_grad(t)])
-        known = {id(t) for t in self.tensors}
-        self.walk = walk = _autograd.walk_graphs(owners, deadline=self.deadline, known=known)
+        if prepared is not None:
+            walk = prepared[1]
+        else:
+            owners = self._own([t for t in self.tensors if _autograd.has_graph_or_grad(t)])
+            known = {id(t) for t in self.tensors}
+            walk = _autograd.walk_graphs(owners, deadline=self.deadline, known=known)
+        self.walk = walk
         for coll in (walk.saved, walk.grads, walk.not_inspected):
             self._own(coll)
         self._own(walk.py_nodes)
@@ -761,17 +799,19 @@ class Search:
             return False
 
     def _walk_down(self, oid: int) -> list[_Path]:
-        """Shortest paths down from ``oid`` to each object holding a target storage, one
-        :class:`_Path` per such object (BFS over the recorded edges). Sibling paths of one
-        shape (60,000 dicts in one list that each hold the object) are counted into it."""
+        """Shortest paths down from ``oid`` to the objects holding a target storage (BFS over
+        the recorded edges): for each such object, one :class:`_Path` per shape of the last
+        step's container (``log[i]``, ``rows[i]['t']``), sibling paths of that shape (60,000
+        dicts in one list that each hold the object) counted into it."""
         prev: dict[int, tuple[int, Ref] | None] = {oid: None}
         level = {oid: 0}
         sig = {oid: 0}
         mult: dict[int, _Mult] = {}  # only where references multiply or paths merge
         shapes: dict[Seg, int] = {}
+        incoming: dict[int, list[tuple[int, Ref, int]]] = {}  # holder -> (parent, ref, sig)
+        holders: list[int] = []
         edges, nodes, start = self.edges, self.nodes, self.start
         queue = deque([oid])
-        out: list[_Path] = []
         n = 0
         while queue:
             n += 1
@@ -779,23 +819,27 @@ class Search:
                 break
             cur = queue.popleft()
             if cur in start:
-                out.extend(self._paths_to(cur, prev, mult.get(cur)))
+                holders.append(cur)
             below = edges.get(cur)
             if below is None:
                 continue
             depth, s_cur, m_cur = level[cur], sig[cur], mult.get(cur)
             for cid, r in below.items():
+                if cid not in nodes:
+                    continue
                 seg = r.segs[0]
                 if seg.kind == "lazy":
                     r = below[cid] = self._resolve(cur, cid, r)
                     seg = r.segs[0]
+                elif seg.kind == "framelocals":
+                    continue  # the frame names those values itself
                 shape = shapes.get(seg)
                 if shape is None:
                     shape = shapes[seg] = hash(_shape(seg))
                 csig = hash((s_cur, shape))
+                if cid in start:
+                    incoming.setdefault(cid, []).append((cur, r, csig))
                 if cid not in prev:
-                    if cid not in nodes:
-                        continue
                     prev[cid] = (cur, r)
                     level[cid] = depth + 1
                     sig[cid] = csig
@@ -804,7 +848,7 @@ class Search:
                         mult[cid] = _Mult.step(m_cur, r, depth, cid)
                     elif m_cur is not None:
                         mult[cid] = m_cur
-                elif level[cid] == depth + 1 and sig[cid] == csig:
+                elif level[cid] == depth + 1 and sig[cid] == csig and cid not in start:
                     # Another parent of the same shape: its paths are counted in.
                     mine = mult.get(cid)
                     if mine is None or mine.owner != cid:
@@ -814,6 +858,25 @@ class Search:
                     other = _Mult.step(m_cur, r, depth, cid)
                     _chain_ranges(prev, cur, other.ranges)
                     mine.absorb(other)
+        out: list[_Path] = []
+        for x in holders:
+            if x == oid:
+                out.extend(self._emit(x, [], [x], None))
+                continue
+            groups: dict[int, tuple[int, Ref, _Mult]] = {}
+            for parent, r, csig in incoming.get(x, ()):
+                if level[parent] >= level[x] and _through(prev, parent, x):
+                    continue  # a path through the holder itself (a cycle back to it)
+                m = _Mult.step(mult.get(parent), r, level[parent], x)
+                _chain_ranges(prev, parent, m.ranges)
+                group = groups.get(csig)
+                if group is not None:
+                    group[2].absorb(m)
+                elif len(groups) < self.limits.max_paths:
+                    groups[csig] = (parent, r, m)
+            for parent, r, m in groups.values():
+                refs, ids = _chain(prev, parent)
+                out.extend(self._emit(x, [*refs, r], [*ids, x], m))
         return out
 
     def _resolve(self, parent: int, child: int, r: Ref) -> Ref:
@@ -822,33 +885,15 @@ class Search:
         seg = resolve_lazy(p, c, r.segs[0]) if p is not None else Seg("via", "object")
         return Ref((seg,), r.times, r.span)
 
-    def _paths_to(
-        self, cur: int, prev: dict[int, tuple[int, Ref] | None], mult: _Mult | None
-    ) -> list[_Path]:
-        refs: list[Ref] = []
-        ids = [cur]
-        node = cur
-        while True:
-            step = prev[node]
-            if step is None:
-                break
-            refs.append(step[1])
-            node = step[0]
-            ids.append(node)
-        refs.reverse()
-        ids.reverse()
+    def _emit(self, x: int, refs: list[Ref], ids: list[int], m: _Mult | None) -> list[_Path]:
+        """One path per target the object ``x`` holds."""
         ranges: dict[int, tuple[int, int]] = {}
-        for i, r in enumerate(refs):
-            if r.times == 1 and _collapsible(r.segs[0]):
-                v = int(r.segs[0].text)
-                ranges[i] = (v, v)
         times, stars = 1, set()
-        if mult is not None:
-            _merge(ranges, mult.ranges, 0)
-            times, stars = mult.times, mult.stars
+        if m is not None:
+            ranges, times, stars = m.ranges, m.times, m.stars
         return [
             _Path(target, [*refs, Ref((seg,))], via, ids, times, ranges, stars)
-            for target, seg, via in self.start[cur]
+            for target, seg, via in self.start[x]
         ]
 
     def _unrooted(self) -> None:
@@ -860,8 +905,8 @@ class Search:
         object has a referrer inside the set contains a cycle, garbage that ``gc.collect()``
         frees. Not reported: the call's own temporaries (its argument tuple, a
         ``functools.partial`` around it, cudamem's own locals), tensors a view or a numpy
-        array of theirs holds, and a running loop's iterator over a container some root
-        already names.
+        array of theirs holds; nor, beside a rooted holder, a running loop's iterator, a
+        running function's cell, or a tensor only C++ holds.
         """
         if self.stopped is not None:
             return  # the search did not finish: "no root" would be a guess
@@ -878,9 +923,14 @@ class Search:
             if oid in queried or oid in self.bases or oid in self.frames.own_locals:
                 continue
             obj = self.nodes.get(oid)
+            if type_module(type(obj)).startswith("cudamem."):
+                continue  # bookkeeping of cudamem running in another thread
             if self._call_temporary(oid, queried):
                 continue
-            weak = _is_iterator(type(obj)) or is_sub(type(obj), torch.Tensor)
+            # A loop's iterator, a running function's own cell (a comprehension closes over
+            # its locals), a tensor only C++ holds: noise beside a root that explains it.
+            tp = type(obj)
+            weak = _is_iterator(tp) or tp is types.CellType or is_sub(tp, torch.Tensor)
             reps.append((oid, "unknown", weak))
             if len(reps) >= 8:
                 break

@@ -228,10 +228,21 @@ class _Acc:
     first: Any  # a tensor on this storage (for holders); released before returning
 
 
-def _gather(device: str | None) -> tuple[dict[StorageKey, _Acc], list[str]]:
+def _gather(
+    device: str | None, scan: list[Any] | None = None
+) -> tuple[dict[StorageKey, _Acc], list[str]]:
+    """Every live storage (of ``device``); ``scan`` receives the tensor list and the graph
+    walk, for a holder search to start from instead of scanning the heap again."""
+    tensors = _autograd.all_tensors()
+    with _heap.ignored(tensors):  # a search in another thread must not name our list
+        return _gather_from(tensors, device, scan)
+
+
+def _gather_from(
+    tensors: list[Any], device: str | None, scan: list[Any] | None
+) -> tuple[dict[StorageKey, _Acc], list[str]]:
     notes: list[str] = []
     acc: dict[StorageKey, _Acc] = {}
-    tensors = _autograd.all_tensors()
     key_of: dict[int, StorageKey] = {}  # id(tensor) → its storage (reused below)
     for t in tensors:
         info = _autograd.storage_of(t)
@@ -271,7 +282,10 @@ def _gather(device: str | None) -> tuple[dict[StorageKey, _Acc], list[str]]:
         notes.append(
             f"{len(walk.not_inspected)} autograd node(s) not inspected (saved-tensor hooks)"
         )
-    tensors.clear()
+    if scan is not None:
+        scan.extend((tensors, walk))
+    else:
+        tensors.clear()
     owners.clear()
     return acc, notes
 
@@ -406,7 +420,8 @@ def _census(
     frame: Any,
 ) -> Census:
     t0 = time.perf_counter()
-    acc, notes = _gather(device)
+    scan: list[Any] = []
+    acc, notes = _gather(device, scan if holders else None)
     keys = sorted(acc, key=lambda k: (-acc[k].nbytes, k))
     if only is not None:
         keys = [k for k in keys if (_device_text(k), k[2]) in only]
@@ -423,9 +438,13 @@ def _census(
             keys=list[StorageKey | None](keys),
             nbytes=list[int | None](acc[k].nbytes for k in keys),
             labels=labels,
+            scan=(scan[0], scan[1]),
         )
         found = dict(zip(keys, results, strict=True))
         objs.clear()
+    if scan:
+        scan[0].clear()
+    scan.clear()
     storages = tuple(
         LiveStorage(
             _device_text(k),

@@ -15,6 +15,8 @@ the tensor) are one :class:`Holder` with a ``count``, written ``__main__.log[0..
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import sys
 import time
 import types
@@ -27,7 +29,7 @@ from typing import Any, overload
 
 import torch
 
-from . import _autograd, _heap
+from . import _autograd, _heap, _search
 from ._autograd import StorageKey
 from ._naming import Seg, is_sub
 from ._search import RawHolder, Search, SearchLimits, own_frame
@@ -204,11 +206,28 @@ def find_holders(
     keys: list[StorageKey | None] | None = None,
     nbytes: list[int | None] | None = None,
     labels: list[str] | None = None,
+    scan: tuple[list[Any], _autograd.GraphWalk] | None = None,
 ) -> list[Holders]:
     """Holders of several objects (or storage keys) in one search.
 
+    ``scan``: every tensor and the walk of every graph, when the caller (the census) has
+    just made them; the search then starts from them instead of scanning again.
+
     ``objs`` is emptied when the search ends (a list of ours holding the targets would be a
     holder in its own right while it lives)."""
+    with _heap.ignored(objs):  # while it waits for another thread's search, too
+        return _find_holders(objs, limits, caller, keys, nbytes, labels, scan)
+
+
+def _find_holders(
+    objs: list[Any],
+    limits: SearchLimits,
+    caller: types.FrameType | None,
+    keys: list[StorageKey | None] | None,
+    nbytes: list[int | None] | None,
+    labels: list[str] | None,
+    scan: tuple[list[Any], _autograd.GraphWalk] | None,
+) -> list[Holders]:
     t0 = time.perf_counter()
     if keys is None:
         keys, nbytes = [], []
@@ -217,36 +236,27 @@ def find_holders(
             keys.append(None if info is None else info[0])
             nbytes.append(None if info is None else info[1])
     assert nbytes is not None
-    search = Search(keys, objs, limits, caller)
-    search.nbytes = list(nbytes)
+    if not _search.SEARCH_LOCK.acquire(timeout=_wait(limits.timeout)):
+        busy = ("another holder search (another thread) ran for the whole timeout",)
+        names = labels if labels is not None else [_describe(o) for o in objs]
+        objs.clear()
+        return [
+            Holders(names[i], nbytes[i], _device_text(keys[i]), (), busy, limits.timeout, "timeout")
+            for i in range(len(keys))
+        ]
     try:
+        left = max(0.0, limits.timeout - (time.perf_counter() - t0))
+        raws, notes, targets, stopped, key_names, unnamed = _search_once(
+            objs, dataclasses.replace(limits, timeout=left), caller, keys, nbytes, labels, scan
+        )
         with _heap.gc_paused():
-            search.run()
-        raws = search.holders
-        notes = list(dict.fromkeys(search.notes))
-        for _owner, chain in search.not_inspected:
-            notes.append(f"not inspected: {chain} (saved-tensor hooks, e.g. checkpointing)")
-        targets = labels if labels is not None else [_describe(o) for o in objs]
-        stopped = search.stopped
-        # Dict keys that are objects (a parameter keying ``optimizer.state``): named by a
-        # target's own path when they are targets, else by a small search of their own.
-        queried = {id(o): i for i, o in enumerate(objs)}
-        key_names = {}
-        unnamed: list[Any] = []
-        for kid, key_obj in search.odd_keys.items():
-            if kid in queried:
-                name = _key_name([r for r in raws if r.target == queried[kid]])
-                if name is not None:
-                    key_names[str(kid)] = name
-            elif len(unnamed) < _MAX_KEY_SEARCH and is_sub(type(key_obj), torch.Tensor):
-                unnamed.append(key_obj)
+            key_names.update(_name_odd_keys(unnamed))
+            per: list[list[Holder]] = [[] for _ in keys]
+            for raw in raws:
+                holder = _freeze(raw, keys[raw.target], nbytes[raw.target], key_names)
+                per[raw.target].append(holder)
     finally:
-        search.release()  # before the key search, which must not find our bookkeeping
-    with _heap.gc_paused():
-        key_names.update(_name_odd_keys(unnamed))
-        per: list[list[Holder]] = [[] for _ in keys]
-        for raw in raws:
-            per[raw.target].append(_freeze(raw, keys[raw.target], nbytes[raw.target], key_names))
+        _search.SEARCH_LOCK.release()
     elapsed = time.perf_counter() - t0
     out = []
     for i in range(len(keys)):
@@ -256,6 +266,49 @@ def find_holders(
             Holders(targets[i], nbytes[i], device, tuple(holders), tuple(notes), elapsed, stopped)
         )
     return out
+
+
+def _wait(timeout: float) -> float:
+    """``Lock.acquire``'s timeout for a search's own (``-1``: wait as long as it takes)."""
+    return -1 if math.isinf(timeout) else timeout
+
+
+def _search_once(
+    objs: list[Any],
+    limits: SearchLimits,
+    caller: types.FrameType | None,
+    keys: list[StorageKey | None],
+    nbytes: list[int | None],
+    labels: list[str] | None,
+    scan: tuple[list[Any], _autograd.GraphWalk] | None,
+) -> tuple[list[RawHolder], list[str], list[str], str | None, dict[str, str], list[Any]]:
+    """Run one search; what freezing its results needs, with nothing of the heap held but
+    the dict keys still to be named (``unnamed``)."""
+    search = Search(keys, objs, limits, caller, scan=scan)
+    search.nbytes = list(nbytes)
+    try:
+        with _heap.gc_paused():
+            search.run()
+        raws = search.holders
+        notes = list(dict.fromkeys(search.notes))
+        for _owner, chain in search.not_inspected:
+            notes.append(f"not inspected: {chain} (saved-tensor hooks, e.g. checkpointing)")
+        targets = labels if labels is not None else [_describe(o) for o in objs]
+        # Dict keys that are objects (a parameter keying ``optimizer.state``): named by a
+        # target's own path when they are targets, else by a small search of their own.
+        queried = {id(o): i for i, o in enumerate(objs)}
+        key_names: dict[str, str] = {}
+        unnamed: list[Any] = []
+        for kid, key_obj in search.odd_keys.items():
+            if kid in queried:
+                name = _key_name([r for r in raws if r.target == queried[kid]])
+                if name is not None:
+                    key_names[str(kid)] = name
+            elif len(unnamed) < _MAX_KEY_SEARCH and is_sub(type(key_obj), torch.Tensor):
+                unnamed.append(key_obj)
+        return raws, notes, targets, search.stopped, key_names, unnamed
+    finally:
+        search.release()  # before the key search, which must not find our bookkeeping
 
 
 def _device_text(key: StorageKey | None) -> str | None:
