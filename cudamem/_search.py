@@ -63,9 +63,11 @@ __all__ = ["SEARCH_LOCK", "RawHolder", "Search", "SearchLimits", "own_frame"]
 
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 _MODULE_DICT: Any = vars(types.ModuleType)["__dict__"]
-#: Shares of ``timeout`` for climbing and for reading paths (the rest is freezing results).
-_CLIMB_SHARE = 0.8
-_READ_SHARE = 0.95
+#: Shares of ``timeout`` for climbing and for reading paths (the rest is freezing results
+#: and letting go of the heap snapshot, whose cost is reserved as well: _RELEASE_NS each).
+_CLIMB_SHARE = 0.75
+_READ_SHARE = 0.9
+_RELEASE_NS = 60e-9
 #: Unrooted objects reported when a limit stopped the search ("found so far").
 _PARTIAL_PER_TARGET = 3
 #: Builtin iterator types: a running ``for`` loop's iterator lives on the frame's value
@@ -319,6 +321,7 @@ class Search:
         t0 = time.perf_counter()
         self.deadline = t0 + limits.timeout * _CLIMB_SHARE
         self.read_deadline = t0 + limits.timeout * _READ_SHARE
+        self._end = t0 + limits.timeout
         self.notes: list[str] = []
         #: The limit that cut the search short: ``timeout``, ``max_depth`` or ``max_nodes``.
         self.stopped: str | None = None
@@ -639,6 +642,7 @@ class Search:
             else:
                 if self.heap is None:
                     self.heap = self._own(_heap.snapshot())
+                    self._reserve(len(self.heap) * _RELEASE_NS)
                 done, last, whole = _heap.chunked_pass(
                     self.heap,
                     self.current,
@@ -654,6 +658,11 @@ class Search:
                 need = last + 1 if whole or last < 0 else None
             first = False
             self.current, self.next = self.next, self.current
+
+    def _reserve(self, seconds: float) -> None:
+        """Keep ``seconds`` at the end of the timeout for letting go of the snapshot."""
+        self.deadline = min(self.deadline, self._end - seconds - 0.15 * self.limits.timeout)
+        self.read_deadline = min(self.read_deadline, self._end - seconds)
 
     def _scan_is_cheaper(self, need: int | None) -> bool:
         """Whether ``gc.get_referrers`` (a C scan of the whole heap, comparing each reference
@@ -864,7 +873,9 @@ class Search:
                 out.extend(self._emit(x, [], [x], None))
                 continue
             groups: dict[int, tuple[int, Ref, _Mult]] = {}
-            for parent, r, csig in incoming.get(x, ()):
+            for k, (parent, r, csig) in enumerate(incoming.get(x, ())):
+                if not k & 0x3FF and k and self._read_late():
+                    break  # the references counted so far stand
                 if level[parent] >= level[x] and _through(prev, parent, x):
                     continue  # a path through the holder itself (a cycle back to it)
                 m = _Mult.step(mult.get(parent), r, level[parent], x)

@@ -250,7 +250,8 @@ def _find_holders(
             objs, dataclasses.replace(limits, timeout=left), caller, keys, nbytes, labels, scan
         )
         with _heap.gc_paused():
-            key_names.update(_name_odd_keys(unnamed))
+            left = limits.timeout - (time.perf_counter() - t0)
+            key_names.update(_name_odd_keys(unnamed, min(2.0, left * 0.5)))
             per: list[list[Holder]] = [[] for _ in keys]
             for raw in raws:
                 holder = _freeze(raw, keys[raw.target], nbytes[raw.target], key_names)
@@ -361,13 +362,14 @@ def _dedupe_caller(holders: list[Holder]) -> list[Holder]:
 _MAX_KEY_SEARCH = 64
 
 
-def _name_odd_keys(wanted: list[Any]) -> dict[str, str]:
-    """Name dict keys that are objects (``optimizer.state[<model.lin1.weight>]``) by a path;
-    ``wanted`` is emptied."""
-    if not wanted:
+def _name_odd_keys(wanted: list[Any], timeout: float) -> dict[str, str]:
+    """Name dict keys that are objects (``optimizer.state[<model.lin1.weight>]``) by a path,
+    within ``timeout`` seconds; ``wanted`` is emptied."""
+    if not wanted or timeout <= 0:
+        wanted.clear()
         return {}
     ids = [id(o) for o in wanted]
-    limits = SearchLimits(max_depth=12, max_nodes=20_000, timeout=2.0, max_paths=16)
+    limits = SearchLimits(max_depth=12, max_nodes=20_000, timeout=timeout, max_paths=16)
     mini = Search([None] * len(wanted), wanted, limits, None, light=True)
     names: dict[str, str] = {}
     try:
