@@ -70,20 +70,25 @@ def tracked() -> int:
     return len(gc.get_objects())
 
 
+#: CPU seconds of every timed call, by the same keys as the wall-clock figures.
+CPU: dict[str, list[float]] = {}
+
+
 def interleaved(
-    fns: dict[str, Callable[[], Any]], repeat: int, quick_peer: set[str] | None = None
+    fns: dict[str, Callable[[], Any]], repeat: int, once: set[str] | None = None, tag: str = ""
 ) -> dict[str, list[float]]:
-    """Time each function ``repeat`` times, alternating between them (peers in
-    ``quick_peer`` once per round only when asked)."""
+    """Wall-clock seconds of each function, ``repeat`` times, alternating between them
+    (those in ``once`` in the first round only). CPU seconds go to ``CPU[tag + name]``."""
     out: dict[str, list[float]] = {k: [] for k in fns}
     for r in range(repeat):
         for name, fn in fns.items():
-            if quick_peer and name in quick_peer and r > 0:
+            if once and name in once and r > 0:
                 continue
             gc.collect()
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             fn()
             out[name].append(time.perf_counter() - t0)
+            CPU.setdefault(tag + name, []).append(time.process_time() - c0)
     return out
 
 
@@ -116,6 +121,7 @@ def big_heap(args: argparse.Namespace, rows: list[list[str]], data: dict[str, An
             "objgraph": lambda: objgraph.find_backref_chain(t, is_app, max_depth=12),
         },
         args.repeat,
+        tag="one_tensor.",
     )
     ratio = median(one["objgraph"]) / median(one["cudamem"])
     rows.append(
@@ -133,24 +139,28 @@ def big_heap(args: argparse.Namespace, rows: list[list[str]], data: dict[str, An
     n = args.targets
     app.pool = {f"layer{i}": [torch.full((4,), float(i))] for i in range(n // 2)}
     app.history = [torch.full((2,), float(i)) for i in range(n - n // 2)]
-    refs = [v[0] for v in app.pool.values()] + list(app.history)
+
+    def targets() -> list[Any]:
+        # made afresh for every call: a list of the benchmark's own would be a holder too
+        return [v[0] for v in app.pool.values()] + list(app.history)
 
     def batch() -> list[Any]:
-        targets = list(refs)
-        return find_holders(targets, SearchLimits(), None)
+        return find_holders(targets(), SearchLimits(), None)
 
     found = batch()
     named = sum(1 for h in found if h.holders)
     assert named == n, (named, n)
-    assert found[0].holders[0].path == "bench_app.pool['layer0'][0]", found[0].holders[0].path
+    assert [h.path for h in found[0]] == ["bench_app.pool['layer0'][0]"], found[0].paths
     del found
-    sample = refs[:: max(1, len(refs) // args.sample)][: args.sample]
+    sample = targets()[:: max(1, n // args.sample)][: args.sample]
 
     def chains() -> None:
         for x in sample:
             objgraph.find_backref_chain(x, is_app, max_depth=12)
 
-    many = interleaved({"cudamem": batch, "objgraph": chains}, args.repeat, {"objgraph"})
+    many = interleaved(
+        {"cudamem": batch, "objgraph": chains}, args.repeat, {"objgraph"}, tag="many_targets."
+    )
     og_total = median(many["objgraph"]) / len(sample) * n
     rows.append(
         [
@@ -171,7 +181,9 @@ def big_heap(args: argparse.Namespace, rows: list[list[str]], data: dict[str, An
 
     # 3. live_tensors(holders=True) over the same tensors
     census_many = interleaved(
-        {"cudamem": lambda: cudamem.live_tensors("cpu", holders=True)}, args.repeat
+        {"cudamem": lambda: cudamem.live_tensors("cpu", holders=True)},
+        args.repeat,
+        tag="live_tensors_big.",
     )
     rows.append(
         [
@@ -188,9 +200,9 @@ def big_heap(args: argparse.Namespace, rows: list[list[str]], data: dict[str, An
     taken: list[float] = []
     stopped: list[str | None] = []
     for _ in range(args.repeat):
-        targets = list(refs)
+        objs = targets()
         t0 = time.perf_counter()
-        res = find_holders(targets, SearchLimits(timeout=limit), None)
+        res = find_holders(objs, SearchLimits(timeout=limit), None)
         taken.append(time.perf_counter() - t0)
         stopped.append(res[0].stopped)
         del res
@@ -203,7 +215,6 @@ def big_heap(args: argparse.Namespace, rows: list[list[str]], data: dict[str, An
         ]
     )
     data["timeout"] = {"timeout_s": limit, "taken_s": taken, "stopped": stopped}
-    refs.clear()
     sample.clear()
     del app.pool, app.history, app.heap
     gc.collect()
@@ -245,7 +256,7 @@ def small_heap(args: argparse.Namespace, rows: list[list[str]], data: dict[str, 
     size = tracked()
     data["small_heap_objects"] = size
     heap_text = f"{size / 1e3:.0f} k objects"
-    steps = interleaved({"plain": step, "tracked": tracked_step}, args.repeat * 2)
+    steps = interleaved({"plain": step, "tracked": tracked_step}, args.repeat * 2, tag="step.")
     rows.append(
         [
             f"training step, track(leaks=True), {heap_text}",
@@ -263,6 +274,7 @@ def small_heap(args: argparse.Namespace, rows: list[list[str]], data: dict[str, 
             "objgraph": lambda: objgraph.by_type("Tensor"),
         },
         args.repeat,
+        tag="live_tensors_small.",
     )
     rows.append(
         [
@@ -280,7 +292,7 @@ def small_heap(args: argparse.Namespace, rows: list[list[str]], data: dict[str, 
     }
     if torch.cuda.is_available():
         scans["explain"] = cudamem.explain
-    sc = interleaved(scans, args.repeat)
+    sc = interleaved(scans, args.repeat, tag="census_scan.")
     rows.append(
         [
             f"census scan behind explain(), {heap_text}",
@@ -316,6 +328,23 @@ def main() -> None:
     data: dict[str, Any] = {"args": vars(args)}
     big_heap(args, rows, data)
     small_heap(args, rows, data)
+    data["cpu_s"] = CPU
+    rows.append(
+        [
+            "CPU seconds (median): find_holders, track step, live_tensors, census",
+            " / ".join(
+                f"{median(CPU[k]):.2f}"
+                for k in (
+                    "many_targets.cudamem",
+                    "step.tracked",
+                    "live_tensors_small.cudamem",
+                    "census_scan.census",
+                )
+            ),
+            "-",
+            "-",
+        ]
+    )
     emit(
         "cudamem holder search and census vs objgraph (median, range)",
         ["case", "cudamem", "peer", "ratio"],

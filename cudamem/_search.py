@@ -355,6 +355,7 @@ class Search:
         self.root_ids: list[int] = []
         self.roots: list[int] = []  # module dicts and classes reached
         self._arrays: tuple[type, ...] = ()
+        self._arrays_first = False
         self._array_ids: set[int] = self._own(set())
         self._regions: list[tuple[int, int, int]] = []  # (start, end, target), by start
         self._groups: list[dict[tuple[Any, ...], _Group]] = []
@@ -400,7 +401,9 @@ class Search:
         self.frames = self._frames()
         self.module_dicts = self._module_dicts()
         self._seed()
-        self._climb()
+        self._climb(self._arrays_first)
+        if self._arrays_late():
+            self._climb(False)
         self._collect()
         self._limit_notes()
 
@@ -433,6 +436,7 @@ class Search:
             if self.timed_out():
                 self._stop("timeout")
             return
+        owned = False  # a CPU target's memory may belong to numpy (see _arrays_for_cpu_targets)
         prepared, self._scan = self._scan, None
         tensors = prepared[0] if prepared is not None else _autograd.all_tensors()
         self.tensors = self._own(tensors)
@@ -454,6 +458,8 @@ class Search:
             base = _autograd.base_of(t)
             if base is not None:
                 self.bases.add(id(base))
+            if info[0][0] == "cpu" and not owned and not _autograd.resizable(t):
+                owned = True
             self._start(t, i, Seg("storage", ""), via)
         if prepared is not None:
             walk = prepared[1]
@@ -488,9 +494,13 @@ class Search:
             self.virtual.setdefault(id(node), []).append(entry)
             if id(node) in self.nodes:
                 self._edge(owner, node, Ref((entry[1],)))
-        self._arrays_for_cpu_targets()
+        self._arrays_for_cpu_targets(owned)
 
-    def _arrays_for_cpu_targets(self) -> None:
+    def _arrays_for_cpu_targets(self, owned: bool) -> None:
+        """Numpy arrays on the memory of CPU targets: those in frames now; the rest in the
+        first pass when a target's memory may belong to numpy (``owned``: a storage that is
+        not resizable, as ``torch.from_numpy`` makes), else only if the climb leaves a tensor
+        on a target's storage that nothing gc sees holds (``t.numpy()``'s array holds one)."""
         regions = []
         for i, key in enumerate(self.keys):
             if key is not None and key[0] == "cpu":
@@ -503,8 +513,43 @@ class Search:
             return
         regions.sort()
         self._regions = regions
+        self._arrays_first = owned
         locals_ = [v for v in self.frames.values.values() if type(v) in self._arrays]
         self._on_arrays(locals_)
+
+    def _arrays_late(self) -> bool:
+        """After the climb: scan for arrays if an unexplained tensor suggests one."""
+        if not self._arrays or self._arrays_first or self.stopped is not None:
+            return False
+        saved = {key for _o, _c, key, _n, _l in self.walk.saved} if self.walk is not None else set()
+        cpu = {i for _s, _e, i in self._regions}
+        orphan = False
+        for oid, entries in self.start.items():
+            if oid in self.has_parent or oid in self.bases:
+                continue
+            if not is_sub(type(self.nodes.get(oid)), torch.Tensor):
+                continue
+            if any(t in cpu and self.keys[t] not in saved for t, _seg, _via in entries):
+                orphan = True
+                break
+        if not orphan:
+            return False
+        if self.heap is None:
+            self.heap = self._own(_heap.snapshot())
+            self._reserve(len(self.heap) * _RELEASE_NS)
+        self.current.clear()
+        self.next.clear()
+        done, _last, _whole = _heap.chunked_pass(
+            self.heap,
+            set(),
+            lambda _o: False,
+            deadline=self.deadline,
+            array_type=self._arrays[0],
+            on_arrays=self._on_arrays,
+        )
+        if not done:
+            self._stop("timeout")
+        return bool(self.current) and self.stopped is None
 
     def _on_arrays(self, arrays: list[Any]) -> bool:
         """Numpy arrays whose data overlaps a CPU target's storage hold it; whether one
@@ -617,9 +662,10 @@ class Search:
             out.setdefault(id(d), name)
         return out
 
-    def _climb(self) -> None:
-        """Referrers of everything found, until only roots are left (or a limit stops it)."""
-        first = True
+    def _climb(self, arrays_first: bool) -> None:
+        """Referrers of everything found, until only roots are left (or a limit stops it);
+        ``arrays_first``: the first pass also finds numpy arrays on a CPU target's memory."""
+        first = arrays_first
         need: int | None = None  # batches the next chunked pass must cover (None: all)
         while self.current and self.stopped is None:
             if self.timed_out():
@@ -627,7 +673,7 @@ class Search:
                 break
             self.levels += 1
             self.next.clear()
-            arrays = first and bool(self._arrays)
+            arrays = first
             if not arrays and self._scan_is_cheaper(need):
                 objs = self._own([self.nodes[i] for i in self.current])
                 found = self._own(gc.get_referrers(*objs))
