@@ -723,7 +723,7 @@ def find_graph_holders(
                     if not any(o is owner for o in group.owners):
                         group.owners.append(owner)
                 del owner
-                if any("(timeout)" in n for n in found.notes):
+                if found.stopped == "timeout":
                     notes.append("the holder search timed out: some containers may be missing")
                     break
             results = [_measure(name, g, plain, device) for name, g in groups.items()]
