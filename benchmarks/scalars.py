@@ -1,29 +1,38 @@
 """What logging a loss every step costs: no logging, ``.item()``, ``loss.detach()`` kept, and
-``cudamem.ScalarLogger``, over three kinds of training step.
+``cudamem.ScalarLogger``, in one interleaved run; and what a logger fed 10 M values keeps.
 
-Step kinds (each a real step: forward, loss, and for the MLPs backward + SGD):
-  * ``balanced``: an MLP whose GPU time is close to its CPU launch time (the batch is
-    calibrated on the GPU). A per-step sync serialises the two, so ``.item()`` costs most.
-  * ``gpu-bound``: fp32 matmuls, ~100 ms of GPU work per step (calibrated); a sync costs
-    little because the CPU waits anyway.
-  * ``launch-bound``: a 1024-wide MLP at batch 256 (~0.85 ms on an H200): the GPU idles
-    between kernels, so waiting for it adds little.
+Three measurements:
 
-Each method runs ``steps`` steps per repeat; methods are interleaved within a repeat and the
-median per-step time over repeats is reported (CUDA events; ``perf_counter`` on CPU), with
-the ratio to no logging and the device memory each method left allocated after the run.
-Goal (issue 4): ScalarLogger within 1 % of no logging everywhere, faster than ``.item()``
-where the sync hurts, flat device memory.
+1. **Per append** (no training step): µs per call on a loss that is already computed, for
+   ``.item()``, ``list.append(loss.detach())``, ``ScalarLogger.append(loss)`` and the floor
+   of any buffered logger, one ``slot.copy_(loss.detach())`` (one copy kernel).
+2. **Per training step**, on three kinds of step (forward, loss, and for the MLPs backward +
+   SGD):
+     * ``launch-bound``: a 1024-wide MLP at batch 256: the GPU idles between kernels, every
+       method pays its CPU time. Goal: ScalarLogger <= 1 %.
+     * ``balanced``: the same MLP at the batch where GPU time first reaches CPU launch time:
+       a per-step ``.item()`` serialises the two.
+     * ``gpu-bound``: fp32 matmuls, ~100 ms of GPU work per step.
+   Blocks of ``--steps`` steps run in the order bare, method, bare, method, ... (the method
+   order rotating per round); each method block is divided by the mean of the bare blocks
+   on either side of it, and the table gives the median of those ratios with their range.
+   Each method keeps one history for the whole run, as a training script would (the kept
+   ``detach()`` tensors are dropped between blocks, outside the timing, and their device
+   growth reported).
+3. **Soak**: ``--soak N`` host floats into ``ScalarLogger()``, ``ScalarLogger(maxlen=...)``
+   and a plain list: resident memory before and after, and what the logger says it keeps.
 
-Usage: ``python benchmarks/scalars.py [--out benchmarks/results/scalars.json]``
-(~1-2 minutes on an H200). Without a GPU it runs a small CPU smoke version (``--steps``,
-``--repeats`` to change the size); its figures mean little.
+Usage: ``python benchmarks/scalars.py [--out benchmarks/results/scalars.json]`` (~3 minutes
+on an H200). Without a GPU it runs a small CPU smoke version (``--steps``, ``--rounds``,
+``--soak`` change the sizes); its figures mean little.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import os
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,7 +45,7 @@ import cudamem
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda:0" if CUDA else "cpu")
-METHODS = ("none", "item", "detach", "ScalarLogger")
+METHODS = ("item", "detach", "ScalarLogger")
 
 
 def sync() -> None:
@@ -53,7 +62,6 @@ class StepKind:
     name: str
     step: Callable[[], torch.Tensor]
     params: dict[str, Any]
-    steps: int
 
 
 def mlp_step(width: int, batch: int, depth: int = 3) -> Callable[[], torch.Tensor]:
@@ -129,132 +137,283 @@ def calibrate_gpu_bound(size: int, target_ms: float) -> int:
     return max(1, round(target_ms / max(gpu, 1e-3)))
 
 
-def run_method(method: str, step: Callable[[], torch.Tensor], steps: int) -> tuple[float, int]:
-    """Per-step ms of ``steps`` steps with ``method``, and the bytes left allocated after."""
-    history: Any = cudamem.ScalarLogger() if method == "ScalarLogger" else []
-    gc.collect()
+# --------------------------------------------------------------------------- methods
+
+
+class Method:
+    """One way of logging the loss, with the history it keeps across blocks."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.logger = cudamem.ScalarLogger() if name == "ScalarLogger" else None
+        self.kept: list[Any] = []
+        self.slot = torch.zeros((), dtype=torch.float64, device=DEVICE)
+
+    def __call__(self, loss: torch.Tensor) -> None:
+        if self.name == "item":
+            self.kept.append(loss.item())
+        elif self.name == "detach":
+            self.kept.append(loss.detach())
+        elif self.name == "ScalarLogger":
+            assert self.logger is not None
+            self.logger.append(loss)
+        elif self.name == "copy_":
+            self.slot.copy_(loss.detach())
+
+    def between_blocks(self) -> int:
+        """Drop what the block kept (outside the timing); the device bytes it held."""
+        before = allocated()
+        self.kept.clear()
+        gc.collect()
+        return before - allocated()
+
+
+def time_block(step: Callable[[], torch.Tensor], method: Method | None, steps: int) -> float:
+    """ms per step of ``steps`` steps, logging with ``method`` (None: bare)."""
     sync()
-    before = allocated()
     if CUDA:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
     t0 = time.perf_counter()
     for _ in range(steps):
         loss = step()
-        if method == "item":
-            history.append(loss.item())
-        elif method == "detach":
-            history.append(loss.detach())
-        elif method == "ScalarLogger":
-            history.append(loss)
-    if method == "ScalarLogger":
-        history.flush()  # every value on the host, inside the timed region
+        if method is not None:
+            method(loss)
     if CUDA:
         end.record()
         torch.cuda.synchronize()
-        ms = start.elapsed_time(end) / steps
-    else:
-        ms = (time.perf_counter() - t0) * 1e3 / steps
-    del loss
-    gc.collect()
-    sync()
-    growth = allocated() - before
-    assert method == "none" or len(history) == steps
-    return ms, growth
+        return start.elapsed_time(end) / steps
+    return (time.perf_counter() - t0) * 1e3 / steps
+
+
+def per_step(kind: StepKind, steps: int, rounds: int) -> dict[str, Any]:
+    methods = {name: Method(name) for name in METHODS}
+    for m in (None, *methods.values()):  # warm up every path (buffers, pinned memory)
+        time_block(kind.step, m, min(steps, 70))
+    for m in methods.values():
+        m.between_blocks()
+    ratios: dict[str, list[float]] = {name: [] for name in METHODS}
+    ms: dict[str, list[float]] = {name: [] for name in ("none", *METHODS)}
+    growth: dict[str, int] = dict.fromkeys(METHODS, 0)
+    for r in range(rounds):
+        order = METHODS[r % len(METHODS) :] + METHODS[: r % len(METHODS)]
+        bare = time_block(kind.step, None, steps)
+        ms["none"].append(bare)
+        for name in order:
+            t = time_block(kind.step, methods[name], steps)
+            growth[name] = max(growth[name], methods[name].between_blocks())
+            after = time_block(kind.step, None, steps)
+            ms["none"].append(after)
+            ms[name].append(t)
+            ratios[name].append(t / ((bare + after) / 2))
+            bare = after
+    logger = methods["ScalarLogger"].logger
+    assert logger is not None
+    logger.flush()
+    stats = logger.stats
+    return {
+        "ms": ms,
+        "ratios": ratios,
+        "growth": growth,
+        "logger_stats": stats.to_dict(),
+        "logger_transfers_per_value": stats.transfers / max(stats.logged, 1),
+    }
+
+
+def per_append(n: int, rounds: int) -> dict[str, list[float]]:
+    """µs per call of each method on a loss that is already computed (GPU idle)."""
+    x = torch.randn(1024, device=DEVICE, requires_grad=True)
+    loss = (x * 2).sum()
+    names = ("item", "detach", "ScalarLogger", "copy_")
+    methods = {name: Method(name) for name in names}
+    for m in methods.values():
+        for _ in range(200):
+            m(loss)
+        m.between_blocks()
+    out: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            m = methods[name]
+            sync()
+            t0 = time.perf_counter_ns()
+            for _ in range(n):
+                m(loss)
+            sync()
+            out[name].append((time.perf_counter_ns() - t0) / n / 1e3)
+            m.between_blocks()
+    return out
+
+
+# --------------------------------------------------------------------------- soak
+
+
+def rss_bytes() -> int | None:
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def soak(n: int, maxlen: int) -> dict[str, Any]:
+    """Feed ``n`` host floats to each container; resident memory it added."""
+    results: dict[str, Any] = {}
+    cases: dict[str, Callable[[], Any]] = {
+        "ScalarLogger()": lambda: cudamem.ScalarLogger(),
+        f"ScalarLogger(maxlen={maxlen})": lambda: cudamem.ScalarLogger(maxlen=maxlen),
+        "list": list,
+    }
+    for name, make in cases.items():
+        gc.collect()
+        before = rss_bytes()
+        history = make()
+        t0 = time.perf_counter()
+        for i in range(n):
+            history.append(i * 0.5)
+        seconds = time.perf_counter() - t0
+        gc.collect()
+        after = rss_bytes()
+        entry: dict[str, Any] = {
+            "values": n,
+            "rss_growth_bytes": None if before is None or after is None else after - before,
+            "us_per_append": seconds / n * 1e6,
+        }
+        if isinstance(history, cudamem.ScalarLogger):
+            entry["stats"] = history.stats.to_dict()
+            entry["len"] = len(history)
+        results[name] = entry
+        del history
+        gc.collect()
+    return results
+
+
+# --------------------------------------------------------------------------- main
 
 
 def build_kinds(args: argparse.Namespace) -> list[StepKind]:
     if not CUDA:  # smoke sizes
         return [
-            StepKind("balanced", mlp_step(64, 64), {"width": 64, "batch": 64}, args.steps),
-            StepKind("gpu-bound", matmul_step(128, 4), {"size": 128, "count": 4}, args.steps),
-            StepKind("launch-bound", mlp_step(32, 8), {"width": 32, "batch": 8}, args.steps),
+            StepKind("launch-bound", mlp_step(32, 8), {"width": 32, "batch": 8}),
+            StepKind("balanced", mlp_step(64, 64), {"width": 64, "batch": 64}),
+            StepKind("gpu-bound", matmul_step(128, 4), {"size": 128, "count": 4}),
         ]
     torch.backends.cuda.matmul.allow_tf32 = False
     batch, cpu, gpu = calibrate_balanced(1024)
     count = calibrate_gpu_bound(4096, args.gpu_bound_ms)
     return [
+        StepKind("launch-bound", mlp_step(1024, 256), {"width": 1024, "batch": 256}),
         StepKind(
             "balanced",
             mlp_step(1024, batch),
             {"width": 1024, "batch": batch, "calibrated_cpu_ms": cpu, "calibrated_gpu_ms": gpu},
-            args.steps,
         ),
         StepKind(
             "gpu-bound",
             matmul_step(4096, count),
             {"size": 4096, "count": count, "dtype": "float32"},
-            args.gpu_bound_steps,
         ),
-        StepKind("launch-bound", mlp_step(1024, 256), {"width": 1024, "batch": 256}, args.steps),
     ]
+
+
+def pct(ratio: float) -> str:
+    return f"{(ratio - 1) * 100:+.2f} %"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results/scalars.json")
-    parser.add_argument("--steps", type=int, default=300 if CUDA else 20)
-    parser.add_argument("--gpu-bound-steps", type=int, default=30 if CUDA else 5)
+    parser.add_argument("--steps", type=int, default=100 if CUDA else 10, help="steps a block")
+    parser.add_argument("--gpu-bound-steps", type=int, default=5 if CUDA else 3)
     parser.add_argument("--gpu-bound-ms", type=float, default=100.0)
-    parser.add_argument("--repeats", type=int, default=5 if CUDA else 2)
+    parser.add_argument("--rounds", type=int, default=15 if CUDA else 3)
+    parser.add_argument("--appends", type=int, default=2000 if CUDA else 200)
+    parser.add_argument("--soak", type=int, default=10_000_000 if CUDA else 200_000)
+    parser.add_argument("--soak-maxlen", type=int, default=100_000)
     args = parser.parse_args()
 
-    kinds = build_kinds(args)
-    rows, data = [], {"device": str(DEVICE), "repeats": args.repeats, "kinds": {}}
-    for kind in kinds:
+    data: dict[str, Any] = {"device": str(DEVICE), "rounds": args.rounds}
+    rows: list[list[str]] = []
+
+    appends = per_append(args.appends, args.rounds)
+    data["per_append_us"] = appends
+    for name, samples in appends.items():
+        rows.append(
+            [
+                "per append (GPU idle)",
+                name,
+                f"{median(samples):.2f} µs",
+                "",
+                f"{min(samples):.2f}-{max(samples):.2f} µs",
+                "",
+            ]
+        )
+
+    data["kinds"] = {}
+    for kind in build_kinds(args):
         cpu, gpu = cpu_and_gpu_ms(kind.step)
-        for method in METHODS:  # warm up every path (buffers, pinned memory, allocator)
-            run_method(method, kind.step, min(kind.steps, 70))
-        samples: dict[str, list[float]] = {m: [] for m in METHODS}
-        growth: dict[str, int] = {}
-        for r in range(args.repeats):
-            # rotate the order so no method always runs first after the others
-            order = METHODS[r % len(METHODS) :] + METHODS[: r % len(METHODS)]
-            for method in order:
-                ms, grew = run_method(method, kind.step, kind.steps)
-                samples[method].append(ms)
-                growth[method] = max(growth.get(method, 0), grew)
-        base = median(samples["none"])
-        methods = {}
-        for method in METHODS:
-            med = median(samples[method])
-            methods[method] = {
-                "median_step_ms": med,
-                "ratio_vs_none": med / base,
-                "samples_ms": samples[method],
-                "allocated_growth_bytes": growth[method],
-            }
+        steps = args.gpu_bound_steps if kind.name == "gpu-bound" else args.steps
+        result = per_step(kind, steps, args.rounds)
+        bare = median(result["ms"]["none"])
+        rows.append([kind.name, "none", f"{bare:.3f} ms", "", "", ""])
+        for name in METHODS:
+            r = result["ratios"][name]
             rows.append(
                 [
                     kind.name,
-                    method,
-                    f"{med:.3f}",
-                    f"{(med / base - 1) * 100:+.1f} %",
-                    f"{min(samples[method]):.3f}-{max(samples[method]):.3f}",
-                    cudamem_bytes(growth[method]),
+                    name,
+                    f"{median(result['ms'][name]):.3f} ms",
+                    pct(median(r)),
+                    f"{pct(min(r))} .. {pct(max(r))}",
+                    cudamem_bytes(result["growth"][name]),
                 ]
             )
         data["kinds"][kind.name] = {
             "params": kind.params,
-            "steps": kind.steps,
+            "steps_per_block": steps,
             "cpu_launch_ms": cpu,
             "gpu_ms": gpu,
-            "methods": methods,
+            "median_ratio": {n: median(result["ratios"][n]) for n in METHODS},
+            "ratio_quartiles": {
+                n: statistics.quantiles(result["ratios"][n], n=4) if args.rounds > 1 else []
+                for n in METHODS
+            },
+            **result,
         }
         print(f"{kind.name}: CPU launch {cpu:.3f} ms, GPU {gpu:.3f} ms per step", flush=True)
+
+    data["soak"] = soak(args.soak, args.soak_maxlen)
+    for name, entry in data["soak"].items():
+        growth = entry["rss_growth_bytes"]
+        kept = entry.get("stats", {})
+        rows.append(
+            [
+                f"soak {entry['values']:,} floats",
+                name,
+                f"{entry['us_per_append']:.2f} µs",
+                "",
+                "",
+                (cudamem_bytes(growth) + " RSS" if growth is not None else "n/a")
+                + (
+                    f"; keeps {kept['kept']:,} ({cudamem_bytes(kept['host_bytes'], signed=False)})"
+                    if kept
+                    else ""
+                ),
+            ]
+        )
     emit(
-        f"Logging a loss every step ({DEVICE}, median of {args.repeats} repeats)",
-        ["step", "method", "ms/step", "vs none", "range ms", "device growth"],
+        f"Logging a loss every step ({DEVICE}; {args.rounds} rounds, blocks interleaved with "
+        "bare blocks, median ratio to the adjacent bare blocks)",
+        ["what", "method", "time", "vs bare", "range", "device growth / memory"],
         rows,
         data,
         args.out,
     )
 
 
-def cudamem_bytes(n: int) -> str:
+def cudamem_bytes(n: int, *, signed: bool = True) -> str:
     from cudamem.render.text import format_bytes
 
-    return format_bytes(n, signed=True)
+    return format_bytes(n, signed=signed)
 
 
 if __name__ == "__main__":

@@ -9,19 +9,8 @@ from __future__ import annotations
 
 from ._history import History, SpanStats, clear_history, history, set_history_size
 from .census import Census, LiveStorage, Unaccounted, live_tensors, unaccounted
-from .device import (
-    DeviceLedger,
-    DeviceRelease,
-    Explanation,
-    LedgerLine,
-    MachineStatus,
-    ReleaseResult,
-    RemainingStorage,
-    explain,
-    machine_status,
-    release,
-)
 from .holders import GraphHolder, GraphHolders, Holder, Holders, find_graph_holders, who_holds
+from .host import HostCopy, to_host
 from .leaks import (
     Culprit,
     Growth,
@@ -33,16 +22,16 @@ from .leaks import (
     leak_settings,
     leaks,
 )
+from .ledger import DeviceLedger, Explanation, LedgerLine, MachineStatus, explain, machine_status
 from .oom import OomEvent, OomGuard, OomReport, OomStorage, on_oom, oom_report
 from .plot import plot
+from .release import DeviceRelease, ReleaseResult, RemainingStorage, release
 from .scalars import (
-    HostCopy,
     LoggerStats,
     ScalarLogger,
     Series,
     SeriesSummary,
     log_scalar,
-    to_host,
 )
 from .snapshot import UnsafeSnapshotError, load_snapshot
 from .span import DeviceSpan, ExceptionInfo, MemorySpan, SpanRecord, max_allocated, track

@@ -6,6 +6,10 @@ public accessors (``torch.cuda.memory_allocated()`` flattens the whole stats dic
 and it never creates a CUDA context as a side effect: only devices that already have a primary
 context are read or synchronized, unless the caller names a device explicitly.
 
+Spans read three numbers per device per edge through :meth:`Backend.counters`; the real
+backend answers them from the C++ reader of :mod:`cudamem._fastread` (~0.2 µs) once it is
+built and validated, and from the raw dict until then or wherever it cannot be built.
+
 Tests swap the active backend with :func:`use` to drive span logic through a fake allocator.
 """
 
@@ -14,19 +18,42 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from . import _fastread
 from .stats import AllocatorStats
 
 __all__ = [
     "Backend",
+    "PoolOwners",
     "TorchBackend",
+    "build_reader",
     "get",
+    "reader_status",
     "use",
 ]
+
+#: (allocated, reserved, peak_allocated) bytes of one device's "all" pool.
+Counters = tuple[int, int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class PoolOwners:
+    """Who still uses the allocator's private pools (ids as in a snapshot's
+    ``segment_pool_id``). The allocator itself tells neither owners nor use counts."""
+
+    #: Live ``torch.cuda.CUDAGraph`` objects per pool.
+    graphs: Mapping[tuple[int, int], int] = field(default_factory=dict)
+    #: Pools of live ``torch.cuda.MemPool`` objects.
+    mempools: frozenset[tuple[int, int]] = frozenset()
+    #: Pools of torch.compile's cudagraph tree managers, and the device of each.
+    trees: Mapping[tuple[int, int], int] = field(default_factory=dict)
+    #: Whether torch.compile's cudagraph trees were imported (else no pool can be theirs).
+    trees_loaded: bool = False
 
 
 def _raw_get(raw: dict[str, Any], key: str, metric: str = "current") -> int:
@@ -120,6 +147,19 @@ class Backend:
         """Reset the process-wide peak counters of ``device``."""
         raise NotImplementedError
 
+    def counters(self, device: int) -> Counters:
+        """``(allocated, reserved, peak_allocated)`` of ``device`` as :meth:`read` gives
+        them (zeros when CUDA is not initialised): the spans' hot path."""
+        stats = self.read(device)
+        return (stats.allocated, stats.reserved, stats.peak_allocated)
+
+    def counters_reset_peak(self, device: int) -> Counters:
+        """:meth:`counters`, then :meth:`reset_peak`; returns the values read before the
+        reset."""
+        values = self.counters(device)
+        self.reset_peak(device)
+        return values
+
     def is_oom(self, exc: BaseException) -> bool:
         """Whether ``exc`` is a CUDA out-of-memory error."""
         return _is_oom_exception(exc)
@@ -193,6 +233,12 @@ class Backend:
         """``torch.cuda.memory._snapshot()`` with the recorded stacks, ``None`` when none."""
         return None
 
+    # -- private pools (CUDA graphs) --
+    def private_pool_owners(self) -> PoolOwners | None:
+        """The live CUDA graphs, MemPools and cudagraph-tree managers per private pool,
+        ``None`` when they cannot be searched. Costs one ``gc.get_referrers`` heap scan."""
+        return None
+
 
 def _is_oom_exception(exc: BaseException) -> bool:
     oom_type = getattr(torch, "OutOfMemoryError", None) or getattr(
@@ -205,15 +251,26 @@ def _is_oom_exception(exc: BaseException) -> bool:
 
 
 class TorchBackend(Backend):
-    """The real allocator, through ``torch._C``'s raw entry points."""
+    """The real allocator, through ``torch._C``'s raw entry points.
 
-    def __init__(self) -> None:
+    Args:
+        reader: the C++ counter reader's manager (default: a new one; tests inject fakes).
+    """
+
+    def __init__(self, reader: _fastread.FastReader | None = None) -> None:
         self._c = torch._C
         self._compiled = bool(getattr(self._c, "_cuda_getDeviceCount", None))
         self._count: int | None = None
         # A primary context, once created, lives until the process ends: remember the
         # devices that have one so the hot path does not probe them again.
         self._with_context: tuple[int, ...] = ()
+        self.reader = reader if reader is not None else _fastread.FastReader()
+        # Set once the C++ reader is validated; until then (and for good where it cannot be
+        # built) the dict path answers. Plain attributes: the hot path takes no lock.
+        self._fast_counters: Callable[[int], Counters] | None = None
+        self._fast_reset: Callable[[int], Counters] | None = None
+        # A torch without CUDA never gets a reader: its reads skip the manager entirely.
+        self._reader_pending = self._compiled
 
     def device_count(self) -> int:
         if not self._compiled:
@@ -275,6 +332,60 @@ class TorchBackend(Backend):
     def reset_peak(self, device: int) -> None:
         if self._compiled and self._initialized():
             self._c._cuda_resetPeakMemoryStats(device)
+
+    # -- counters: the C++ reader when validated, else the raw dict ----------------------
+
+    def counters(self, device: int) -> Counters:
+        fast = self._fast_counters
+        if fast is not None:
+            try:
+                return fast(device)
+            except Exception:
+                pass  # e.g. a device index out of range: the dict path answers (or raises)
+        elif self._reader_pending:
+            self._poll_reader(device)
+        return self._dict_counters(device)
+
+    def counters_reset_peak(self, device: int) -> Counters:
+        fast = self._fast_reset
+        if fast is not None:
+            try:
+                return fast(device)
+            except Exception:
+                pass
+        elif self._reader_pending:
+            self._poll_reader(device)
+        values = self._dict_counters(device)
+        self.reset_peak(device)
+        return values
+
+    def _dict_counters(self, device: int) -> Counters:
+        if device not in self._with_context and (not self._compiled or not self._initialized()):
+            return (0, 0, 0)
+        raw = self._c._cuda_memoryStats(device)
+        try:
+            a = raw["allocated_bytes"]["all"]
+            return (a["current"], raw["reserved_bytes"]["all"]["current"], a["peak"])
+        except (KeyError, TypeError):  # allocator backends that leave keys out
+            stats = stats_from_raw(device, raw, 0)
+            return (stats.allocated, stats.reserved, stats.peak_allocated)
+
+    def _poll_reader(self, device: int) -> None:
+        """One step of the C++ reader's life, on a read. It starts only once CUDA is
+        initialised (never at import, never creating a context) and never waits for a
+        build; a failure of cudamem's own only leaves the dict path in place."""
+        if not self._compiled or not self._initialized():
+            return
+        try:
+            reader = self.reader.poll(device, self._dict_counters)
+        except Exception:
+            reader = None
+            self._reader_pending = False
+        else:
+            self._reader_pending = self.reader.pending
+        if reader is not None:
+            self._fast_reset = reader.counters_reset_peak
+            self._fast_counters = reader.counters
 
     def empty_cache(self) -> None:
         # torch.cuda.empty_cache() is a no-op before CUDA is initialised: no context made.
@@ -414,9 +525,115 @@ class TorchBackend(Backend):
             return None
         return snap if isinstance(snap, dict) else None
 
+    # -- private pools (CUDA graphs) --
+    def private_pool_owners(self) -> PoolOwners | None:
+        if not self._compiled or not self._initialized():
+            return None
+        try:
+            return _find_pool_owners()
+        except Exception:
+            return None
+
+
+def _with_subclasses(roots: list[type]) -> list[type]:
+    out: list[type] = []
+    todo = list(roots)
+    while todo:
+        t = todo.pop()
+        if any(t is o for o in out):
+            continue
+        out.append(t)
+        todo.extend(type.__subclasses__(t))
+    return out
+
+
+def instances_of(roots: list[type]) -> list[Any]:
+    """Live instances of ``roots`` and their subclasses that gc tracks (instances of Python
+    classes refer to their class, so one ``gc.get_referrers`` scan finds them all). Compares
+    types by identity only: no user ``__eq__`` or ``__hash__`` runs."""
+    import gc
+
+    types = _with_subclasses(roots)
+    found = gc.get_referrers(*types)
+    try:
+        return [o for o in found if any(type(o) is t for t in types)]
+    finally:
+        found.clear()
+
+
+def _find_pool_owners() -> PoolOwners:
+    """Ask every live CUDAGraph, MemPool and cudagraph-tree manager for its pool id.
+
+    Unbound base-class accessors are used so that no subclass override (user code) runs.
+    """
+    import inspect
+    import sys
+
+    c = torch._C
+    graph_base = getattr(c, "_CUDAGraph", None)
+    pool_base = getattr(c, "_MemPool", None)
+    trees_mod = sys.modules.get("torch._inductor.cudagraph_trees")
+    manager = getattr(trees_mod, "CUDAGraphTreeManager", None) if trees_mod else None
+    graph_cls = getattr(torch.cuda, "CUDAGraph", None)
+    pool_cls = getattr(torch.cuda, "MemPool", None)
+    roots = [t for t in (graph_cls, pool_cls, manager) if isinstance(t, type)]
+    if not roots:
+        return PoolOwners(trees_loaded=trees_mod is not None)
+    graphs: dict[tuple[int, int], int] = {}
+    mempools: set[tuple[int, int]] = set()
+    trees: dict[tuple[int, int], int] = {}
+    pool_of = getattr(graph_base, "pool", None)
+    id_prop = inspect.getattr_static(pool_base, "id", None) if pool_base is not None else None
+    for obj in instances_of(roots):
+        cls = type(obj)
+        try:
+            if graph_base is not None and issubclass(cls, graph_base) and callable(pool_of):
+                pid = _pool_tuple(pool_of(obj))  # raises before a capture has ended
+                if pid is not None:
+                    graphs[pid] = graphs.get(pid, 0) + 1
+            elif pool_base is not None and issubclass(cls, pool_base) and id_prop is not None:
+                pid = _pool_tuple(id_prop.__get__(obj, cls))
+                if pid is not None:
+                    mempools.add(pid)
+            elif manager is not None and issubclass(cls, manager):
+                state = object.__getattribute__(obj, "__dict__")
+                pid = _pool_tuple(state.get("cuda_graphs_thread_pool"))
+                dev = state.get("device_index")
+                if pid is not None:
+                    trees[pid] = dev if isinstance(dev, int) else -1
+        except Exception:
+            continue
+    return PoolOwners(graphs, frozenset(mempools), trees, trees_mod is not None)
+
+
+def _pool_tuple(value: Any) -> tuple[int, int] | None:
+    if type(value) is tuple and len(value) == 2 and all(type(v) is int for v in value):
+        return (value[0], value[1])
+    return None
+
 
 _lock = threading.Lock()
-_active: Backend = TorchBackend()
+_torch = TorchBackend()
+_active: Backend = _torch
+
+
+def reader_status() -> _fastread.ReaderStatus:
+    """Which counter reader this process's real backend uses (the C++ one or the dict),
+    and why. Creates no CUDA context and starts no build."""
+    return _torch.reader.status()
+
+
+def build_reader(*, validate: bool = True) -> _fastread.ReaderStatus:
+    """Compile the C++ reader now, on this thread (``python -m cudamem build-reader``),
+    ignoring markers left by earlier failures. With ``validate`` and a visible GPU it is
+    then checked against the dict read on ``cuda:0``, which initialises CUDA there."""
+    backend = _torch
+    backend.reader.build_now(force=True)
+    if validate and backend.reader.state == _fastread.READY and backend.device_count() > 0:
+        probe = torch.empty(1 << 20, dtype=torch.uint8, device="cuda:0")
+        backend.counters(0)  # validates it: equal to the dict read, or dropped
+        del probe
+    return backend.reader.status()
 
 
 def get() -> Backend:

@@ -472,19 +472,32 @@ def unaccounted(device: DeviceLike = "cuda") -> Unaccounted:
     return ledger_view(device)[0]
 
 
-def ledger_view(device: DeviceLike = "cuda") -> tuple[Unaccounted, frozenset[int]]:
+def ledger_view(
+    device: DeviceLike = "cuda",
+    *,
+    segments: Sequence[Any] | None = None,
+    allocated: int | None = None,
+) -> tuple[Unaccounted, frozenset[int]]:
     """:func:`unaccounted` and the ``data_ptr`` of every live storage on ``device``, from one
-    heap scan (``explain()`` needs both)."""
+    heap scan (``explain()`` needs both).
+
+    ``segments`` are snapshot segments to attribute instead of reading them now (the ledger
+    reads one snapshot for everything and leaves out the private pools it reports apart);
+    ``allocated`` is the figure they add up to (default: the allocator's counter).
+    """
     index = resolve_device(device)
     backend = _backend.get()
     notes: list[str] = []
     stats = backend.read(index)
+    if allocated is not None:
+        stats = stats._replace(allocated=allocated)
     acc, gather_notes = _gather(f"cuda:{index}")
     for a in acc.values():
         a.first = None
     notes.extend(gather_notes)
     addresses = frozenset(k[2] for k in acc)
-    segments = backend.memory_segments(index)
+    if segments is None:
+        segments = backend.memory_segments(index)
     blocks = None if segments is None else _active_blocks(segments)
     sizes = backend.cublas_workspace_sizes(index)
     if blocks is None:

@@ -1,6 +1,6 @@
 """The seeds' experiments, reproduced through cudamem: collection only, no printing.
 
-Each experiment returns a frozen :class:`Experiment` (a table, a one-line explanation and
+Each experiment returns a frozen ``Experiment`` (a table, a one-line explanation and
 PASS/FAIL checks); ``python -m cudamem demo`` renders them. Experiments that need a GPU are
 returned as skipped on a machine without one.
 """
@@ -201,7 +201,8 @@ class _Meter:
 def seed000_losses() -> Experiment:
     """Seed 000: what ten logged losses and outputs keep alive, and the fixes."""
     from .holders import who_holds
-    from .scalars import ScalarLogger, to_host
+    from .host import to_host
+    from .scalars import ScalarLogger
 
     key = "seed000-losses"
     title = "Seed 000: ten losses of sigmoid(x * 2).mean() kept as tensors, numbers, outputs"
@@ -326,7 +327,7 @@ def seed000_who_holds() -> Experiment:
 
 _SEED001_SCRIPT = r"""
 import gc, json, sys, torch, cudamem
-from cudamem.device import machine_status
+from cudamem.ledger import machine_status
 dev = int(sys.argv[1])
 def used():
     for d in machine_status().devices:
@@ -469,7 +470,7 @@ class NaiveN(torch.nn.Module):
 
 def seed001_sequential() -> Experiment:
     """Seed 001: training twice in one process, with and without ``del optimizer``."""
-    from .device import release
+    from .release import release
 
     key = "seed001-sequential"
     title = "Seed 001: sequential training runs, with and without `del optimizer`"
@@ -590,7 +591,17 @@ def run_demo(
     """Run the experiments (or ``only`` those keys) and return their results.
 
     An experiment that fails with an exception becomes a failed check, not a crash.
+    Raises ValueError naming an unknown key in ``only`` (and the valid ones).
     """
+    keys = [key for key, _ in experiments()]
+    if only is not None:
+        if isinstance(only, str):
+            raise TypeError("only must be a sequence of experiment keys, not a str")
+        unknown = [k for k in only if k not in keys]
+        if unknown:
+            raise ValueError(
+                f"only: unknown experiment key {unknown[0]!r}; valid keys: {', '.join(keys)}"
+            )
     results = []
     for key, func in experiments():
         if only and key not in only:

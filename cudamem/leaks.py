@@ -45,10 +45,10 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from . import _backend, _storages
-from . import span as _span
+from .span import MemorySpan, add_entry_hook, add_exit_hook
 
 if TYPE_CHECKING:
-    from .span import MemorySpan, SpanRecord
+    from .span import RawSpan
 
 __all__ = [
     "Culprit",
@@ -478,8 +478,6 @@ def leaks(since: MemorySpan) -> LeakReport:
         ...
         print(cudamem.leaks(since=span))
     """
-    from .span import MemorySpan
-
     if not isinstance(since, MemorySpan):
         raise TypeError(f"since must be a MemorySpan, not {type(since).__name__}")
     capture = since._leak_capture()
@@ -503,6 +501,10 @@ def theil_sen(levels: tuple[int, ...] | list[int]) -> float:
 
 
 _WATCH, _ARMED, _PENDING, _LEAKING = range(4)
+
+#: Span names whose next call the detector wants captured. Replaced, never mutated, so the
+#: entry hook reads it without a lock.
+_armed: frozenset[str] = frozenset()
 
 
 def _trimmed(s: _Series) -> tuple[int, ...]:
@@ -559,20 +561,23 @@ class _Detector:
         self.findings: deque[Growth] = deque(maxlen=100)
 
     def reset(self) -> None:
+        global _armed
         with self.lock:
             self.series.clear()
             self.findings.clear()
-            _span._leak_names = frozenset()
+            _armed = frozenset()
 
     def _arm(self, name: str, s: _Series) -> None:
+        global _armed
         s.phase = _ARMED
         s.armed_exits = 0
         s.captured = None
-        _span._leak_names = _span._leak_names | {name}
+        _armed = _armed | {name}
 
     def _disarm(self, name: str) -> None:
-        if name in _span._leak_names:
-            _span._leak_names = _span._leak_names - {name}
+        global _armed
+        if name in _armed:
+            _armed = _armed - {name}
 
     def captured(self, name: str, keys: dict[Hashable, int]) -> None:
         """A span of ``name`` finished a capture (called before the exit hooks run)."""
@@ -582,15 +587,12 @@ class _Detector:
                 s.captured = keys
                 self._disarm(name)
 
-    def on_exit(self, record: SpanRecord) -> None:
+    def on_exit(self, name: str, level: int, own: int) -> None:
+        """A call of ``name`` ended at ``level`` allocated bytes, ``own`` of them its own
+        (allocated at exit minus at entry), summed over the devices it measured."""
         settings = _settings
-        if not settings.enabled or not record.devices:
+        if not settings.enabled:
             return
-        level = own = 0
-        for d in record.devices:
-            level += d.after.allocated
-            own += d.after.allocated - d.before.allocated
-        name = record.name
         with self.lock:
             s = self.series.get(name)
             if s is None:
@@ -612,6 +614,8 @@ class _Detector:
             s.rises.append(rose)
             if s.cooldown:
                 s.cooldown -= 1
+            if s.phase == _WATCH and True not in s.rises:
+                return  # the steady state: arming needs at least one rise in the window
             action = self._step(name, s, settings)
             if action is None:
                 return
@@ -775,17 +779,29 @@ def _emit(growth: Growth) -> None:
         logger.warning(text)
 
 
-def _on_span_exit(record: SpanRecord, top_level: bool) -> None:
-    """The span exit hook: OOM post-mortems, then growth detection."""
-    exc = record.exception
-    if exc is not None:
-        if exc.is_oom and _settings.span_oom_reports:
-            from .oom import _report_from_span
-
-            _report_from_span(record)
-        return  # an aborted call's level says nothing about growth
-    if _settings.enabled:
-        _detector.on_exit(record)
+#: Where the capture of a span lives in ``RawSpan.extras`` (``MemorySpan.leaks`` reads it).
+_CAPTURE = "leaks"
+_START = "leaks.start"
 
 
-_span.add_exit_hook(_on_span_exit)
+def _on_span_enter(span: RawSpan) -> None:
+    """The span entry hook: snapshot the storages for ``leaks=True`` or an armed name."""
+    if span.leaks or (_armed and span.name in _armed):
+        if span.extras is None:
+            span.extras = {}
+        span.extras[_START] = begin(span.name)
+
+
+def _on_span_exit(span: RawSpan) -> None:
+    """The span exit hook: finish a capture, then growth detection (not for calls that
+    raised: an aborted call's level says nothing about growth)."""
+    extras = span.extras
+    if extras is not None and _START in extras:
+        extras[_CAPTURE] = end(span.name, extras.pop(_START), explicit=span.leaks)
+    if span.exception is None and span.after and _settings.enabled:
+        _detector.on_exit(span.name, span.level, span.alloc_delta)
+
+
+add_entry_hook(_on_span_enter)
+# A LeakWarning the user turned into an error (-W error) reaches the user's code as itself.
+add_exit_hook(_on_span_exit, propagate=(LeakWarning,))

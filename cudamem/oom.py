@@ -37,12 +37,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from . import _backend, _storages
+from .leaks import leak_settings
 from .render.text import format_bytes
+from .span import add_exit_hook
 
 if TYPE_CHECKING:
     from types import TracebackType
 
-    from .span import SpanRecord
+    from .span import RawSpan, SpanRecord
 
 __all__ = [
     "OomEvent",
@@ -624,6 +626,16 @@ def _report_from_span(record: SpanRecord) -> None:
     if info is None:
         return
     _produce(info.type_name, info.message, f"span {record.name!r}")
+
+
+def _on_span_exit(span: RawSpan) -> None:
+    """The span exit hook: an OOM left a span (reported while its frames are alive)."""
+    info = span.exception
+    if info is not None and info.is_oom and leak_settings().span_oom_reports:
+        _report_from_span(span.record())
+
+
+add_exit_hook(_on_span_exit)
 
 
 def _report_exception(exc: BaseException | None, source: str) -> None:

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ._history import History, history
-from .render.series import points
+from .render.series import nothing_to_plot, points
 
 __all__ = ["plot"]
 
@@ -22,8 +22,12 @@ def plot(
 ) -> Any:
     """Draw the span history: one point per finished top-level span, in time order.
 
+    Spans that measured no CUDA device are left out. When nothing is left (no span has
+    finished, or none measured CUDA memory: a CPU-only run), no empty chart is drawn: the
+    axes say there is nothing to plot and why.
+
     Args:
-        hist: a :class:`History` (default: ``cudamem.history()``).
+        hist: a [History][cudamem.History] (default: ``cudamem.history()``).
         leaks: span names, or ``LeakWarning``/``Growth`` objects, whose points are marked red.
         ax: a matplotlib ``Axes`` to draw into (default: a new figure).
         title: the axes' title.
@@ -45,6 +49,12 @@ def plot(
     pts = points(hist.spans, names)
     if ax is None:
         _, ax = plt.subplots(figsize=(9, 3.5))
+    if not pts:
+        reason = nothing_to_plot(hist.spans) or "no span measured CUDA memory"
+        ax.set_axis_off()
+        ax.text(0.5, 0.5, f"Nothing to plot:\n{reason}", ha="center", va="center", wrap=True)
+        ax.set_title(title or "cudamem: nothing to plot")
+        return ax
     ts = [p.t for p in pts]
     ax.plot(ts, [p.allocated / MiB for p in pts], label="allocated", color="#1f77b4")
     ax.plot(ts, [p.reserved / MiB for p in pts], label="reserved", color="#ff7f0e")

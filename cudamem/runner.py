@@ -7,12 +7,16 @@ growth detection watches it like any span the script opens itself. At exit, or o
 out-of-memory error, the report is collected *while the script's ``__main__`` module is still
 installed*, so holders read ``__main__.loss_history[3]`` rather than an anonymous dict.
 
-Collection only: :class:`RunReport` is frozen data, rendered by ``render/report.py`` (text)
-and ``render/html.py``.
+``run_script(name, module=True)`` runs a module as ``python -m name`` does: ``sys.argv[0]`` is
+its file, ``sys.path[0]`` the working directory, a package runs its ``__main__``.
+
+Collection only: ``RunReport`` is frozen data, rendered by ``render/report.py`` (text),
+``render/html.py`` and, through ``to_dict()``, as JSON (``schema`` names its version).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 import time
@@ -26,9 +30,12 @@ from typing import Any
 from . import _backend
 from .span import ExceptionInfo, MemorySpan
 
-__all__ = ["RunReport", "ScriptError", "StepWatcher", "run_script"]
+__all__ = ["SCHEMA", "RunReport", "ScriptError", "StepWatcher", "run_script"]
 
 STEP_SPAN = "training step"
+#: Version of ``RunReport.to_dict()``'s layout (the JSON of ``cudamem run --json FILE``).
+#: Raised when a key is removed or changes meaning; new keys do not raise it.
+SCHEMA = 1
 
 
 class ScriptError(Exception):
@@ -63,15 +70,32 @@ class RunReport:
     #: Finished top-level spans (the script's own and the training steps).
     history: Any
     notes: tuple[str, ...] = field(default=())
+    #: The module run with ``-m``, or None for a script.
+    module: str | None = None
+    #: The listed storages (``live``) grouped by the container that holds them, largest
+    #: first (``Culprit`` values: holder, items, storages, bytes, an example path).
+    groups: tuple[Any, ...] = ()
+    #: Live storages smaller than the listed ones: how many, and their bytes.
+    unlisted: tuple[int, int] = (0, 0)
+    #: CUDA devices visible to torch (0: spans and growth detection had nothing to measure).
+    cuda_devices: int = 0
+
+    @property
+    def cuda_used(self) -> bool:
+        """Whether the script used a CUDA device (one had a context at exit)."""
+        return bool(self.peaks)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready mapping."""
+        """JSON-ready mapping (layout version ``SCHEMA``)."""
 
         def dump(obj: Any) -> Any:
             return None if obj is None else obj.to_dict()
 
         return {
+            "kind": "cudamem.run",
+            "schema": SCHEMA,
             "script": self.script,
+            "module": self.module,
             "argv": list(self.argv),
             "exit_code": self.exit_code,
             "duration": self.duration,
@@ -85,6 +109,10 @@ class RunReport:
             "ledger": dump(self.ledger),
             "oom": dump(self.oom),
             "history": dump(self.history),
+            "groups": [dump(g) for g in self.groups],
+            "unlisted": {"storages": self.unlisted[0], "nbytes": self.unlisted[1]},
+            "cuda_devices": self.cuda_devices,
+            "cuda_used": self.cuda_used,
             "notes": list(self.notes),
         }
 
@@ -169,8 +197,8 @@ def _exit_code(exc: SystemExit) -> tuple[int, str | None]:
     code = exc.code
     if code is None:
         return 0, None
-    if isinstance(code, int):
-        return code, None
+    if isinstance(code, int):  # sys.exit(True) exits 1, as Python's does
+        return int(code), None
     return 1, str(code)
 
 
@@ -185,25 +213,71 @@ def _script_traceback(exc: BaseException) -> str:
     return "".join(traceback.format_exception(type(exc), exc, tb))
 
 
-def _collect(
-    top: int,
-    with_ledger: bool,
-    notes: list[str],
-) -> tuple[Any, Any, tuple[tuple[int, int], ...]]:
+def _by_container(storages: Sequence[Any]) -> tuple[Any, ...]:
+    """The listed storages grouped by the container that holds them, largest first.
+
+    The one grouping rule is growth detection's (a list of ten losses is one holder; a
+    storage Python names directly belongs to that name, not to an autograd path through it).
+    """
+    import importlib
+
+    try:  # the rule's own module, which takes census storages as they are
+        rule: Any = importlib.import_module(f"{__package__}.culprits")
+    except ImportError:
+        rule = None
+    if rule is not None:
+        return tuple(rule.group_culprits(storages))
+    from ._storages import LiveStorage
+    from .leaks import group_culprits
+
+    plain = [
+        LiveStorage(
+            key=s.key,
+            nbytes=s.nbytes,
+            device=s.device,
+            dtype=s.dtype,
+            shape=s.shape,
+            holders=tuple(s.holders.paths) if s.holders is not None else (),
+        )
+        for s in storages
+    ]
+    return tuple(group_culprits(plain))
+
+
+def _listing_order(storage: Any) -> tuple[int, str]:
+    """Largest first; among equal sizes by holder path, not by address (which differs from
+    run to run), so that the same program gives the same table."""
+    paths = storage.holders.paths if storage.holders is not None else ()
+    return (-storage.nbytes, min(paths, default="\uffff"))
+
+
+@dataclass(frozen=True, slots=True)
+class _Collected:
+    live: Any = None
+    ledger: Any = None
+    peaks: tuple[tuple[int, int], ...] = ()
+    groups: tuple[Any, ...] = ()
+    unlisted: tuple[int, int] = (0, 0)
+
+
+def _collect(top: int, with_ledger: bool, notes: list[str]) -> _Collected:
     from .census import Census, live_tensors, storages_with_keys
     from .span import max_allocated
 
     live = ledger = None
+    groups: tuple[Any, ...] = ()
+    unlisted = (0, 0)
     try:
         # Holders only for the storages listed: the search is the expensive part.
         census = live_tensors()
-        listed = storages_with_keys([s.key for s in census.storages[:top]], holders=True)
-        extra = census.notes
-        if len(census) > top:
-            rest = len(census) - top
-            more = sum(s.nbytes for s in census.storages[top:])
-            extra = (*extra, f"{rest} smaller storages ({more} bytes) not listed")
-        live = Census(listed, extra, census.elapsed)
+        keys = [s.key for s in census.storages[:top]]
+        listed = storages_with_keys(keys, holders=True) if keys else ()
+        unlisted = (
+            max(len(census) - top, 0),
+            sum(s.nbytes for s in census.storages[top:]),
+        )
+        live = Census(tuple(sorted(listed, key=_listing_order)), census.notes, census.elapsed)
+        groups = _by_container(live.storages)
     except Exception as exc:
         notes.append(f"census failed: {type(exc).__name__}: {exc}")
     backend = _backend.get()
@@ -215,72 +289,143 @@ def _collect(
             notes.append(f"peak of cuda:{d} unavailable: {exc}")
     if with_ledger and backend.initialized_devices():
         try:
-            from .device import explain
+            from .ledger import explain
 
             ledger = explain()
         except Exception as exc:
             notes.append(f"explain() failed: {type(exc).__name__}: {exc}")
-    return live, ledger, tuple(peaks)
+    return _Collected(live, ledger, tuple(peaks), groups, unlisted)
+
+
+@dataclass(frozen=True, slots=True)
+class _Target:
+    """What to execute as ``__main__``, and how ``sys`` must look while it runs."""
+
+    code: types.CodeType
+    module: types.ModuleType
+    argv0: str
+    path0: str
+    #: The file run (absolute).
+    file: str
+
+
+def _main_module(file: str) -> types.ModuleType:
+    module = types.ModuleType("__main__")
+    module.__file__ = file
+    module.__dict__["__builtins__"] = __builtins__
+    module.__dict__["__cached__"] = None
+    return module
+
+
+def _script_target(path: str) -> _Target:
+    if not os.path.exists(path):
+        raise ScriptError(f"no such script: {path}")
+    if os.path.isdir(path):
+        raise ScriptError(f"{path} is a directory, not a Python script")
+    # ``python script.py`` gives the script an absolute __file__ (and code filename) while
+    # sys.argv[0] stays as typed.
+    file = os.path.abspath(path)
+    try:
+        with open(path, "rb") as fh:
+            source = fh.read()
+        code = compile(source, file, "exec")
+    except (OSError, SyntaxError, ValueError) as exc:
+        raise ScriptError(f"cannot run {path}: {type(exc).__name__}: {exc}") from exc
+    return _Target(code, _main_module(file), path, os.path.dirname(file), file)
+
+
+def _module_target(name: str) -> _Target:
+    """``python -m name``: the module's code, run as ``__main__`` (a package's ``__main__``)."""
+    if not name or name.startswith("."):
+        raise ScriptError(f"cannot run -m {name!r}: relative module names are not supported")
+    try:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.submodule_search_locations is not None:
+            package = name
+            spec = importlib.util.find_spec(f"{name}.__main__")
+            if spec is None:
+                raise ScriptError(
+                    f"no module named {package}.__main__; {package!r} is a package and "
+                    "cannot be directly executed"
+                )
+        if spec is None:
+            raise ScriptError(f"no module named {name}")
+        loader = spec.loader
+        get_code = getattr(loader, "get_code", None)
+        code = get_code(spec.name) if callable(get_code) else None
+    except ScriptError:
+        raise
+    except Exception as exc:  # importing the parent package ran its code
+        raise ScriptError(f"cannot run -m {name}: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(code, types.CodeType):
+        raise ScriptError(f"cannot run -m {name}: no Python code found for {spec.name}")
+    file = os.path.abspath(spec.origin) if spec.origin else name
+    module = _main_module(file)
+    module.__spec__ = spec
+    module.__loader__ = loader
+    module.__package__ = spec.parent
+    module.__dict__["__cached__"] = spec.cached
+    return _Target(code, module, file, os.getcwd(), file)
 
 
 def run_script(
     path: str,
     args: Sequence[str] = (),
     *,
+    module: bool = False,
     top: int = 10,
     ledger: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> RunReport:
     """Run ``path`` as ``__main__`` with ``sys.argv = [path, *args]`` and report on it.
 
-    Raises :class:`ScriptError` when the script cannot be read or compiled (before it runs).
+    With ``module=True``, ``path`` is a module name run as ``python -m path`` would.
+    ``top`` storages (the largest alive at exit) are searched for holders and listed.
+
+    Raises ``ScriptError`` when the script cannot be read or compiled (before it runs).
     The script's own exceptions never propagate: they become the report's ``exception``,
     ``traceback`` and ``exit_code`` (1, as Python's; ``SystemExit`` keeps its code).
     """
     from . import _history
     from .leaks import LeakWarning
 
-    if not os.path.exists(path):
-        raise ScriptError(f"no such script: {path}")
-    if os.path.isdir(path):
-        raise ScriptError(f"{path} is a directory, not a Python script")
-    try:
-        with open(path, "rb") as fh:
-            source = fh.read()
-        code = compile(source, path, "exec")
-    except (OSError, SyntaxError, ValueError) as exc:
-        raise ScriptError(f"cannot run {path}: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(path, str):
+        raise TypeError(f"path must be a str, not {type(path).__name__}")
+    if isinstance(args, str) or not all(isinstance(a, str) for a in args):
+        raise TypeError("args must be a sequence of str")
+    if not isinstance(top, int) or isinstance(top, bool):
+        raise TypeError(f"top must be an int, not {type(top).__name__}")
+    if top < 0:
+        raise ValueError(f"top must be 0 or more, got {top}")
 
-    module = types.ModuleType("__main__")
-    module.__file__ = path
-    module.__dict__["__builtins__"] = __builtins__
-    module.__dict__["__cached__"] = None
     old_main = sys.modules.get("__main__")
     old_argv = sys.argv
-    old_path0 = sys.path[0] if sys.path else None
-    sys.modules["__main__"] = module
-    sys.argv = [path, *args]
-    script_dir = os.path.dirname(os.path.abspath(path))
-    if sys.path:
-        sys.path[0] = script_dir
-    else:
-        sys.path.append(script_dir)
-
+    old_path = list(sys.path)
     collector = _LeakCollector()
     watcher = StepWatcher()
-    watcher.install()
     exit_code = 0
     info: ExceptionInfo | None = None
     tb_text: str | None = None
     oom = None
     notes: list[str] = []
-    t0 = time.perf_counter()
     try:
+        if module:
+            # python -m puts the working directory first before importing anything.
+            _set_path0(os.getcwd())
+            target = _module_target(path)
+        else:
+            target = _script_target(path)
+        main = target.module
+        sys.modules["__main__"] = main
+        sys.argv = [target.argv0, *args]
+        _set_path0(target.path0)
+        watcher.install()
+        t0 = time.perf_counter()
         with warnings.catch_warnings():
             warnings.simplefilter("always", LeakWarning)
             collector.install()
             try:
-                exec(code, module.__dict__)
+                exec(target.code, main.__dict__)
             except SystemExit as exc:
                 exit_code, message = _exit_code(exc)
                 if message:
@@ -305,28 +450,38 @@ def run_script(
         duration = time.perf_counter() - t0
         if progress is not None:
             progress("collecting the report (census, holders, ledger)")
-        live, ledger_result, peaks = _collect(top, ledger, notes)
+        collected = _collect(top, ledger, notes)
         hist = _history.history()
     finally:
         sys.argv = old_argv
-        if old_path0 is not None and sys.path:
-            sys.path[0] = old_path0
+        sys.path[:] = old_path
         if old_main is not None:
             sys.modules["__main__"] = old_main
     return RunReport(
-        script=path,
+        script=target.file if module else path,
         argv=tuple(args),
         exit_code=exit_code,
         duration=duration,
         exception=info,
         traceback=tb_text,
         steps=watcher.steps,
-        peaks=peaks,
+        peaks=collected.peaks,
         leak_warnings=tuple(collector.messages),
         leak_names=tuple(collector.names),
-        live=live,
-        ledger=ledger_result,
+        live=collected.live,
+        ledger=collected.ledger,
         oom=oom,
         history=hist,
         notes=tuple(notes),
+        module=path if module else None,
+        groups=collected.groups,
+        unlisted=collected.unlisted,
+        cuda_devices=_backend.get().device_count(),
     )
+
+
+def _set_path0(entry: str) -> None:
+    if sys.path:
+        sys.path[0] = entry
+    else:
+        sys.path.append(entry)

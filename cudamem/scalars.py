@@ -1,4 +1,4 @@
-"""Logging numbers without keeping tensors: ``log_scalar``, ``ScalarLogger``, ``to_host``.
+"""Logging numbers without keeping tensors: ``log_scalar``, ``ScalarLogger``.
 
 ``loss_history.append(loss)`` keeps every step's autograd graph alive (seed 000: ten losses of
 ``sigmoid(x * 2).mean()`` on a 1024×1024 input kept 40 MiB); ``loss.item()`` frees it but makes
@@ -24,10 +24,11 @@ import numbers
 import threading
 import warnings
 import weakref
+from array import array
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, Literal, TypeVar, overload
+from typing import Any, overload
 
 import numpy as np
 import torch
@@ -35,16 +36,12 @@ import torch
 from . import _backend
 
 __all__ = [
-    "HostCopy",
     "LoggerStats",
     "ScalarLogger",
     "Series",
     "SeriesSummary",
     "log_scalar",
-    "to_host",
 ]
-
-T = TypeVar("T")
 
 #: Largest ``flush_every``: two device buffers of this many float64 values (1 MiB each).
 MAX_FLUSH_EVERY = 1 << 17
@@ -76,6 +73,42 @@ def _check_tensor(x: torch.Tensor) -> torch.Tensor:
     if t.layout != torch.strided:
         t = t.to_dense()
     return t if t.dim() == 0 else t.reshape(())
+
+
+_PLAIN_DTYPES = frozenset(
+    {
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.bool,
+    }
+)
+
+
+def _plain_0d(x: torch.Tensor) -> torch.Tensor | None:
+    """``x.detach()`` when ``x`` is what a loss is (0-d, dense, a real dtype, not meta):
+    four cheap checks instead of :func:`_check_tensor`'s nine. None: ask that one."""
+    if x.dim() == 0 and x.layout is torch.strided and x.dtype in _PLAIN_DTYPES and not x.is_meta:
+        return x.detach()
+    return None
+
+
+_STEP_MIN, _STEP_MAX = -(2**63), 2**63 - 2  # int64, and the next step still fits
+
+
+def _check_step(step: Any) -> int:
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer, torch.Tensor)):
+        raise TypeError(f"step must be an int, not {type(step).__name__}")
+    value = int(step)
+    if not _STEP_MIN <= value <= _STEP_MAX:
+        raise ValueError(f"step must fit in 64 bits, got {value}")
+    return value
 
 
 def log_scalar(x: Any) -> float:
@@ -178,6 +211,10 @@ class LoggerStats:
     pending: int
     #: Device memory of the logger's buffers, by device (``'cuda:0'``, ``'cpu'``).
     buffer_bytes: Mapping[str, int]
+    #: Values kept on the host (all series; at most ``maxlen`` per series).
+    kept: int = 0
+    #: Host memory those values take: 8 bytes for the value and 8 for its step.
+    host_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready mapping."""
@@ -186,6 +223,8 @@ class LoggerStats:
             "transfers": self.transfers,
             "pending": self.pending,
             "buffer_bytes": dict(self.buffer_bytes),
+            "kept": self.kept,
+            "host_bytes": self.host_bytes,
         }
 
     def __str__(self) -> str:
@@ -194,7 +233,8 @@ class LoggerStats:
         buffers = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.buffer_bytes.items())
         return (
             f"{self.logged} values logged, {self.transfers} "
-            f"transfer{'' if self.transfers == 1 else 's'}, {self.pending} pending"
+            f"transfer{'' if self.transfers == 1 else 's'}, {self.pending} pending; "
+            f"kept {self.kept} ({format_bytes(self.host_bytes)})"
             + (f"; buffers: {buffers}" if buffers else "")
         )
 
@@ -203,21 +243,69 @@ class LoggerStats:
 
 
 class _SeriesData:
-    """Host-side values of one series: floats and their steps, nothing else."""
+    """Host-side values of one series: floats and their steps in two flat arrays (8 bytes
+    each per value, no Python object per value), nothing else.
 
-    __slots__ = ("count", "name", "next_step", "steps", "values")
+    Without ``maxlen`` every value is kept (16 bytes a value: 10 M values take 160 MB, half
+    a list of Python floats). With ``maxlen`` the arrays are a ring of the newest ``maxlen``
+    values: memory stays at ``16 * maxlen`` bytes however many values arrive, and ``count``
+    still counts them all.
+    """
+
+    __slots__ = ("count", "maxlen", "name", "next_step", "start", "steps", "values")
 
     def __init__(self, name: str, maxlen: int | None) -> None:
         self.name = name
-        self.values: deque[float] = deque(maxlen=maxlen)
-        self.steps: deque[int] = deque(maxlen=maxlen)
+        self.maxlen = maxlen
+        self.values = array("d")
+        self.steps = array("q")
+        self.start = 0  # index of the oldest value once the ring is full
         self.count = 0  # values ever delivered (dropped ones included)
         self.next_step = 0
 
     def add(self, step: int, value: float) -> None:
-        self.values.append(value)
-        self.steps.append(step)
+        if self.maxlen is None or len(self.values) < self.maxlen:
+            self.values.append(value)
+            self.steps.append(step)
+        else:
+            i = self.start
+            self.values[i] = value
+            self.steps[i] = step
+            i += 1
+            self.start = 0 if i == self.maxlen else i
         self.count += 1
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def ordered_values(self) -> array[float]:
+        """The values, oldest first (a copy when the ring has wrapped)."""
+        s = self.start
+        return self.values[s:] + self.values[:s] if s else self.values
+
+    def ordered_steps(self) -> array[int]:
+        s = self.start
+        return self.steps[s:] + self.steps[:s] if s else self.steps
+
+    def at(self, index: int) -> float:
+        """The value at ``index`` in log order (negative counts from the newest)."""
+        n = len(self.values)
+        if not -n <= index < n:
+            raise IndexError(index)
+        return self.values[(self.start + index) % n]
+
+    def last(self) -> tuple[int, float]:
+        i = self.start - 1  # -1 (the end) until the ring wraps
+        return self.steps[i], self.values[i]
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.values) * (self.values.itemsize + self.steps.itemsize)
+
+    def clear(self) -> None:
+        self.values = array("d")
+        self.steps = array("q")
+        self.start = 0
 
 
 class _Record:
@@ -251,6 +339,7 @@ class _DeviceBuffer:
     __slots__ = (
         "active",
         "banks",
+        "capacity",
         "device",
         "device_index",
         "events",
@@ -264,6 +353,7 @@ class _DeviceBuffer:
 
     def __init__(self, device: torch.device, capacity: int) -> None:
         self.device = device
+        self.capacity = capacity
         self.device_index = device.index if device.index is not None else -1
         self.is_async = _wants_async(device)
         # MPS has no float64; float32 holds every fp16/bf16/fp32 value exactly.
@@ -289,19 +379,16 @@ class _DeviceBuffer:
         self.in_flight: tuple[int, int] | None = None  # (bank, n)
 
     @property
-    def capacity(self) -> int:
-        return len(self.slots[0])
-
-    @property
     def nbytes(self) -> int:
         return 2 * self.capacity * self.banks[0].element_size()
 
     def write(self, value: torch.Tensor, record: _Record) -> bool:
         """Copy ``value`` (detached, 0-d) into the next slot; True when the bank is full."""
-        self.slots[self.active][self.used].copy_(value)
-        self.records[self.active].append(record)
-        self.used += 1
-        return self.used >= self.capacity
+        used, active = self.used, self.active
+        self.slots[active][used].copy_(value)
+        self.records[active].append(record)
+        self.used = used = used + 1
+        return used >= self.capacity
 
     def launch(self) -> bool:
         """Start moving the active bank to the host; True if a transfer was started."""
@@ -352,7 +439,10 @@ _warned: set[str] = set()
 def _warn_once(key: str, message: str) -> None:
     if key not in _warned:
         _warned.add(key)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        # Under ``-W error`` a warning raises: the logger's own trouble must not end the
+        # training step, so it is then only lost.
+        with contextlib.suppress(Exception):
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 _live_loggers: weakref.WeakSet[ScalarLogger] = weakref.WeakSet()
@@ -400,41 +490,54 @@ class Series:
         """The values on the host, oldest first (flushes pending values first)."""
         with self._logger._lock:
             self._logger._flush_locked()
-            return tuple(self._data.values)
+            return tuple(self._data.ordered_values())
 
     @property
     def steps(self) -> tuple[int, ...]:
         """The step of each value in :attr:`values`."""
         with self._logger._lock:
             self._logger._flush_locked()
-            return tuple(self._data.steps)
+            return tuple(self._data.ordered_steps())
 
     def items(self) -> list[tuple[int, float]]:
         """``(step, value)`` pairs, oldest first."""
         with self._logger._lock:
             self._logger._flush_locked()
-            return list(zip(self._data.steps, self._data.values, strict=True))
+            data = self._data
+            return list(zip(data.ordered_steps(), data.ordered_values(), strict=True))
 
     def to_numpy(self) -> np.ndarray[Any, np.dtype[np.float64]]:
-        """The values as a float64 array."""
-        return np.array(self.values, dtype=np.float64)
+        """The values as a float64 array (a copy, without a Python float per value)."""
+        with self._logger._lock:
+            self._logger._flush_locked()
+            values: np.ndarray[Any, np.dtype[np.float64]] = np.array(
+                self._data.ordered_values(), dtype=np.float64
+            )
+            return values
 
     def steps_numpy(self) -> np.ndarray[Any, np.dtype[np.int64]]:
         """The steps as an int64 array."""
-        return np.array(self.steps, dtype=np.int64)
+        with self._logger._lock:
+            self._logger._flush_locked()
+            steps: np.ndarray[Any, np.dtype[np.int64]] = np.array(
+                self._data.ordered_steps(), dtype=np.int64
+            )
+            return steps
 
     def mean(self) -> float:
         """Mean of the values kept (NaN when empty; a NaN value makes it NaN)."""
-        return _mean(self.values)
+        with self._logger._lock:
+            self._logger._flush_locked()
+            return _mean(self._data.values)  # order does not matter for a sum
 
     @property
     def last(self) -> float:
         """The most recent value (``IndexError`` when empty)."""
         with self._logger._lock:
             self._logger._flush_locked()
-            if not self._data.values:
+            if not len(self._data):
                 raise IndexError(f"series {self.name!r} is empty")
-            return self._data.values[-1]
+            return self._data.last()[1]
 
     def summary(self) -> SeriesSummary:
         """Count, last, mean/min/max (NaN skipped) at this instant."""
@@ -445,7 +548,7 @@ class Series:
     def __len__(self) -> int:
         with self._logger._lock:
             self._logger._flush_locked()
-            return len(self._data.values)
+            return len(self._data)
 
     @overload
     def __getitem__(self, index: int) -> float: ...
@@ -454,16 +557,16 @@ class Series:
     def __getitem__(self, index: int | slice) -> float | list[float]:
         with self._logger._lock:
             self._logger._flush_locked()
-            values = self._data.values
+            data = self._data
             if isinstance(index, slice):
-                return list(values)[index]
+                return data.ordered_values()[index].tolist()
             if not isinstance(index, int) or isinstance(index, bool):
                 raise TypeError(f"series indices must be int or slice, not {type(index).__name__}")
             try:
-                return values[index]
+                return data.at(index)
             except IndexError:
                 raise IndexError(
-                    f"series {self.name!r} index {index} out of range ({len(values)} values)"
+                    f"series {self.name!r} index {index} out of range ({len(data)} values)"
                 ) from None
 
     def __iter__(self) -> Iterator[float]:
@@ -471,7 +574,9 @@ class Series:
         return iter(self.values)
 
     def __contains__(self, value: object) -> bool:
-        return value in self.values
+        with self._logger._lock:
+            self._logger._flush_locked()
+            return value in self._data.values
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray[Any, Any]:
         array = self.to_numpy()
@@ -492,21 +597,22 @@ def _mean(values: Sequence[float]) -> float:
 
 
 def _summarize(data: _SeriesData) -> SeriesSummary:
-    values = data.values
-    if not values:
+    n = len(data)
+    if not n:
         return SeriesSummary(data.name, data.count, 0, None, None, None, None, 0, None)
-    finite = [v for v in values if not math.isnan(v)]  # inf stays
-    nan = len(values) - len(finite)
+    values = np.array(data.values, dtype=np.float64)
+    finite = values[~np.isnan(values)]  # inf stays
+    last_step, last = data.last()
     return SeriesSummary(
         name=data.name,
         count=data.count,
-        dropped=data.count - len(values),
-        last=values[-1],
-        mean=_mean(finite) if finite else None,
-        min=min(finite) if finite else None,
-        max=max(finite) if finite else None,
-        nan=nan,
-        last_step=data.steps[-1],
+        dropped=data.count - n,
+        last=last,
+        mean=_mean(finite.tolist()) if finite.size else None,
+        min=float(finite.min()) if finite.size else None,
+        max=float(finite.max()) if finite.size else None,
+        nan=n - int(finite.size),
+        last_step=last_step,
     )
 
 
@@ -529,8 +635,14 @@ class ScalarLogger:
             host without a synchronisation. ``1`` converts every value at once (one wait per
             value, like ``.item()``). Reading any value (``len`` included) first moves every
             pending value, which waits for the device: read every N steps, not every step.
-        maxlen: keep only the newest ``maxlen`` values per series (``None``: keep all).
+        maxlen: keep only the newest ``maxlen`` values per series, in a ring of
+            ``16 * maxlen`` bytes however many values arrive (``count`` in the summary
+            still counts them all). ``None`` keeps every value: 16 bytes each (value and
+            step in flat arrays; 10 M values take 160 MB), see :attr:`stats`.
         name: the default series' name.
+
+    Cost per logged device tensor: one copy kernel into the buffer and a few µs of Python;
+    one non-blocking transfer and one event per ``flush_every`` values.
 
     Thread safe: several threads may log and read concurrently. Use it as a context manager
     (or call :meth:`close`) to finish pending transfers and release the device buffers;
@@ -592,48 +704,57 @@ class ScalarLogger:
         """Log ``value`` into the series ``name`` (created on first use).
 
         ``value`` is anything :func:`log_scalar` accepts. ``step`` defaults to the series'
-        previous step + 1 (0 for the first value). Raises like :func:`log_scalar`; a value
-        that raises is not logged.
+        previous step + 1 (0 for the first value) and must fit in 64 bits. Raises like
+        :func:`log_scalar`; a value that raises is not logged.
         """
         if not isinstance(name, str):
             raise TypeError(f"series name must be a str, not {type(name).__name__}")
-        if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
-            if not isinstance(step, (np.integer, torch.Tensor)):
-                raise TypeError(f"step must be an int, not {type(step).__name__}")
-            step = int(step)
+        if step is not None:
+            step = _check_step(step)
         if isinstance(value, torch.Tensor):
-            tensor: torch.Tensor | None = _check_tensor(value)
-            number = 0.0
-        else:
-            tensor, number = None, log_scalar(value)
+            # The hot path (a loss every step): one copy kernel into the device buffer.
+            tensor = _plain_0d(value)
+            if tensor is None:
+                tensor = _check_tensor(value)
+            with self._lock:
+                data = self._series.get(name)
+                if data is None:
+                    data = self._series[name] = _SeriesData(name, self._maxlen)
+                if step is None:
+                    step = data.next_step
+                try:
+                    self._write(tensor, data, step)
+                except Exception as exc:
+                    # The buffer could not be made or written (out of memory, a broken
+                    # tensor subclass): read this value the eager way instead.
+                    _warn_once("write", f"cudamem.ScalarLogger: buffered logging failed: {exc!r}")
+                    self._add_number(data, step, log_scalar(tensor))
+                data.next_step = step + 1
+                self._logged += 1
+            return
+        number = log_scalar(value)
         with self._lock:
             data = self._series.get(name)
             if data is None:
                 data = self._series[name] = _SeriesData(name, self._maxlen)
             if step is None:
                 step = data.next_step
-            if tensor is not None:
-                record = _Record(data, step, 0.0, False)
-                try:
-                    self._write(tensor, record)
-                except Exception as exc:
-                    # The buffer could not be made or written (out of memory, a broken
-                    # tensor subclass): read this value the eager way instead.
-                    _warn_once("write", f"cudamem.ScalarLogger: buffered logging failed: {exc!r}")
-                    number = log_scalar(tensor)
-                    tensor = None
+            self._add_number(data, step, number)
             data.next_step = step + 1
             self._logged += 1
-            if tensor is None:
-                if self._order:  # keep log order behind values still on a device
-                    self._order.append(_Record(data, step, number, True))
-                else:
-                    data.add(step, number)
 
-    def _write(self, tensor: torch.Tensor, record: _Record) -> None:
-        buffer = self._buffers.get(tensor.device)
+    def _add_number(self, data: _SeriesData, step: int, number: float) -> None:
+        if self._order:  # keep log order behind values still on a device
+            self._order.append(_Record(data, step, number, True))
+        else:
+            data.add(step, number)
+
+    def _write(self, tensor: torch.Tensor, data: _SeriesData, step: int) -> None:
+        device = tensor.device
+        buffer = self._buffers.get(device)
         if buffer is None:
-            buffer = self._buffers[tensor.device] = _DeviceBuffer(tensor.device, self._flush_every)
+            buffer = self._buffers[device] = _DeviceBuffer(device, self._flush_every)
+        record = _Record(data, step, 0.0, False)
         full = buffer.write(tensor, record)
         self._order.append(record)
         if full:
@@ -723,7 +844,9 @@ class ScalarLogger:
         # Reading must not create the default series (a logger used only through log()
         # would list an empty "value"); an unregistered empty view reads the same.
         with self._lock:
-            data = self._series.get(self._name) or _SeriesData(self._name, self._maxlen)
+            data = self._series.get(self._name)
+            if data is None:
+                data = _SeriesData(self._name, self._maxlen)
             return Series(self, data)
 
     def to_numpy(self) -> np.ndarray[Any, np.dtype[np.float64]]:
@@ -747,13 +870,16 @@ class ScalarLogger:
 
     @property
     def stats(self) -> LoggerStats:
-        """Values logged, transfers made, values pending, buffer bytes (does not flush)."""
+        """Values logged, transfers made, values pending, buffer bytes, values kept and
+        their host bytes (does not flush)."""
         with self._lock:
             return LoggerStats(
                 logged=self._logged,
                 transfers=self._transfers,
                 pending=sum(not r.ready for r in self._order),
                 buffer_bytes={str(d): b.nbytes for d, b in self._buffers.items()},
+                kept=sum(len(d) for d in self._series.values()),
+                host_bytes=sum(d.nbytes for d in self._series.values()),
             )
 
     def clear(self) -> None:
@@ -804,7 +930,11 @@ class ScalarLogger:
                 "flush_every": self._flush_every,
                 "maxlen": self._maxlen,
                 "series": {
-                    name: {"steps": list(d.steps), "values": list(d.values), "count": d.count}
+                    name: {
+                        "steps": d.ordered_steps().tolist(),
+                        "values": d.ordered_values().tolist(),
+                        "count": d.count,
+                    }
                     for name, d in self._series.items()
                 },
             }
@@ -816,7 +946,7 @@ class ScalarLogger:
 
     def __repr__(self) -> str:
         with self._lock:
-            parts = ", ".join(f"{n}: {len(d.values)}" for n, d in self._series.items())
+            parts = ", ".join(f"{n}: {len(d)}" for n, d in self._series.items())
             pending = sum(not r.ready for r in self._order)
         return f"<ScalarLogger {parts or 'empty'}; {pending} pending>"
 
@@ -839,91 +969,3 @@ class ScalarLogger:
                 data.add(int(step), float(value))
             data.count = int(saved["count"])
             data.next_step = int(state["next_steps"].get(name, 0))
-
-
-# --------------------------------------------------------------------------- to_host
-
-
-class HostCopy(Generic[T]):
-    """A non-blocking copy to the host in flight: :meth:`wait` returns the result once the
-    device has written it. Reading the pinned tensors earlier would show unwritten memory,
-    so they are only reachable through :meth:`wait`."""
-
-    __slots__ = ("_events", "_result")
-
-    def __init__(self, result: T, events: list[Any]) -> None:
-        self._result = result
-        self._events = events
-
-    def done(self) -> bool:
-        """Whether the copy has finished (never blocks)."""
-        backend = _backend.get()
-        self._events = [e for e in self._events if not backend.event_done(e)]
-        return not self._events
-
-    def wait(self) -> T:
-        """Block until the copy has finished and return the host tensors."""
-        backend = _backend.get()
-        for event in self._events:
-            backend.wait_event(event)
-        self._events = []
-        return self._result
-
-    def __repr__(self) -> str:
-        return f"<HostCopy {'pending' if self._events else 'done'}>"
-
-
-def _copy_tree(obj: Any, non_blocking: bool, pin: bool, devices: set[int]) -> Any:
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach()
-        if t.device.type == "cpu":
-            return t
-        if t.device.type == "cuda" and (pin or non_blocking):
-            out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
-            out.copy_(t, non_blocking=non_blocking)
-            if non_blocking:
-                devices.add(t.device.index if t.device.index is not None else 0)
-            return out
-        return t.to("cpu")  # other devices: a blocking copy
-    if isinstance(obj, dict):
-        pairs = [(k, _copy_tree(v, non_blocking, pin, devices)) for k, v in obj.items()]
-        try:
-            return type(obj)(pairs)
-        except TypeError:  # e.g. defaultdict: its first argument is the factory
-            return dict(pairs)
-    if isinstance(obj, list):
-        return [_copy_tree(v, non_blocking, pin, devices) for v in obj]
-    if isinstance(obj, tuple):
-        items = [_copy_tree(v, non_blocking, pin, devices) for v in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    return obj
-
-
-@overload
-def to_host(obj: T, *, non_blocking: Literal[False] = False, pin: bool | None = None) -> T: ...
-@overload
-def to_host(obj: T, *, non_blocking: Literal[True], pin: bool | None = None) -> HostCopy[T]: ...
-def to_host(obj: Any, *, non_blocking: bool = False, pin: bool | None = None) -> Any:
-    """``t.detach().cpu()`` in one call: a host copy that keeps neither the graph nor device
-    memory (seed 000: ten outputs kept 40 MiB on the GPU with ``detach()``, 0 with this).
-
-    ``obj`` may be a tensor or a ``list``/``tuple``/``dict`` (nested, namedtuples included)
-    of tensors; other leaves are returned as they are. CPU tensors come back detached but not
-    copied (they share storage, as ``.cpu()`` does).
-
-    Args:
-        non_blocking: copy CUDA tensors into pinned memory without waiting and return a
-            :class:`HostCopy`; ``.wait()`` gives the result once the copies are done. The
-            source may be deleted right away (the allocator is stream-ordered).
-        pin: put the copies of CUDA tensors in pinned (page-locked) memory, which copies
-            back to the GPU faster. Default: only when ``non_blocking``. ``pin=False`` with
-            ``non_blocking=True`` is refused: a non-blocking copy needs pinned memory.
-    """
-    if non_blocking and pin is False:
-        raise ValueError("non_blocking=True copies into pinned memory; pin=False contradicts it")
-    devices: set[int] = set()
-    result = _copy_tree(obj, non_blocking, bool(pin) or non_blocking, devices)
-    if not non_blocking:
-        return result
-    backend = _backend.get()
-    return HostCopy(result, [backend.record_event(d) for d in sorted(devices)])

@@ -1,26 +1,38 @@
-"""Allocator spans: ``track()`` and ``MemorySpan``.
+"""Allocator spans: ``track()`` and ``MemorySpan``, and the hooks features attach to them.
 
-A span reads the allocator's counters of every device involved when it opens and when it
-closes, and freezes the difference into immutable results. While open it collects into a
-private ``_OpenSpan``; the public :class:`MemorySpan` exposes only the frozen results.
+A span reads three allocator counters (allocated, reserved, peak) of every device involved
+when it opens and when it closes. The hot path keeps those raw integers in a private
+:class:`RawSpan`; the frozen results (:class:`SpanRecord`, :class:`DeviceSpan`) are built the
+first time someone reads them, so a span nobody looks at costs two counter reads and a few
+attribute stores.
+
+Features attach through hooks rather than imports: growth detection and ``leaks=True``
+(``cudamem.leaks``), the span history (``cudamem._history``) and OOM post-mortems
+(``cudamem.oom``) register entry/exit hooks here, and this module imports none of them.
 
 Peaks: PyTorch keeps one peak counter per device for the whole process. A span with
-``peak=True`` resets it on entry (``torch.cuda.reset_peak_memory_stats``) after folding the
-value it held into every open span (all threads) and into cudamem's process-wide maximum,
-so nested spans never hide each other's peaks; :func:`max_allocated` gives the true
-process-wide peak.
+``peak=True`` resets it on entry, after folding the value it held into every open span (all
+threads) and into cudamem's process-wide maximum, so nested spans never hide each other's
+peaks; :func:`max_allocated` gives the true process-wide peak. While every open span belongs
+to one thread, nothing takes a lock; spans of several threads at once fold under one.
+
+Stacks: each thread and asyncio task has its own chain of open spans (a context variable
+holding the innermost one; each span knows its parent). A span closed on another thread, or
+out of order, is simply marked closed; later spans skip closed ancestors, so nothing is ever
+left stranded on a stack.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import inspect
 import threading
 import time
 import warnings
-from collections.abc import Awaitable, Callable
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
 
@@ -28,18 +40,22 @@ from typing_extensions import ParamSpec
 
 from . import _backend
 from ._device_arg import DeviceLike, resolve_device
-from .stats import AllocatorStats, device_name
+from .render.text import format_bytes, format_duration
+from .stats import DeviceCounters, device_name
 
-if TYPE_CHECKING:  # -- leaks (issue 6) --
+if TYPE_CHECKING:
     from .leaks import LeakReport
 
 __all__ = [
     "DeviceSpan",
     "ExceptionInfo",
     "MemorySpan",
+    "RawSpan",
     "SpanRecord",
+    "add_entry_hook",
     "add_exit_hook",
     "max_allocated",
+    "remove_entry_hook",
     "remove_exit_hook",
     "track",
 ]
@@ -49,6 +65,10 @@ R = TypeVar("R")
 
 #: Children kept per span; more are counted in ``SpanRecord.dropped_children``.
 MAX_CHILDREN = 256
+#: Folded peak values kept before they are merged into the process-wide maximum.
+_PEAK_INBOX = 256
+
+_NOTHING: tuple[int, int, int] = (0, 0, 0)
 
 
 # --------------------------------------------------------------------------- results
@@ -59,8 +79,10 @@ class DeviceSpan:
     """What one span did on one device. Bytes are ints."""
 
     device: int
-    before: AllocatorStats
-    after: AllocatorStats
+    #: The counters at entry (zeros for a device that appeared during the span).
+    before: DeviceCounters
+    #: The counters at exit.
+    after: DeviceCounters
     #: Highest ``allocated`` during the span, or ``None`` when the span ran with ``peak=False``.
     peak: int | None
 
@@ -92,8 +114,6 @@ class DeviceSpan:
         }
 
     def __str__(self) -> str:
-        from .render.text import format_bytes
-
         text = (
             f"allocated {format_bytes(self.allocated_delta, signed=True)}, "
             f"reserved {format_bytes(self.reserved_delta, signed=True)}"
@@ -144,17 +164,20 @@ class SpanRecord:
 
     ``allocated_delta``, ``reserved_delta``, ``peak`` and ``peak_delta`` sum over devices
     (``peak`` is then the sum of per-device peaks; see ``devices`` for each one). ``peak``
-    and ``peak_delta`` are ``None`` for spans run with ``peak=False``.
+    and ``peak_delta`` are ``None`` for spans run with ``peak=False`` and for spans that
+    measured no device (``unmeasured`` then says why; the byte deltas are then 0).
     """
 
     name: str
     devices: tuple[DeviceSpan, ...]
-    #: Wall-clock seconds between entry and exit (cudamem's own reads excluded).
+    #: Wall-clock seconds between entry and exit (cudamem's own reads excluded; with
+    #: ``sync=True`` the wait for the block's GPU work is included).
     duration: float
     #: ``time.time()`` at entry.
     started_at: float
     exception: ExceptionInfo | None
     children: tuple[SpanRecord, ...]
+    #: Name of the thread that closed the span.
     thread: str
     synced: bool
     peak_tracked: bool
@@ -165,6 +188,9 @@ class SpanRecord:
     dropped_children: int = 0
     #: Problems of cudamem's own bookkeeping (never raised into the user's code).
     notes: tuple[str, ...] = ()
+    #: Why nothing was measured (``'no CUDA device'``, ``'no CUDA device in use'``), or
+    #: ``None`` when ``devices`` were read.
+    unmeasured: str | None = None
 
     @classmethod
     def build(
@@ -177,10 +203,11 @@ class SpanRecord:
         exception: ExceptionInfo | None = None,
         children: tuple[SpanRecord, ...] = (),
         thread: str = "MainThread",
-        synced: bool = True,
+        synced: bool = False,
         peak_tracked: bool = True,
         dropped_children: int = 0,
         notes: tuple[str, ...] = (),
+        unmeasured: str | None = None,
     ) -> SpanRecord:
         """A record whose totals are computed from ``devices``."""
         alloc = res = peak = peakd = 0
@@ -191,6 +218,7 @@ class SpanRecord:
             if d.peak is not None:
                 peak += d.peak
                 peakd += d.peak - before
+        has_peak = peak_tracked and bool(devices)
         return cls(
             name,
             devices,
@@ -203,10 +231,11 @@ class SpanRecord:
             peak_tracked,
             alloc,
             res,
-            peak if peak_tracked else None,
-            peakd if peak_tracked else None,
+            peak if has_peak else None,
+            peakd if has_peak else None,
             dropped_children,
             notes,
+            unmeasured,
         )
 
     def device(self, device: DeviceLike) -> DeviceSpan:
@@ -236,12 +265,11 @@ class SpanRecord:
             "children": [c.to_dict() for c in self.children],
             "dropped_children": self.dropped_children,
             "notes": list(self.notes),
+            "unmeasured": self.unmeasured,
         }
 
     def __str__(self) -> str:
-        from .render.text import format_duration
-
-        body = "; ".join(str(d) for d in self.devices) or "no CUDA device in use"
+        body = "; ".join(str(d) for d in self.devices) or f"n/a ({self.unmeasured or 'no data'})"
         text = f"{self.name}: {body}, {format_duration(self.duration)}"
         if self.exception is not None:
             text += f", raised {self.exception}"
@@ -251,106 +279,347 @@ class SpanRecord:
 # --------------------------------------------------------------------------- collection
 
 
-class _OpenSpan:
-    """Mutable collection state of a span while it is open."""
+class RawSpan:
+    """One span's raw counters and bookkeeping: what hooks receive.
+
+    Mutable while open, not changed after close. Hooks read ``name``, ``leaks``,
+    ``top_level``, ``exception``, ``measured`` and the totals (plain ints, summed over the
+    devices read: ``level``, ``alloc_delta``, ``res_delta``, ``peak_total``,
+    ``peak_delta``), attach their own per-span data to ``extras``, and call :meth:`record`
+    only when they need the frozen result (built once, on first use).
+    """
 
     __slots__ = (
+        "_record",
+        "after",
+        "alloc_delta",
+        "armed",
         "before",
         "children",
+        "closed",
         "device",
-        "dropped_children",
-        "folded",
+        "devs",
+        "dropped",
+        "end_ns",
+        "exception",
+        "exit_devs",
+        "extras",
+        "fold",
+        "leaks",
+        "level",
         "name",
         "notes",
+        "owner",
+        "parent",
         "peak",
+        "peak_delta",
+        "peak_total",
+        "peaks",
+        "res_delta",
+        "solo",
         "start_ns",
-        "started_at",
         "sync",
+        "thread",
+        "top_level",
+        "unmeasured",
+        "xfold",
     )
 
-    def __init__(self, name: str, device: int | None, sync: bool, peak: bool) -> None:
+    def __init__(self, name: str, device: int | None, sync: bool, peak: bool, leaks: bool) -> None:
         self.name = name
         self.device = device
         self.sync = sync
         self.peak = peak
-        self.before: dict[int, AllocatorStats] = {}
-        self.folded: dict[int, int] = {}
-        self.children: list[SpanRecord] | None = None
-        self.dropped_children = 0
+        #: The span was asked to record which storages it leaves behind (``leaks=True``).
+        self.leaks = leaks
+        #: Devices read at entry and ``(allocated, reserved, peak counter)`` of each.
+        self.devs: tuple[int, ...] = ()
+        self.before: tuple[tuple[int, int, int], ...] = ()
+        #: Devices read at exit and their counters.
+        self.exit_devs: tuple[int, ...] = ()
+        self.after: tuple[tuple[int, int, int], ...] = ()
+        #: The span's own peak per exit device (``None`` with ``peak=False``).
+        self.peaks: tuple[int, ...] | None = None
+        #: Peaks folded in by later spans of the opening thread (written without a lock)
+        #: and by spans of other threads (under the fold lock): two slots, so that no
+        #: write can lose another. Created by the first fold.
+        self.fold: dict[int, int] | None = None
+        self.xfold: dict[int, int] | None = None
+        self.armed = False
+        self.solo = True
+        self.owner = 0
+        self.parent: RawSpan | None = None
+        self.children: list[RawSpan] | None = None
+        self.dropped = 0
+        self.closed = False
+        self.top_level = False
+        self.exception: ExceptionInfo | None = None
         self.notes: list[str] | None = None
-        self.started_at = 0.0
+        #: Per-span data of the features' hooks (``leaks`` keeps its capture under ``'leaks'``).
+        self.extras: dict[str, Any] | None = None
+        self.thread = ""
+        self.unmeasured: str | None = None
         self.start_ns = 0
+        self.end_ns = 0
+        self.level = self.alloc_delta = self.res_delta = 0
+        self.peak_total: int | None = None
+        self.peak_delta: int | None = None
+        self._record: SpanRecord | None = None
 
-    def fold(self, device: int, value: int) -> None:
-        if value > self.folded.get(device, -1):
-            self.folded[device] = value
+    @property
+    def measured(self) -> bool:
+        """Whether any device's counters were read at exit."""
+        return bool(self.after)
+
+    @property
+    def duration(self) -> float:
+        """Seconds between entry and exit."""
+        return (self.end_ns - self.start_ns) / 1e9
+
+    @property
+    def started_at(self) -> float:
+        """``time.time()`` at entry (from the monotonic clock, anchored at import)."""
+        return _EPOCH + self.start_ns / 1e9
 
     def note(self, text: str) -> None:
+        """Record a bookkeeping problem in the span's result."""
         if self.notes is None:
             self.notes = []
         self.notes.append(text)
 
-    def add_child(self, record: SpanRecord) -> None:
-        if self.children is None:
-            self.children = []
-        if len(self.children) < MAX_CHILDREN:
-            self.children.append(record)
+    def record(self) -> SpanRecord:
+        """The frozen result, built on first call (only valid once the span has closed)."""
+        rec = self._record
+        if rec is None:
+            rec = self._record = self._build()
+        return rec
+
+    def _build(self) -> SpanRecord:
+        before = dict(zip(self.devs, self.before, strict=True))
+        peaks = self.peaks
+        devices = []
+        for i, (d, (a, r, p)) in enumerate(zip(self.exit_devs, self.after, strict=True)):
+            b = before.get(d, _NOTHING)
+            devices.append(
+                DeviceSpan(
+                    d,
+                    DeviceCounters(d, b[0], b[1], b[2]),
+                    DeviceCounters(d, a, r, p),
+                    None if peaks is None else peaks[i],
+                )
+            )
+        children = self.children
+        return SpanRecord(
+            self.name,
+            tuple(devices),
+            self.duration,
+            self.started_at,
+            self.exception,
+            tuple(c.record() for c in children) if children else (),
+            self.thread,
+            self.sync,
+            self.peak,
+            self.alloc_delta,
+            self.res_delta,
+            self.peak_total,
+            self.peak_delta,
+            self.dropped,
+            tuple(self.notes) if self.notes else (),
+            self.unmeasured,
+        )
+
+    def _add_child(self, child: RawSpan) -> None:
+        children = self.children
+        if children is None:
+            children = self.children = []
+        if len(children) < MAX_CHILDREN:
+            children.append(child)
         else:
-            self.dropped_children += 1
+            self.dropped += 1
 
 
-class _State:
-    """Process-wide span state: open spans of every thread and folded peaks."""
+EntryHook = Callable[[RawSpan], None]
+ExitHook = Callable[[RawSpan], None]
 
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.open: list[_OpenSpan] = []
-        self.process_peak: dict[int, int] = {}
-        self.exit_hooks: list[Callable[[SpanRecord, bool], None]] = []
-        self.warned: set[str] = set()
+# Process-wide state. The hot path reads the hook tuples (replaced, never mutated) and the
+# registry of open peak spans (atomic dict operations) without a lock; ``_lock`` serialises
+# only folds between threads and merges of the peak inbox.
+_lock = threading.Lock()
+_hooks_lock = threading.Lock()
+#: Open spans with ``peak=True`` -> ident of the thread that opened them.
+_open_peak: dict[RawSpan, int] = {}
+#: Process-wide maximum per device of every peak a reset discarded.
+_process_peak: dict[int, int] = {}
+#: ``(device, value)`` not yet merged into ``_process_peak`` (appends are atomic).
+_peak_inbox: deque[tuple[int, int]] = deque()
+_entry_hooks: tuple[EntryHook, ...] = ()
+_exit_hooks: tuple[tuple[ExitHook, tuple[type[BaseException], ...]], ...] = ()
+_warned: set[str] = set()
+#: The innermost span opened in this thread or task (its ``parent`` chain is the stack).
+_top: ContextVar[RawSpan | None] = ContextVar("cudamem_span", default=None)
+#: Per-thread cache of the thread's name (looked up once per thread, not once per span;
+#: a thread renamed after its first span keeps its first name in records).
+_tls = threading.local()
+_get_ident = threading.get_ident
+_now_ns = time.perf_counter_ns
+#: ``time.time()`` at ``perf_counter_ns() == 0``: wall-clock start times without a second
+#: clock read per span (and without jumps when the wall clock is adjusted).
+_EPOCH = time.time() - time.perf_counter_ns() / 1e9
 
 
-_state = _State()
-
-# -- leaks (issue 6) --
-#: Span names whose next call the growth detector wants captured (see ``cudamem.leaks``).
-#: Replaced, never mutated, so the hot path reads it without a lock.
-_leak_names: frozenset[str] = frozenset()
-_stack: contextvars.ContextVar[tuple[_OpenSpan, ...]] = contextvars.ContextVar(
-    "cudamem_span_stack", default=()
-)
+def _reset_state() -> None:
+    """Forget folded peaks and open spans (tests start each case from here)."""
+    with _lock:
+        _open_peak.clear()
+        _process_peak.clear()
+        _peak_inbox.clear()
 
 
 def _warn_once(key: str, message: str) -> None:
-    if key in _state.warned:
+    """A ``RuntimeWarning`` about cudamem's own bookkeeping, once per key. Under
+    ``-W error`` it is dropped rather than raised: it must never reach the user's code."""
+    if key in _warned:
         return
-    _state.warned.add(key)
-    warnings.warn(message, RuntimeWarning, stacklevel=3)
+    _warned.add(key)
+    with contextlib.suppress(Exception):
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
-def add_exit_hook(hook: Callable[[SpanRecord, bool], None]) -> None:
-    """Call ``hook(record, top_level)`` after every span closes (errors are swallowed)."""
-    with _state.lock:
-        if hook not in _state.exit_hooks:
-            _state.exit_hooks.append(hook)
+# -- hooks ------------------------------------------------------------------------------
 
 
-def remove_exit_hook(hook: Callable[[SpanRecord, bool], None]) -> None:
+def add_entry_hook(hook: EntryHook) -> None:
+    """Call ``hook(raw_span)`` when every span opens, after its entry counters are read and
+    before the block runs. Errors are swallowed (a warning says so once)."""
+    global _entry_hooks
+    with _hooks_lock:
+        if all(h is not hook for h in _entry_hooks):
+            _entry_hooks = (*_entry_hooks, hook)
+
+
+def remove_entry_hook(hook: EntryHook) -> None:
+    """Undo :func:`add_entry_hook`."""
+    global _entry_hooks
+    with _hooks_lock:
+        _entry_hooks = tuple(h for h in _entry_hooks if h is not hook)
+
+
+def add_exit_hook(hook: ExitHook, *, propagate: tuple[type[BaseException], ...] = ()) -> None:
+    """Call ``hook(raw_span)`` after every span closes, in registration order.
+
+    Errors are swallowed (a warning says so once), except instances of ``propagate``: a
+    warning class that the user may turn into an error (``-W error``). After every hook has
+    run, the first of those is raised from the span's exit, unless the block itself raised.
+    """
+    global _exit_hooks
+    with _hooks_lock:
+        if all(h is not hook for h, _ in _exit_hooks):
+            _exit_hooks = (*_exit_hooks, (hook, tuple(propagate)))
+
+
+def remove_exit_hook(hook: ExitHook) -> None:
     """Undo :func:`add_exit_hook`."""
-    with _state.lock:
-        if hook in _state.exit_hooks:
-            _state.exit_hooks.remove(hook)
+    global _exit_hooks
+    with _hooks_lock:
+        _exit_hooks = tuple((h, p) for h, p in _exit_hooks if h is not hook)
 
 
-def _fold_and_reset(backend: _backend.Backend, device: int, counter_peak: int) -> None:
-    """Fold the counter's peak into every open span and the process max, then reset it."""
-    with _state.lock:
-        for other in _state.open:
-            if other.peak:
-                other.fold(device, counter_peak)
-        if counter_peak > _state.process_peak.get(device, -1):
-            _state.process_peak[device] = counter_peak
-        backend.reset_peak(device)
+# -- peaks ------------------------------------------------------------------------------
+
+
+def _fold_into(
+    target: dict[int, int], devs: tuple[int, ...], vals: tuple[tuple[int, int, int], ...]
+) -> None:
+    for d, v in zip(devs, vals, strict=True):
+        if v[2] > target.get(d, -1):
+            target[d] = v[2]
+
+
+def _only(me: int) -> bool:
+    """Whether every open peak span belongs to thread ``me``."""
+    owners = tuple(_open_peak.values())
+    return owners.count(me) == len(owners)
+
+
+def _enter_peak(span: RawSpan, backend: _backend.Backend, devs: tuple[int, ...]) -> None:
+    """Read and reset the peak counters, folding the discarded peaks into the open spans
+    (the general case; :func:`_open` handles a lone span on one device itself).
+
+    Spans of one thread fold into each other without a lock. When another thread has open
+    peak spans, the reset happens under ``_lock``, after any lock-free reset already under
+    way has finished, so every fold lands in exactly the spans it belongs to. The caller
+    has registered ``span`` in ``_open_peak`` already: announce first, then look, and two
+    threads cannot both miss each other.
+    """
+    me = span.owner
+    if _only(me):
+        vals = tuple([backend.counters_reset_peak(d) for d in devs])
+        for other in tuple(_open_peak):
+            if other is not span and other.owner == me:
+                if other.fold is None:
+                    other.fold = {}
+                _fold_into(other.fold, devs, vals)
+        span.armed = True
+    else:
+        span.solo = False
+        with _lock:
+            # A lock-free reset of a thread that had not seen us yet must finish first.
+            while any(o.solo and not o.armed for o in tuple(_open_peak) if o is not span):
+                time.sleep(0)
+            vals = tuple([backend.counters_reset_peak(d) for d in devs])
+            for other in tuple(_open_peak):
+                if other is not span and other.armed:
+                    if other.xfold is None:
+                        other.xfold = {}
+                    _fold_into(other.xfold, devs, vals)
+            span.armed = True
+    span.before = vals
+    for d, v in zip(devs, vals, strict=True):
+        _peak_inbox.append((d, v[2]))
+    if len(_peak_inbox) > _PEAK_INBOX:
+        _merge_peaks_soon()
+
+
+def _merge_peaks_soon() -> None:
+    """Merge the inbox unless another thread is doing it (it will take ours too)."""
+    if _lock.acquire(blocking=False):
+        try:
+            _merge_peaks()
+        finally:
+            _lock.release()
+
+
+def _merge_peaks() -> None:
+    """Move the inbox into ``_process_peak``; caller holds ``_lock``."""
+    for _ in range(len(_peak_inbox)):
+        d, v = _peak_inbox.popleft()
+        if v > _process_peak.get(d, -1):
+            _process_peak[d] = v
+
+
+def _tally(span: RawSpan) -> None:
+    """The span's own peaks and its totals over devices, as plain ints (general case;
+    :func:`_close` handles one device seen at both edges itself)."""
+    entry = dict(zip(span.devs, span.before, strict=True))
+    fold, xfold = span.fold or {}, span.xfold or {}
+    track_peak = span.peak
+    level = alloc = res = peak_total = peakd = 0
+    peaks = []
+    for d, (a1, r1, p1) in zip(span.exit_devs, span.after, strict=True):
+        a0, r0, _ = entry.get(d, _NOTHING)
+        level += a1
+        alloc += a1 - a0
+        res += r1 - r0
+        if track_peak:
+            peak = max(p1, a0, fold.get(d, 0), xfold.get(d, 0))
+            peaks.append(peak)
+            peak_total += peak
+            peakd += peak - a0
+    span.level, span.alloc_delta, span.res_delta = level, alloc, res
+    if track_peak:
+        span.peaks = tuple(peaks)
+        if span.after:
+            span.peak_total, span.peak_delta = peak_total, peakd
 
 
 def max_allocated(device: DeviceLike = 0) -> int:
@@ -359,48 +628,221 @@ def max_allocated(device: DeviceLike = 0) -> int:
     Use this instead of ``torch.cuda.max_memory_allocated()`` once spans with ``peak=True``
     have run: they reset PyTorch's peak counter on entry, and this function folds back
     what each reset discarded.
+
+    Raises:
+        ValueError: ``device`` is not a CUDA device of this process, or torch sees no CUDA
+            device at all (then there is no allocator peak to read).
     """
-    index = resolve_device(device)
-    current = _backend.get().read(index).peak_allocated
-    with _state.lock:
-        return max(current, _state.process_peak.get(index, 0))
+    try:
+        index = resolve_device(device)
+    except ValueError as exc:
+        raise ValueError(f"max_allocated(device={device!r}): {exc}") from None
+    current = _backend.get().counters(index)[2]
+    with _lock:
+        _merge_peaks()
+        return max(current, _process_peak.get(index, 0))
 
 
-def _enter(span: _OpenSpan) -> None:
-    backend = _backend._active
-    devices = (span.device,) if span.device is not None else backend.initialized_devices()
-    if span.sync:
-        for d in devices:
-            backend.synchronize(d)
-    for d in devices:
-        stats = backend.read(d)
-        span.before[d] = stats
-        if span.peak:
-            _fold_and_reset(backend, d, stats.peak_allocated)
-            span.folded[d] = stats.allocated
+# -- open and close ---------------------------------------------------------------------
 
 
-def _exit(span: _OpenSpan) -> tuple[DeviceSpan, ...]:
-    backend = _backend._active
-    if span.device is not None:
-        devices: tuple[int, ...] = (span.device,)
-    else:
-        devices = backend.initialized_devices()
-        if len(devices) != len(span.before) or any(d not in devices for d in span.before):
-            devices = tuple(sorted(set(devices) | set(span.before)))
-    if span.sync:
-        for d in devices:
-            if span.device is not None or backend.has_context(d):
+def _open(
+    name: str,
+    device: int | None,
+    sync: bool,
+    peak: bool,
+    leaks: bool,
+    nest: bool = True,
+    push: bool = True,
+) -> RawSpan:
+    """Open a span: read the counters, join this thread's (or task's) stack, run the entry
+    hooks. Never raises."""
+    span = RawSpan(name, device, sync, peak, leaks)
+    try:
+        backend = _backend._active
+        devs = span.devs = (device,) if device is not None else backend.initialized_devices()
+        if sync:
+            for d in devs:
                 backend.synchronize(d)
-    results = []
-    for d in devices:
-        after = backend.read(d)
-        before = span.before.get(d) or AllocatorStats.zero(d, span.start_ns)
-        peak: int | None = None
+        if not peak:
+            if len(devs) == 1:
+                span.before = (backend.counters(devs[0]),)
+            else:
+                span.before = tuple([backend.counters(d) for d in devs])
+        else:
+            me = span.owner = _get_ident()
+            _open_peak[span] = me  # announce (see _enter_peak)
+            nested = len(_open_peak) > 1
+            if len(devs) == 1 and (not nested or _only(me)):  # one device, one thread
+                d = devs[0]
+                values = backend.counters_reset_peak(d)
+                span.before = (values,)
+                span.armed = True
+                discarded = values[2]
+                if nested:  # fold into this thread's open spans
+                    for other in tuple(_open_peak):
+                        if other is not span and other.owner == me:
+                            fold = other.fold
+                            if fold is None:
+                                other.fold = {d: discarded}
+                            elif discarded > fold.get(d, -1):
+                                fold[d] = discarded
+                if discarded > _process_peak.get(d, -1):  # else it cannot raise the max
+                    _peak_inbox.append((d, discarded))
+                    if len(_peak_inbox) > _PEAK_INBOX:
+                        _merge_peaks_soon()
+            else:
+                _enter_peak(span, backend, devs)
+    except Exception as exc:  # cudamem's bookkeeping must never break the user's code
+        _open_peak.pop(span, None)
+        span.armed, span.before, span.devs = True, (), ()
+        span.note(f"entry measurement failed: {type(exc).__name__}: {exc}")
+        _warn_once("enter", f"cudamem: span entry measurement failed: {exc!r}")
+    if nest:
+        parent = _top.get()
+        if parent is not None and parent.closed:
+            parent = _live(parent)
+        span.parent = parent
+        if push:
+            _top.set(span)
+    if _entry_hooks:
+        for hook in _entry_hooks:
+            try:
+                hook(span)
+            except Exception as err:
+                _warn_once(f"entry-hook{id(hook)}", f"cudamem: span entry hook failed: {err!r}")
+    span.start_ns = _now_ns()
+    return span
+
+
+def _close(span: RawSpan, exc: BaseException | None, keeper: MemorySpan | None = None) -> None:
+    """Close a span: read the counters, leave the stack, hand the span to its parent or
+    to the exit hooks. The hooks' per-span data moves to ``keeper`` (or is dropped), so
+    the history never keeps it. Raises only a warning an exit hook may propagate
+    (``-W error``)."""
+    if span.closed:
+        return
+    pending: BaseException | None = None
+    try:
+        if not span.sync:
+            span.end_ns = _now_ns()
+        try:
+            _read_exit(span, _backend._active)
+        except Exception as err:
+            if not span.end_ns:
+                span.end_ns = _now_ns()
+            span.exit_devs, span.after = (), ()
+            span.unmeasured = "measurement failed"
+            span.note(f"exit measurement failed: {type(err).__name__}: {err}")
+            _warn_once("exit", f"cudamem: span exit measurement failed: {err!r}")
         if span.peak:
-            peak = max(span.folded.get(d, before.allocated), after.peak_allocated)
-        results.append(DeviceSpan(d, before, after, peak))
-    return tuple(results)
+            _open_peak.pop(span, None)
+            if _open_peak and not _only(_get_ident()):
+                with _lock:  # a fold of another thread may still be writing into this span
+                    pass
+        after = span.after
+        if len(after) == 1 and span.exit_devs is span.devs:  # one device at both edges
+            a0, r0, _ = span.before[0]
+            a1, r1, p1 = after[0]
+            span.level = a1
+            span.alloc_delta = a1 - a0
+            span.res_delta = r1 - r0
+            if span.peak:
+                peak = p1 if p1 > a0 else a0
+                if span.fold is not None or span.xfold is not None:
+                    d = span.devs[0]
+                    peak = max(peak, (span.fold or {}).get(d, 0), (span.xfold or {}).get(d, 0))
+                    span.fold = span.xfold = None
+                span.peaks = (peak,)
+                span.peak_total = peak
+                span.peak_delta = peak - a0
+        else:
+            _tally(span)
+            span.fold = span.xfold = None
+        if exc is not None:
+            span.exception = ExceptionInfo.from_exception(exc, is_oom=_backend._active.is_oom(exc))
+        try:
+            span.thread = _tls.name
+        except AttributeError:
+            span.thread = _tls.name = threading.current_thread().name
+        span.closed = True
+        parent = span.parent
+        if parent is not None and parent.closed:
+            parent = _live(parent)
+        if _top.get() is span:
+            _top.set(parent)
+        if parent is not None:
+            parent._add_child(span)
+        else:
+            span.top_level = True
+            _unlink(span)
+        for hook, propagate in _exit_hooks:
+            try:
+                hook(span)
+            except Exception as err:
+                if propagate and isinstance(err, propagate):
+                    if exc is None:  # the block's own exception always wins
+                        pending = pending or err
+                else:
+                    _warn_once(f"exit-hook{id(hook)}", f"cudamem: span exit hook failed: {err!r}")
+    except Exception as err:  # pragma: no cover - last line of defence
+        span.closed = True
+        _open_peak.pop(span, None)
+        _warn_once("exit-outer", f"cudamem: span bookkeeping failed: {err!r}")
+    if keeper is not None:
+        keeper._extras = span.extras
+    span.extras = None
+    if pending is not None:
+        raise pending
+
+
+def _unlink(top: RawSpan) -> None:
+    """Drop the parent pointers of a top-level span's subtree: every ancestor is closed for
+    good, so no later walk can need them, and child <-> parent would otherwise be a
+    reference cycle left for the garbage collector in every nested span."""
+    top.parent = None
+    pending = [top]
+    while pending:
+        children = pending.pop().children
+        if children:
+            for child in children:
+                child.parent = None
+                pending.append(child)
+
+
+def _live(span: RawSpan | None) -> RawSpan | None:
+    """``span`` or its nearest ancestor still open."""
+    while span is not None and span.closed:
+        span = span.parent
+    return span
+
+
+def _read_exit(span: RawSpan, backend: _backend.Backend) -> None:
+    if span.device is not None:
+        devs: tuple[int, ...] = span.devs or (span.device,)
+    else:
+        devs = backend.initialized_devices()
+        if devs is not span.devs:
+            if devs == span.devs:
+                devs = span.devs  # the same object lets _close take its one-device path
+            elif span.devs:  # a device appeared during the span
+                devs = tuple(sorted(set(devs) | set(span.devs)))
+    if span.sync:
+        try:
+            for d in devs:
+                if span.device is not None or backend.has_context(d):
+                    backend.synchronize(d)
+        finally:
+            span.end_ns = _now_ns()
+    span.exit_devs = devs
+    if len(devs) == 1:
+        span.after = (backend.counters(devs[0]),)
+    elif devs:
+        span.after = tuple([backend.counters(d) for d in devs])
+    elif backend.device_count() == 0:
+        span.unmeasured = "no CUDA device"
+    else:
+        span.unmeasured = "no CUDA device in use"
 
 
 # --------------------------------------------------------------------------- public API
@@ -414,19 +856,18 @@ class MemorySpan:
     ``span.devices``, ``span.exception``, ``span.children``. Reading a result before the span
     has closed raises ``RuntimeError``. A span object measures one block: entering it a second
     time raises ``RuntimeError`` (create a new span, or decorate a function, which records one
-    span per call).
+    span per call). It may be closed on another thread than the one that opened it.
     """
 
     __slots__ = (
         "__weakref__",
         "_detached",
         "_device",
-        "_leak",
+        "_extras",
         "_leaks",
         "_name",
-        "_open",
         "_peak",
-        "_record",
+        "_raw",
         "_sync",
     )
 
@@ -435,7 +876,7 @@ class MemorySpan:
         name: str | None = None,
         *,
         device: DeviceLike | None = None,
-        sync: bool = True,
+        sync: bool = False,
         peak: bool = True,
         leaks: bool = False,
     ) -> None:
@@ -445,104 +886,41 @@ class MemorySpan:
         self._device = None if device is None else resolve_device(device)
         self._sync = bool(sync)
         self._peak = bool(peak)
-        self._open: _OpenSpan | None = None
-        self._record: SpanRecord | None = None
-        self._detached = False
         self._leaks = bool(leaks)
-        # Storage keys at entry while open, the leak capture after exit (issue 6).
-        self._leak: Any = None
+        self._detached = False
+        self._raw: RawSpan | None = None
+        #: The hooks' per-span data, kept after exit (``leaks=True`` captures).
+        self._extras: dict[str, Any] | None = None
 
     # -- context manager ------------------------------------------------------------
 
     def __enter__(self) -> MemorySpan:
-        if self._open is not None:
-            raise RuntimeError(f"span {self.name!r} is already open; spans cannot be re-entered")
-        if self._record is not None:
+        raw = self._raw
+        if raw is not None:
+            if not raw.closed:
+                raise RuntimeError(
+                    f"span {self.name!r} is already open; spans cannot be re-entered"
+                )
             raise RuntimeError(
                 f"span {self.name!r} has already measured a block; create a new span "
                 "(or decorate a function to record one span per call)"
             )
-        span = _OpenSpan(self._name or "span", self._device, self._sync, self._peak)
-        self._open = span
-        try:
-            _enter(span)
-        except Exception as exc:  # cudamem's bookkeeping must never break the user's code
-            span.note(f"entry measurement failed: {type(exc).__name__}: {exc}")
-            _warn_once("enter", f"cudamem: span entry measurement failed: {exc!r}")
-        if span.peak:
-            # Only spans that track peaks need folding when another span resets the counter.
-            with _state.lock:
-                _state.open.append(span)
-        if not self._detached:
-            _stack.set((*_stack.get(), span))
-        if self._leaks or (_leak_names and span.name in _leak_names):
-            from .leaks import begin as _leak_begin
-
-            self._leak = _leak_begin(span.name)
-        span.started_at = time.time()
-        span.start_ns = time.perf_counter_ns()
+        detached = self._detached
+        self._raw = _open(
+            self._name or "span",
+            self._device,
+            self._sync,
+            self._peak,
+            self._leaks,
+            not detached,
+            not detached,
+        )
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        end_ns = time.perf_counter_ns()
-        span = self._open
-        if span is None:
-            return
-        try:
-            if span.peak:
-                with _state.lock, contextlib.suppress(ValueError):
-                    _state.open.remove(span)
-            stack = _stack.get()
-            parent = None
-            if stack and stack[-1] is span:
-                _stack.set(stack[:-1])
-                parent = stack[-2] if len(stack) > 1 else None
-            else:  # closed out of order (generators, manual __exit__): find it
-                index = next((i for i, s in enumerate(stack) if s is span), None)
-                if index is not None:
-                    parent = stack[index - 1] if index > 0 else None
-                    _stack.set(stack[:index] + stack[index + 1 :])
-            try:
-                devices = _exit(span)
-            except Exception as err:
-                span.note(f"exit measurement failed: {type(err).__name__}: {err}")
-                _warn_once("exit", f"cudamem: span exit measurement failed: {err!r}")
-                devices = ()
-            info = None
-            if exc is not None:
-                info = ExceptionInfo.from_exception(exc, is_oom=_backend._active.is_oom(exc))
-            record = SpanRecord.build(
-                span.name,
-                devices,
-                duration=(end_ns - span.start_ns) / 1e9,
-                started_at=span.started_at,
-                exception=info,
-                children=tuple(span.children) if span.children else (),
-                thread=threading.current_thread().name,
-                synced=span.sync,
-                peak_tracked=span.peak,
-                dropped_children=span.dropped_children,
-                notes=tuple(span.notes) if span.notes else (),
-            )
-            if self._leaks or self._leak is not None:
-                from .leaks import end as _leak_end
-
-                self._leak = _leak_end(span.name, self._leak, explicit=self._leaks)
-            self._record = record
-            self._open = None
-            if parent is not None:
-                parent.add_child(record)
-            else:
-                _record_history(record)
-            if _state.exit_hooks:
-                for hook in tuple(_state.exit_hooks):
-                    try:
-                        hook(record, parent is None)
-                    except Exception as err:
-                        _warn_once(f"hook{id(hook)}", f"cudamem: span hook failed: {err!r}")
-        except Exception as err:  # pragma: no cover - last line of defence
-            self._open = None
-            _warn_once("exit-outer", f"cudamem: span bookkeeping failed: {err!r}")
+        raw = self._raw
+        if raw is not None and not raw.closed:
+            _close(raw, exc, self)
 
     def _detach(self) -> None:
         """Open without joining the span stack: a top-level span that never becomes anyone's
@@ -552,28 +930,44 @@ class MemorySpan:
     # -- decorator ------------------------------------------------------------------
 
     def __call__(self, func: Callable[P, R]) -> Callable[P, R]:
-        """Decorate ``func``: every call records its own span named like this one."""
+        """Decorate ``func``: every call records its own span named like this one.
+
+        Generator and async-generator functions stay what they are, and their span covers
+        the whole iteration (from the first ``next()`` to exhaustion or ``close()``); spans
+        opened inside the generator nest under it, spans the consumer opens between items do
+        not. ``staticmethod`` and ``classmethod`` objects are unwrapped and rewrapped.
+        """
+        if isinstance(func, (staticmethod, classmethod)):
+            return cast(Callable[P, R], type(func)(self(func.__func__)))
+        if isinstance(func, type):
+            raise TypeError(
+                f"cudamem.track cannot decorate a class ({func.__qualname__}): decorate its "
+                "methods, or wrap the code in `with cudamem.track(...)`"
+            )
         if not callable(func):
             raise TypeError(
                 f"cudamem.track used as a decorator on a non-callable {type(func).__name__}"
             )
-        name = self._name or getattr(func, "__qualname__", None) or repr(func)
-        device, sync, peak, leaks = self._device, self._sync, self._peak, self._leaks
-
+        qualname = getattr(func, "__qualname__", None)
+        name = self._name or (qualname if isinstance(qualname, str) else type(func).__qualname__)
+        opts = (name, self._device, self._sync, self._peak, self._leaks)
+        if inspect.isasyncgenfunction(func):
+            return cast(Callable[P, R], _wrap_async_generator(func, opts))
+        if inspect.isgeneratorfunction(func):
+            return cast(Callable[P, R], _wrap_generator(func, opts))
         if inspect.iscoroutinefunction(func):
-            afunc = cast(Callable[P, Awaitable[Any]], func)
-
-            @functools.wraps(func)
-            async def awrapper(*args: P.args, **kwargs: P.kwargs) -> Any:
-                with MemorySpan(name, device=device, sync=sync, peak=peak, leaks=leaks):
-                    return await afunc(*args, **kwargs)
-
-            return cast(Callable[P, R], awrapper)
+            return cast(Callable[P, R], _wrap_coroutine(func, opts))
 
         @functools.wraps(func)
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-            with MemorySpan(name, device=device, sync=sync, peak=peak, leaks=leaks):
-                return func(*args, **kwargs)
+            span = _open(*opts)
+            try:
+                result = func(*args, **kwargs)
+            except BaseException as exc:
+                _close(span, exc)
+                raise
+            _close(span, None)
+            return result
 
         return wrapper
 
@@ -587,34 +981,36 @@ class MemorySpan:
     @property
     def closed(self) -> bool:
         """Whether the span has measured its block."""
-        return self._record is not None
+        return self._raw is not None and self._raw.closed
 
     @property
     def record(self) -> SpanRecord:
         """The frozen result (raises ``RuntimeError`` while the span is open or unused)."""
-        if self._record is None:
-            state = "still open" if self._open is not None else "not entered yet"
+        raw = self._raw
+        if raw is None or not raw.closed:
+            state = "not entered yet" if raw is None else "still open"
             raise RuntimeError(f"span {self.name!r} is {state}; its results exist after exit")
-        return self._record
+        return raw.record()
 
     @property
     def allocated_delta(self) -> int:
-        """Allocated bytes at exit minus at entry (summed over devices)."""
+        """Allocated bytes at exit minus at entry (summed over devices; 0 if none measured)."""
         return self.record.allocated_delta
 
     @property
     def reserved_delta(self) -> int:
-        """Reserved bytes at exit minus at entry (summed over devices)."""
+        """Reserved bytes at exit minus at entry (summed over devices; 0 if none measured)."""
         return self.record.reserved_delta
 
     @property
     def peak(self) -> int | None:
-        """Highest allocated during the span; ``None`` with ``peak=False``."""
+        """Highest allocated during the span; ``None`` with ``peak=False`` or when no device
+        was measured (no CUDA device)."""
         return self.record.peak
 
     @property
     def peak_delta(self) -> int | None:
-        """Peak minus allocated at entry; ``None`` with ``peak=False``."""
+        """Peak minus allocated at entry; ``None`` when :attr:`peak` is."""
         return self.record.peak_delta
 
     @property
@@ -637,7 +1033,6 @@ class MemorySpan:
         """Spans that opened and closed inside this one, on the same thread or task."""
         return self.record.children
 
-    # -- leaks (issue 6) --
     @property
     def leaks(self) -> LeakReport:
         """Storages created inside the block and still alive at its exit, with holders.
@@ -650,13 +1045,15 @@ class MemorySpan:
         return report
 
     def _leak_capture(self) -> Any:
+        """What the leaks hook captured for this span (``ValueError`` without ``leaks=True``)."""
         self.record  # noqa: B018 - raises while the span is open or unused
-        if not self._leaks or self._leak is None:
+        capture = None if self._extras is None else self._extras.get("leaks")
+        if not self._leaks or capture is None:
             raise ValueError(
                 f"span {self.name!r} did not record storages: use "
                 f"cudamem.track({self.name!r}, leaks=True)"
             )
-        return self._leak
+        return capture
 
     def device(self, device: DeviceLike) -> DeviceSpan:
         """The result for one device."""
@@ -667,12 +1064,124 @@ class MemorySpan:
         return self.record.to_dict()
 
     def __str__(self) -> str:
-        if self._record is None:
-            return f"{self.name}: {'open' if self._open is not None else 'not entered'}"
-        return str(self._record)
+        raw = self._raw
+        if raw is None or not raw.closed:
+            return f"{self.name}: {'not entered' if raw is None else 'open'}"
+        return str(raw.record())
 
     def __repr__(self) -> str:
         return f"<MemorySpan {self}>"
+
+
+_Opts = tuple[str, "int | None", bool, bool, bool]
+
+
+def _wrap_coroutine(func: Callable[..., Awaitable[Any]], opts: _Opts) -> Callable[..., Any]:
+    @functools.wraps(func)
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        span = _open(*opts)
+        try:
+            result = await func(*args, **kwargs)
+        except BaseException as exc:
+            _close(span, exc)
+            raise
+        _close(span, None)
+        return result
+
+    return wrapper
+
+
+def _wrap_generator(func: Callable[..., Iterator[Any]], opts: _Opts) -> Callable[..., Any]:
+    """A generator function whose one span covers the whole iteration.
+
+    The span is this thread's innermost only while the generator's own code runs (around
+    each ``send``/``throw``), so the consumer's spans between items do not nest under it.
+    """
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        gen: Any = func(*args, **kwargs)
+        span = _open(*opts, True, False)
+        failure: BaseException | None = None
+        try:
+            sent: Any = None
+            thrown: BaseException | None = None
+            while True:
+                token = _top.set(span)
+                try:
+                    item = gen.send(sent) if thrown is None else gen.throw(thrown)
+                except StopIteration as stop:
+                    return stop.value
+                finally:
+                    thrown = None
+                    _top.reset(token)
+                try:
+                    sent = yield item
+                except GeneratorExit:
+                    raise
+                except BaseException as exc:
+                    thrown = exc
+        except GeneratorExit:  # the consumer stopped early: not an error of the block
+            token = _top.set(span)
+            try:
+                gen.close()
+            finally:
+                _top.reset(token)
+            raise
+        except BaseException as exc:
+            failure = exc
+            raise
+        finally:
+            _close(span, failure)
+
+    return wrapper
+
+
+def _wrap_async_generator(
+    func: Callable[..., AsyncIterator[Any]], opts: _Opts
+) -> Callable[..., Any]:
+    """The async-generator form of :func:`_wrap_generator`."""
+
+    @functools.wraps(func)
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        agen: Any = func(*args, **kwargs)
+        span = _open(*opts, True, False)
+        failure: BaseException | None = None
+        try:
+            sent: Any = None
+            thrown: BaseException | None = None
+            while True:
+                token = _top.set(span)
+                try:
+                    if thrown is not None:
+                        item = await agen.athrow(thrown)
+                    else:
+                        item = await agen.asend(sent)
+                except StopAsyncIteration:
+                    return
+                finally:
+                    thrown = None
+                    _top.reset(token)
+                try:
+                    sent = yield item
+                except GeneratorExit:
+                    raise
+                except BaseException as exc:
+                    thrown = exc
+        except GeneratorExit:
+            token = _top.set(span)
+            try:
+                await agen.aclose()
+            finally:
+                _top.reset(token)
+            raise
+        except BaseException as exc:
+            failure = exc
+            raise
+        finally:
+            _close(span, failure)
+
+    return wrapper
 
 
 @overload
@@ -684,7 +1193,7 @@ def track(
     name: str | None = None,
     *,
     device: DeviceLike | None = None,
-    sync: bool = True,
+    sync: bool = False,
     peak: bool = True,
     leaks: bool = False,
 ) -> MemorySpan: ...
@@ -694,7 +1203,7 @@ def track(
     name: Any = None,
     *,
     device: DeviceLike | None = None,
-    sync: bool = True,
+    sync: bool = False,
     peak: bool = True,
     leaks: bool = False,
 ) -> Any:
@@ -706,10 +1215,11 @@ def track(
         device: measure only this device (``0``, ``'cuda:1'``); by default every device
             that has a CUDA context at entry or exit. Naming a device allows cudamem to
             synchronize it even if that creates its context.
-        sync: synchronize the devices before each read (correct numbers; ~7 µs per idle
-            device). ``False`` is the cheap mode: allocator counters are updated on the
-            host when work is queued, so they are exact for allocations, but the kernels
-            may not have run yet.
+        sync: synchronize the devices at both edges, so that ``span.duration`` includes
+            the GPU time of the block's kernels. The byte counts do not need it: the
+            allocator's counters change when the CPU queues an allocation or a free, not
+            when the GPU runs it, so a read without synchronize equals the read right after
+            one. The default ``False`` leaves CPU/GPU overlap alone.
         peak: track the highest allocated during the span. This resets PyTorch's
             per-device peak counter on entry; use :func:`cudamem.max_allocated` for the
             process-wide peak. ``False`` leaves the counter alone (``span.peak`` is None).
@@ -718,19 +1228,21 @@ def track(
             (and ``cudamem.leaks(since=span)`` asks again later). This runs the census twice
             per call: for investigating, not for every step of a long run.
 
-    Cost (H200, PyTorch 2.11): ~45 µs per span in a tight loop (two raw counter reads of
-    ~19 µs each, plus bookkeeping); ~0.13 ms inside a CPU-bound training step, where caches
-    are cold. Where the GPU has work queued that time hides behind it; in a launch-bound loop
-    of ~1 ms steps it is ~10 %, so measure every Nth step there.
+    Generator and async-generator functions are measured over their whole iteration;
+    ``staticmethod``/``classmethod`` objects may be decorated. Cost: see the guide's
+    "Cost" section (``benchmarks/span_overhead.py`` measures it).
     """
     if name is not None and not isinstance(name, str):
-        if callable(name):
+        if callable(name) or isinstance(name, (staticmethod, classmethod)):
             return MemorySpan(None, device=device, sync=sync, peak=peak, leaks=leaks)(name)
         raise TypeError(
             f"cudamem.track() takes a span name (str) or a function to decorate, "
             f"not {type(name).__name__}"
         )
+    if device is None:  # the hot form, ``with track("step"):``, skips re-validation
+        span = object.__new__(MemorySpan)
+        span._name, span._device, span._detached = name, None, False
+        span._sync, span._peak, span._leaks = bool(sync), bool(peak), bool(leaks)
+        span._raw = span._extras = None
+        return span
     return MemorySpan(name, device=device, sync=sync, peak=peak, leaks=leaks)
-
-
-from ._history import record as _record_history  # noqa: E402  (history imports this module)

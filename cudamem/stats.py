@@ -5,12 +5,30 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, NamedTuple
 
-__all__ = ["AllocatorStats", "StatsDelta", "device_name"]
+__all__ = ["AllocatorStats", "DeviceCounters", "StatsDelta", "device_name"]
 
 
 def device_name(device: int) -> str:
     """``cuda:N`` for a device index."""
     return f"cuda:{device}"
+
+
+class DeviceCounters(NamedTuple):
+    """The three allocator counters a span reads at each edge, for one device. Bytes are ints.
+
+    ``peak_allocated`` is PyTorch's peak counter as read: the highest ``allocated`` since that
+    device's peak was last reset (spans with ``peak=True`` reset it on entry), not the span's
+    own peak (see :attr:`cudamem.DeviceSpan.peak`).
+    """
+
+    device: int
+    allocated: int
+    reserved: int
+    peak_allocated: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready mapping."""
+        return self._asdict()
 
 
 class AllocatorStats(NamedTuple):

@@ -36,8 +36,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _clean_cudamem_state() -> Iterator[None]:
     """Every test starts with an empty history and no folded peaks."""
     cudamem.clear_history()
-    with _span._state.lock:
-        _span._state.process_peak.clear()
-        _span._state.open.clear()
+    _span._reset_state()
     yield
     cudamem.clear_history()

@@ -55,3 +55,44 @@ def test_run_on_a_leaking_gpu_script_names_the_holder(tmp_path: Path) -> None:
     assert "CUDA context and loaded kernels" in err  # the explain() ledger is in the report
     page = html.read_text()
     assert "__main__.loss_history" in page and "<svg" in page
+
+
+def test_run_groups_live_storages_by_container_on_gpu(tmp_path: Path) -> None:
+    import re
+
+    script = write(tmp_path, "leaky_gpu.py", textwrap.dedent(LEAKY_GPU))
+    report = tmp_path / "report.json"
+    out = cudamem("run", "--top", "40", "--json", str(report), str(script), timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "trained 12"  # the JSON went to its file, not stdout
+    err = out.stderr
+    assert "leak warnings (1):" in err
+    lines = err.splitlines()
+    start = lines.index("storages still alive at exit, by holder (largest first):")
+    rows = {}
+    for line in lines[start + 3 :]:
+        if "listed" in line:
+            break
+        cells = re.split(r"\s{2,}", line.strip())
+        rows[cells[0]] = cells
+    history = rows["__main__.loss_history"]
+    assert int(history[1]) >= 20 and history[2].endswith("MiB") and history[3].endswith("MiB")
+    # the last batch is named by its global, not through the graph that saved it
+    assert rows["__main__.x"][1:3] == ["1", "4.0 MiB"]
+    assert next(iter(rows)) == "__main__.loss_history"  # largest first
+    data = json.loads(report.read_text(encoding="utf-8"))
+    assert data["schema"] == 1 and data["cuda_used"] is True
+    assert data["groups"][0]["holder"] == "__main__.loss_history"
+    assert data["leak_names"] == ["training step"]
+
+
+def test_run_cpu_script_on_a_gpu_machine_says_growth_was_not_measured(tmp_path: Path) -> None:
+    script = write(tmp_path, "cpu_only.py", "import torch\nkept = [torch.ones(1000)]\n")
+    html = tmp_path / "r.html"
+    out = cudamem("run", "--html", str(html), str(script))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (
+        "leak warnings: not measured: growth detection needs a CUDA device (the script used none)"
+        in out.stderr
+    )
+    assert "Nothing to plot: no span has finished yet" in html.read_text(encoding="utf-8")

@@ -13,13 +13,8 @@ import torch
 
 import cudamem
 from cudamem import _backend, _nvml
-from cudamem.device import (
-    AllocatedSplit,
-    DeviceLedger,
-    Explanation,
-    build_ledger,
-    largest_storages,
-)
+from cudamem.ledger import AllocatedSplit, DeviceLedger, Explanation, build_ledger
+from cudamem.release import largest_storages
 from cudamem.render.json import to_json
 from cudamem.snapshot import split_cache
 from cudamem.stats import AllocatorStats

@@ -1,4 +1,4 @@
-"""CPU tests of log_scalar, ScalarLogger and to_host (no GPU needed)."""
+"""CPU tests of log_scalar and ScalarLogger (no GPU needed)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import cudamem
 from cudamem import _backend
 from cudamem import scalars as _scalars
 from cudamem.render.json import to_json
-from cudamem.scalars import HostCopy, ScalarLogger, log_scalar, to_host
+from cudamem.scalars import ScalarLogger, log_scalar
 
 # --------------------------------------------------------------------------- log_scalar
 
@@ -329,6 +329,123 @@ def test_maxlen_keeps_the_newest() -> None:
     assert summary.dropped == 6
 
 
+def test_maxlen_ring_reads_in_log_order_after_wrapping() -> None:
+    log = ScalarLogger(flush_every=5, maxlen=7)
+    for i in range(23):  # wraps the ring three times, mixing host and device values
+        log.log("loss", torch.tensor(float(i)) if i % 2 else float(i), step=100 + i)
+    s = log["loss"]
+    expected = [float(i) for i in range(16, 23)]
+    assert s.values == tuple(expected)
+    assert s.steps == tuple(range(116, 123))
+    assert [s[i] for i in range(7)] == expected
+    assert [s[-i] for i in range(1, 8)] == expected[::-1]
+    assert s[2:5] == expected[2:5] and s[::-2] == expected[::-2]
+    assert s.last == 22.0 and s.items()[0] == (116, 16.0)
+    assert s.to_numpy().tolist() == expected
+    assert s.steps_numpy().tolist() == list(range(116, 123))
+    assert 16.0 in s and 15.0 not in s
+    summary = s.summary()
+    assert (summary.count, summary.dropped, summary.min, summary.max) == (23, 16, 16.0, 22.0)
+    assert summary.last_step == 122 and summary.mean == pytest.approx(19.0)
+    with pytest.raises(IndexError, match="out of range"):
+        s[7]
+    saved = log.to_dict()["series"]["loss"]
+    assert saved["values"] == expected and saved["steps"] == list(range(116, 123))
+    back = pickle.loads(pickle.dumps(log))
+    assert back["loss"].values == tuple(expected) and back["loss"].summary().count == 23
+
+
+def test_memory_is_bounded_by_maxlen_and_reported() -> None:
+    log = ScalarLogger(maxlen=1000)
+    for i in range(200_000):
+        log.append(float(i))
+    stats = log.stats
+    assert stats.logged == 200_000 and stats.kept == 1000
+    assert stats.host_bytes == 1000 * 16  # a value and a step, 8 bytes each
+    data = log._series[log.name]
+    assert len(data.values) == len(data.steps) == 1000  # the arrays never grew past maxlen
+    assert log[0] == 199_000.0 and log.last == 199_999.0
+    assert log.summary()[0].count == 200_000
+    assert "kept 1000 (15.6 KiB)" in str(stats)
+    unbounded = ScalarLogger()
+    unbounded.extend(range(5000))
+    assert unbounded.stats.kept == 5000 and unbounded.stats.host_bytes == 5000 * 16
+    assert unbounded.stats.to_dict()["host_bytes"] == 80_000
+
+
+@pytest.mark.parametrize(
+    ("step", "error"),
+    [(2**63, ValueError), (-(2**63) - 1, ValueError), (2**63 - 1, ValueError), ("3", TypeError)],
+)
+def test_steps_must_fit_in_64_bits(step: Any, error: type[Exception]) -> None:
+    log = ScalarLogger()
+    with pytest.raises(error, match="step"):
+        log.log("x", 1.0, step=step)
+    assert log.stats.logged == 0
+    log.log("x", 1.0, step=2**63 - 2)  # the largest: the next default step still fits
+    log.log("x", 2.0)
+    assert log["x"].steps == (2**63 - 2, 2**63 - 1)
+    log.log("x", 3.0, step=np.int64(-5))
+    assert log["x"].steps[-1] == -5
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        torch.tensor(1.5, requires_grad=True) * 2,
+        torch.tensor(3, dtype=torch.int32),
+        torch.tensor(True),
+        torch.tensor(0.5, dtype=torch.bfloat16),
+        torch.tensor([[2.0]]),  # not 0-d: the full check
+        torch.ones(4)[2],  # a 0-d view
+    ],
+)
+def test_fast_path_agrees_with_the_full_check(value: torch.Tensor) -> None:
+    fast = _scalars._plain_0d(value)
+    full = _scalars._check_tensor(value)
+    if fast is not None:
+        assert fast.dim() == 0 and fast.grad_fn is None
+        assert fast.item() == full.item() and fast.dtype == full.dtype
+    else:
+        assert value.dim() != 0
+    log = ScalarLogger(flush_every=2)
+    log.append(value)
+    assert list(log) == [full.item()]
+
+
+def test_fast_path_refuses_what_the_full_check_refuses() -> None:
+    assert _scalars._plain_0d(torch.tensor(1 + 2j)) is None
+    assert _scalars._plain_0d(torch.empty((), device="meta")) is None
+    assert _scalars._plain_0d(torch.tensor(1.0).to_sparse()) is None
+    log = ScalarLogger()
+    with pytest.raises(TypeError, match="complex"):
+        log.append(torch.tensor(1 + 2j))
+    with pytest.raises(ValueError, match="meta"):
+        log.append(torch.empty((), device="meta"))
+    assert log.stats.logged == 0
+
+
+def test_bookkeeping_warning_under_w_error_does_not_escape(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import warnings
+
+    monkeypatch.setattr(_scalars, "_wants_async", lambda device: True)
+    monkeypatch.setattr(_scalars, "_warned", set())
+
+    class Broken(_FakeEvents):
+        def wait_event(self, event: Any) -> None:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    with _backend.use(Broken()), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        log = ScalarLogger(flush_every=2)
+        for i in range(5):
+            log.append(torch.tensor(float(i)))  # a failed transfer inside: no exception
+        values = list(log)
+    assert sum(math.isnan(v) for v in values) >= 2 and len(values) == 5
+
+
 # --------------------------------------------------------------------------- named series
 
 
@@ -596,58 +713,7 @@ def test_many_threads_lose_no_value() -> None:
     assert log.stats.logged == 2 * threads_n * per_thread
 
 
-# --------------------------------------------------------------------------- to_host
-
-
-def test_to_host_cpu_tensor_is_detached() -> None:
-    x = torch.randn(4, requires_grad=True) * 2
-    out = to_host(x)
-    assert out.grad_fn is None and not out.requires_grad
-    assert out.device.type == "cpu"
-    torch.testing.assert_close(out, x.detach())
-
-
-def test_to_host_keeps_no_graph() -> None:
-    x = torch.randn(64, requires_grad=True)
-    h = x * 2
-    ref = weakref.ref(h)
-    outputs = [to_host(torch.sin(h))]
-    del h
-    gc.collect()
-    assert ref() is None
-    assert outputs[0].shape == (64,)
-
-
-def test_to_host_structures() -> None:
-    Pair = collections.namedtuple("Pair", ["a", "b"])
-    nested = {
-        "logits": torch.ones(2, requires_grad=True) * 3,
-        "parts": [torch.zeros(1), (torch.tensor(1.0), "label")],
-        "pair": Pair(torch.tensor(2.0), 5),
-        "dd": collections.defaultdict(list, {"k": torch.tensor(1.0)}),
-    }
-    out = to_host(nested)
-    assert out["logits"].grad_fn is None
-    assert out["parts"][1][1] == "label"
-    assert isinstance(out["pair"], Pair) and out["pair"].b == 5
-    assert out["pair"].a.item() == 2.0
-    assert out["dd"]["k"].item() == 1.0
-
-
-def test_to_host_non_blocking_returns_a_handle() -> None:
-    handle = to_host({"x": torch.tensor([1.0, 2.0])}, non_blocking=True)
-    assert isinstance(handle, HostCopy)
-    assert handle.done()  # CPU tensors: nothing in flight
-    assert handle.wait()["x"].tolist() == [1.0, 2.0]
-    assert "done" in repr(handle)
-
-
-def test_to_host_pin_false_with_non_blocking_is_refused() -> None:
-    with pytest.raises(ValueError, match="pinned"):
-        to_host(torch.ones(1), non_blocking=True, pin=False)
-
-
 def test_public_names() -> None:
-    for name in ("log_scalar", "ScalarLogger", "to_host", "HostCopy", "Series"):
+    for name in ("log_scalar", "ScalarLogger", "Series"):
         assert name in cudamem.__all__
         assert getattr(cudamem, name) is getattr(_scalars, name)

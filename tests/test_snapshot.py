@@ -194,3 +194,90 @@ def test_segments_of_device() -> None:
     assert len(segments_of(snap, 1)) == 1
     assert segments_of({"segments": None}, 0) == []
     assert split_cache(segments_of(plain_snapshot(), 0)).non_releasable == 16 * MiB
+
+
+# -- what a damaged or foreign file raises ------------------------------------------------
+
+
+def test_empty_file_is_a_value_error_naming_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "empty.pickle"
+    path.write_bytes(b"")
+    with pytest.raises(ValueError, match=r"empty\.pickle.*an empty file"):
+        load_snapshot(path)
+    with pytest.raises(ValueError, match="an empty file"):
+        load_snapshot(io.BytesIO(b""))
+
+
+def test_json_is_a_value_error(tmp_path: Path) -> None:
+    path = tmp_path / "snap.json"
+    path.write_text('{"segments": []}')
+    with pytest.raises(ValueError, match=r"snap\.json.*looks like JSON") as info:
+        load_snapshot(path)
+    assert not isinstance(info.value, UnsafeSnapshotError)
+
+
+@pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
+def test_truncated_pickle_is_a_value_error(tmp_path: Path, protocol: int) -> None:
+    snap = plain_snapshot()
+    del snap["raw"]  # protocols 0-2 spell bytes as a global call (refused, see above)
+    data = pickle.dumps(snap, protocol=protocol)
+    path = tmp_path / "cut.pickle"
+    for cut in (1, 2, 10, len(data) // 2, len(data) - 1):
+        path.write_bytes(data[:cut])
+        with pytest.raises(ValueError, match=r"cut\.pickle' is not a pickled memory snapshot"):
+            load_snapshot(path)
+
+
+def test_text_and_garbage_are_value_errors(tmp_path: Path) -> None:
+    for i, payload in enumerate([b"hello world\n", b"\x00\xff" * 50, b"\x80\x05\x95", b"."]):
+        path = tmp_path / f"bad{i}.bin"
+        path.write_bytes(payload)
+        with pytest.raises(ValueError, match=f"bad{i}"):
+            load_snapshot(path)
+    with pytest.raises(ValueError, match="the data"):
+        loads_snapshot(b"not a pickle")
+
+
+def test_unsafe_file_stays_unsafe_not_value_error(tmp_path: Path) -> None:
+    path = tmp_path / "evil.pickle"
+    path.write_bytes(b"cbuiltins\neval\n(S'1+1'\ntR.")
+    with pytest.raises(UnsafeSnapshotError):
+        load_snapshot(path)
+
+
+def test_deeply_nested_pickle_is_refused_plainly() -> None:
+    depth = 100_000  # built by opcodes, not by pickle.dumps (which would recurse)
+    data = b"\x80\x04" + b"]" * depth + b"a" * (depth - 1) + b"."
+    with pytest.raises(ValueError, match="not a memory snapshot"):
+        load_snapshot(io.BytesIO(data))
+
+
+def test_wrong_argument_types() -> None:
+    with pytest.raises(TypeError, match="source"):
+        load_snapshot(123)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="source"):
+        load_snapshot(None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="max_bytes"):
+        load_snapshot(io.BytesIO(b""), max_bytes="10")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="max_bytes"):
+        load_snapshot(io.BytesIO(b""), max_bytes=True)
+    with pytest.raises(ValueError, match="max_bytes"):
+        load_snapshot(io.BytesIO(b""), max_bytes=-1)
+    with pytest.raises(TypeError, match="binary mode"):
+        load_snapshot(io.StringIO("{}"))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="bytes"):
+        loads_snapshot("text")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        load_snapshot(b"/tmp/x")  # type: ignore[arg-type]
+
+
+def test_missing_file_is_an_os_error(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        load_snapshot(tmp_path / "nope.pickle")
+
+
+def test_not_a_snapshot_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "dict.pickle"
+    path.write_bytes(pickle.dumps({"device_traces": []}))
+    with pytest.raises(ValueError, match=r"dict\.pickle' is not a memory snapshot.*got dict"):
+        load_snapshot(path)

@@ -97,13 +97,29 @@ def test_sync_false_does_not_synchronize(fake: FakeAllocator) -> None:
     with cudamem.track("s", sync=False):
         fake.alloc(1)
     assert fake.calls["synchronize"] == 0
-    with cudamem.track("s2"):
+    with cudamem.track("s2", sync=True):
         fake.alloc(1)
     assert fake.calls["synchronize"] == 2  # entry and exit, device 0 only
 
 
-def test_no_context_created_on_untouched_device(fake: FakeAllocator) -> None:
+def test_default_does_not_synchronize(fake: FakeAllocator) -> None:
     with cudamem.track("s") as span:
+        fake.alloc(5)
+
+    @cudamem.track
+    def f() -> None:
+        fake.alloc(1)
+
+    f()
+    with cudamem.MemorySpan("m"):
+        pass
+    assert fake.calls["synchronize"] == 0
+    assert span.allocated_delta == 5
+    assert not span.record.synced
+
+
+def test_no_context_created_on_untouched_device(fake: FakeAllocator) -> None:
+    with cudamem.track("s", sync=True) as span:
         fake.alloc(4 * MiB, device=0)
     assert fake.synced == [0, 0]
     assert 1 not in fake.contexts
@@ -359,12 +375,12 @@ def test_bookkeeping_failure_never_reaches_user(fake: FakeAllocator) -> None:
 
 
 def test_exit_hook_sees_every_span(fake: FakeAllocator) -> None:
-    from cudamem.span import add_exit_hook, remove_exit_hook
+    from cudamem.span import RawSpan, add_exit_hook, remove_exit_hook
 
     seen: list[tuple[str, bool]] = []
 
-    def hook(record: cudamem.SpanRecord, top: bool) -> None:
-        seen.append((record.name, top))
+    def hook(span: RawSpan) -> None:
+        seen.append((span.name, span.top_level))
 
     add_exit_hook(hook)
     try:
@@ -396,9 +412,12 @@ def test_real_backend_without_cuda() -> None:
     with cudamem.track("cpu only") as span:
         torch.ones(1000) * 2
     assert span.devices == ()
-    assert span.allocated_delta == 0 and span.peak == 0
-    assert str(span).startswith("cpu only: no CUDA device in use, ")
+    # Nothing could be measured, and the span says so instead of showing +0 B.
+    assert span.allocated_delta == 0 and span.peak is None and span.peak_delta is None
+    assert span.record.unmeasured == "no CUDA device"
+    assert str(span).startswith("cpu only: n/a (no CUDA device), ")
+    assert "+0 B" not in str(span)
     with pytest.raises(ValueError, match="no CUDA device"):
         cudamem.track("x", device=0)
-    with pytest.raises(ValueError, match="no CUDA device"):
+    with pytest.raises(ValueError, match=r"max_allocated\(device=0\): .*sees no CUDA device"):
         cudamem.max_allocated(0)

@@ -86,7 +86,8 @@ def test_nested_peaks_on_gpu() -> None:
             del small
     assert inner.peak_delta == 64 * MiB
     assert outer.peak_delta == 512 * MiB
-    assert cudamem.max_allocated(0) >= outer.peak or 0
+    assert outer.peak is not None
+    assert cudamem.max_allocated(0) >= outer.peak >= outer.device(0).before.allocated + 512 * MiB
     assert outer.children[0].name == "inner"
 
 
@@ -96,6 +97,155 @@ def test_sync_false_matches_sync_true_for_allocations() -> None:
         x = torch.empty(32 * MiB, dtype=torch.uint8, device="cuda:0")
     assert span.allocated_delta == 32 * MiB
     del x
+
+
+# -- reads without synchronize ----------------------------------------------------------
+#
+# The caching allocator changes its counters when the host queues an allocation or a free
+# (c10/cuda/CUDACachingAllocator.cpp: free() decreases allocated_bytes at once, whatever
+# the block's stream uses), not when the GPU runs the kernels. So a span's exit read
+# without synchronize must equal the read right after one, even while the GPU is busy.
+# Each case checks that the GPU really was busy at the read (else it proves nothing).
+
+N = 8192  # one fp32 matrix: 256 MiB; a matmul of two: ~20 ms of GPU time on an H200
+QUEUED = 20
+
+
+def _matrices(count: int = 2) -> list[torch.Tensor]:
+    out = [torch.randn(N, N, device="cuda:0") for _ in range(count)]
+    out[0] @ out[-1]  # the cuBLAS workspace now exists: later matmuls allocate only outputs
+    torch.cuda.synchronize()
+    _backend.get().empty_cache()  # and the warm-up's output is not cached for reuse
+    return out
+
+
+def _busy(stream: torch.cuda.Stream | None = None) -> bool:
+    """Whether work queued on ``stream`` (default: the current one) is still running."""
+    event = torch.cuda.Event()
+    event.record(stream)
+    return not event.query()
+
+
+def _settled() -> tuple[int, int]:
+    torch.cuda.synchronize()
+    allocated, reserved, _ = _backend.get().counters(0)
+    return allocated, reserved
+
+
+def _exit_read(span: cudamem.MemorySpan) -> tuple[int, int]:
+    after = span.device(0).after
+    return after.allocated, after.reserved
+
+
+def test_no_sync_read_while_allocating_with_matmuls_queued() -> None:
+    _clean()
+    a, b = _matrices()
+    with cudamem.track("queue and allocate") as span:
+        outs = [a @ b for _ in range(QUEUED)]
+        extra = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda:0")
+    busy = _busy()
+    assert busy, "the matmuls finished before the exit read: nothing was tested"
+    assert _exit_read(span) == _settled()
+    assert span.allocated_delta == QUEUED * 256 * MiB + 64 * MiB
+    assert not span.record.synced
+    del outs, extra
+
+
+def test_no_sync_read_after_freeing_tensors_queued_kernels_use() -> None:
+    _clean()
+    a, b = _matrices()
+    outs = [a @ b for _ in range(QUEUED)]
+    with cudamem.track("free while queued") as span:
+        del a, b  # the queued matmuls still read them
+        outs.clear()  # and still write these
+    busy = _busy()
+    assert busy
+    assert _exit_read(span) == _settled()
+    assert span.allocated_delta == -(QUEUED + 2) * 256 * MiB
+    assert span.reserved_delta == 0  # freed to the cache, not to CUDA
+
+
+def _record_stream_free() -> tuple[cudamem.MemorySpan, torch.cuda.Stream, list[torch.Tensor]]:
+    """A 256 MiB tensor used by 20 matmuls queued on a side stream, then freed."""
+    (x,) = _matrices(1)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        outs = [x @ x for _ in range(QUEUED)]
+    x.record_stream(side)
+    with cudamem.track("record_stream free") as span:
+        del x  # its block waits for the side stream's work before it can be reused
+    return span, side, outs
+
+
+def test_no_sync_read_after_record_stream_free() -> None:
+    _clean()
+    span, side, outs = _record_stream_free()
+    assert _busy(side)
+    assert _exit_read(span) == _settled()
+    assert span.allocated_delta == -256 * MiB
+    assert span.reserved_delta == 0
+    del outs
+
+
+def test_no_sync_read_of_a_new_allocation_after_a_record_stream_free() -> None:
+    _clean()
+    _, side, outs = _record_stream_free()
+    with cudamem.track("allocate after") as span:
+        y = torch.empty(N, N, device="cuda:0")  # the freed block's size, default stream
+    assert _busy(side)
+    assert _exit_read(span) == _settled()
+    assert span.allocated_delta == 256 * MiB
+    # The freed block still waits for the side stream: the allocator took a new segment.
+    assert span.reserved_delta == 256 * MiB
+    del y, outs
+
+
+def test_no_sync_read_after_empty_cache_with_kernels_queued() -> None:
+    _clean()
+    a, b = _matrices()
+    outs = [a @ b for _ in range(QUEUED)]
+    del outs[: QUEUED // 2]  # cached blocks whose kernels are still queued
+    assert _busy()
+    with cudamem.track("empty_cache") as span:
+        _backend.get().empty_cache()
+    assert _exit_read(span) == _settled()
+    assert span.allocated_delta == 0
+    assert span.reserved_delta == -(QUEUED // 2) * 256 * MiB
+    del outs, a, b
+
+
+def test_sync_true_puts_gpu_time_in_the_duration() -> None:
+    _clean()
+    a, b = _matrices()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with cudamem.track("no sync") as fast:
+        start.record()
+        outs = [a @ b for _ in range(QUEUED)]
+        end.record()
+    torch.cuda.synchronize()
+    gpu_s = start.elapsed_time(end) / 1e3
+    outs.clear()
+    with cudamem.track("sync", sync=True) as slow:
+        outs = [a @ b for _ in range(QUEUED)]
+    assert slow.record.synced and not fast.record.synced
+    # Without sync the span ends when the launches are queued; with it, when they ran.
+    assert fast.duration < gpu_s / 2 < slow.duration
+    del outs
+
+
+def test_counters_match_torch() -> None:
+    _clean()
+    x = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda:0")
+    backend = _backend.get()
+    allocated, reserved, peak = backend.counters(0)
+    assert allocated == torch.cuda.memory_allocated(0)
+    assert reserved == torch.cuda.memory_reserved(0)
+    assert peak == torch.cuda.max_memory_allocated(0)
+    del x
+    before = backend.counters_reset_peak(0)
+    assert before[2] == peak  # the value read before the reset
+    assert torch.cuda.max_memory_allocated(0) == torch.cuda.memory_allocated(0)
 
 
 def test_oom_recorded() -> None:

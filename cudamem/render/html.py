@@ -2,7 +2,9 @@
 
 No external resources (no scripts, fonts or stylesheets fetched), and every string that came
 from the user's program (script name, argv, span names, holder paths, exception messages) is
-escaped with :func:`html.escape` before it reaches the page.
+escaped with ``html.escape`` before it reaches the page, after invisible and bidi characters
+(U+202E, zero-width spaces, controls, lone surrogates of a non-UTF-8 file name) are written
+as ``\u202e``-style escapes, so that no name can pose as another.
 """
 
 from __future__ import annotations
@@ -10,9 +12,10 @@ from __future__ import annotations
 from html import escape
 from typing import TYPE_CHECKING, Any
 
-from .series import points
+from .report import command_line, leak_line, unmeasured
+from .series import nothing_to_plot, points
 from .svg import memory_chart
-from .text import format_bytes, format_duration
+from .text import escape_invisible, format_bytes, format_duration
 
 if TYPE_CHECKING:
     from ..runner import RunReport
@@ -31,17 +34,47 @@ pre { background: #f6f8fa; padding: 0.8rem; overflow-x: auto; font-size: 0.85rem
 
 
 def _e(value: Any) -> str:
-    return escape(str(value), quote=True)
+    return escape(escape_invisible(str(value)), quote=True)
 
 
 def _pre(text: str) -> str:
-    return f"<pre>{_e(text)}</pre>"
+    return f"<pre>{escape(escape_invisible(text, keep=chr(10)), quote=True)}</pre>"
+
+
+def _direct_first(holders: Any) -> list[str]:
+    """Holder paths with a name Python holds directly first (globals before frames), paths
+    through autograd graphs after them."""
+    ordered = sorted(holders, key=lambda h: (h.via == "saved", h.root_kind != "global"))
+    return [h.path for h in ordered]
+
+
+def _groups_table(report: RunReport) -> str:
+    rows = []
+    for g in report.groups:
+        example = g.example if g.example != g.holder else ""
+        via = _e(format_bytes(g.autograd_bytes)) if g.autograd_bytes else ""
+        rows.append(
+            f'<tr><td>{_e(g.holder)}</td><td class="num">{g.storages}</td>'
+            f'<td class="num">{_e(format_bytes(g.nbytes))}</td><td class="num">{via}</td>'
+            f"<td>{_e(example)}</td></tr>"
+        )
+    head = (
+        "<tr><th>held by</th><th>storages</th><th>bytes</th><th>via autograd</th><th>e.g.</th></tr>"
+    )
+    table = f"<table>{head}{''.join(rows)}</table>" if rows else ""
+    count, nbytes = report.unlisted
+    listed = len(report.live) if report.live is not None else 0
+    summary = f"{listed} storage{'s' if listed != 1 else ''} listed"
+    if count:
+        summary += f"; {count} smaller storage{'s' if count != 1 else ''} "
+        summary += f"({format_bytes(nbytes)}) not listed"
+    return f"{table}<p>{_e(summary)}</p>"
 
 
 def _live_table(live: Any) -> str:
     rows = []
     for s in live:
-        paths = [h.path for h in s.holders] if s.holders is not None else []
+        paths = _direct_first(s.holders) if s.holders is not None else []
         held = "<br>".join(_e(p) for p in paths[:5]) or "<em>no holder found</em>"
         if len(paths) > 5:
             held += f"<br>… and {len(paths) - 5} more"
@@ -61,7 +94,7 @@ def _live_table(live: Any) -> str:
 
 def render_html(report: RunReport, *, leak_names: tuple[str, ...] | None = None) -> str:
     """The whole report as one HTML document (a string)."""
-    title = " ".join([report.script, *report.argv])
+    title = command_line(report)
     status_class = "ok" if report.exit_code == 0 else "bad"
     outcome = f"exit code {report.exit_code} after {format_duration(report.duration)}"
     if report.exception is not None:
@@ -77,10 +110,12 @@ def render_html(report: RunReport, *, leak_names: tuple[str, ...] | None = None)
         body.append(f"<h2>Peak allocated</h2><ul>{items}</ul>")
     body.append("<h2>Memory per span</h2>")
     spans = report.history.spans if report.history is not None else ()
-    body.append(memory_chart(points(spans, names)))
+    body.append(memory_chart(points(spans, names), empty=nothing_to_plot(spans)))
     body.append("<h2>Leak warnings</h2>")
     if report.leak_warnings:
         body.append("".join(_pre(w) for w in report.leak_warnings))
+    elif unmeasured(report) is not None:
+        body.append(f'<p class="bad">{_e(leak_line(report))}</p>')
     else:
         body.append("<p>None.</p>")
     if report.oom is not None:
@@ -88,7 +123,12 @@ def render_html(report: RunReport, *, leak_names: tuple[str, ...] | None = None)
     if report.traceback:
         body.append("<h2>Uncaught exception</h2>" + _pre(report.traceback))
     if report.live is not None:
-        body.append("<h2>Storages still alive at exit</h2>" + _live_table(report.live))
+        body.append(
+            "<h2>Storages still alive at exit, by holder</h2>"
+            + _groups_table(report)
+            + "<h2>The largest storages</h2>"
+            + _live_table(report.live)
+        )
     if report.ledger is not None:
         body.append("<h2>Where the memory is (explain)</h2>" + _pre(str(report.ledger)))
     if report.history is not None and len(report.history):

@@ -7,15 +7,20 @@ from typing import TYPE_CHECKING
 from .text import format_bytes, render_table
 
 if TYPE_CHECKING:
-    from ..device import (
-        DeviceLedger,
-        DeviceRelease,
-        Explanation,
-        MachineStatus,
-        ReleaseResult,
-    )
+    from ..ledger import DeviceLedger, Explanation, MachineStatus
+    from ..release import DeviceRelease, ReleaseResult
+    from ..snapshot import CacheSplit
 
-__all__ = ["render_explanation", "render_ledger", "render_machine_status", "render_release"]
+__all__ = [
+    "render_explanation",
+    "render_kept",
+    "render_ledger",
+    "render_machine_status",
+    "render_release",
+]
+
+# Lines whose note is worth a detail row under the table (besides unknown or inferred ones).
+_DETAILED = ("cache", "graph_pools", "allocated_cublas")
 
 _GROUP_ORDER = ("device", "this process", "other processes")
 
@@ -66,7 +71,7 @@ def render_ledger(ledger: DeviceLedger) -> str:
         f"  {line.label}: {line.note}"
         for line in ledger.lines
         if line.note
-        and (line.nbytes is None or line.basis == "inferred" or line.key.startswith("cache"))
+        and (line.nbytes is None or line.basis == "inferred" or line.key.startswith(_DETAILED))
     ]
     notes = [f"  note: {n}" for n in ledger.notes]
     return "\n".join([table, *details, *notes])
@@ -81,11 +86,47 @@ def render_explanation(explanation: Explanation) -> str:
     return "\n\n".join(parts) if parts else "nothing to explain"
 
 
+def render_kept(kept: CacheSplit) -> list[str]:
+    """Why the cache left after ``empty_cache()`` stayed, one reason a line."""
+    out = []
+    for pool in kept.held_pools:
+        if not pool.free:
+            continue
+        graphs = "" if pool.graphs is None else f", {pool.graphs} graph(s)"
+        out.append(
+            f"{format_bytes(pool.reserved - pool.allocated)} free in private pool "
+            f"{pool.pool_id} ({pool.description}{graphs}): only deleting its graphs (and "
+            "their outputs) frees it"
+        )
+    if kept.partial_pages:
+        out.append(
+            f"{format_bytes(kept.partial_pages)} stays mapped in expandable segments: free "
+            "parts of pages that also hold live blocks (whole pages are unmapped: 20 MiB in "
+            "the large pool, 2 MiB in the small)"
+        )
+    if kept.in_live_segments:
+        out.append(
+            f"{format_bytes(kept.in_live_segments)} free inside segments that still hold live "
+            "blocks (a segment goes back to CUDA only when all of it is free)"
+        )
+    if kept.stranded:
+        out.append(
+            f"{format_bytes(kept.stranded)} on idle streams beside live blocks (cuBLAS "
+            "workspaces or tensors of those streams)"
+        )
+    if kept.pending_free:
+        out.append(
+            f"{format_bytes(kept.pending_free)} still awaiting stream events (record_stream)"
+        )
+    return out
+
+
 def _device_release(r: DeviceRelease) -> str:
     lines = [
         f"cuda:{r.device}: freed {format_bytes(r.freed_reserved)} of cache "
-        f"(allocated {format_bytes(r.freed_allocated, signed=False)} freed by gc/cuBLAS), "
-        f"still allocated {format_bytes(r.still_allocated)}, "
+        f"(allocated {format_bytes(r.freed_allocated, signed=False)} freed by gc/cuBLAS"
+        + (f", {format_bytes(r.cublas_freed)} of it cuBLAS workspaces" if r.cublas_freed else "")
+        + f"), still allocated {format_bytes(r.still_allocated)}, "
         f"still reserved {format_bytes(r.after.reserved)}"
     ]
     if r.nvml_freed is not None:
@@ -93,6 +134,13 @@ def _device_release(r: DeviceRelease) -> str:
             f"  NVML used {format_bytes(r.nvml_used_before)} → {format_bytes(r.nvml_used_after)}"
             f" ({format_bytes(-r.nvml_freed, signed=True)})"
         )
+    if r.still_cached:
+        head = f"  {format_bytes(r.still_cached)} stays cached"
+        if r.kept is None:
+            lines.append(head + " (no allocator snapshot to say why)")
+        else:
+            lines.append(head + ":")
+            lines.extend(f"    {reason}" for reason in render_kept(r.kept))
     if r.remaining:
         rows = [
             [format_bytes(s.nbytes), s.description, "; ".join(s.holders) or "no holder found"]

@@ -1,7 +1,9 @@
 """The data behind the memory picture: one point per finished span, in time order.
 
 ``cudamem.plot()`` (matplotlib) and the HTML report (inline SVG) both draw from these
-points, so they show the same picture.
+points, so they show the same picture. A span that measured no CUDA device (the script had
+not touched one, or the machine has none) has no level to draw: it is left out rather than
+drawn at 0 B, and ``nothing_to_plot`` says why the picture is empty.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ..span import SpanRecord
 
-__all__ = ["Point", "points"]
+__all__ = ["Point", "nothing_to_plot", "points"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +34,7 @@ class Point:
 
 def points(spans: Iterable[SpanRecord], leak_names: Iterable[str] = ()) -> list[Point]:
     """Points for ``spans`` (a history's ``spans``), marking names in ``leak_names``."""
-    records = sorted(spans, key=lambda r: r.started_at + r.duration)
+    records = sorted((r for r in spans if r.devices), key=lambda r: r.started_at + r.duration)
     if not records:
         return []
     t0 = records[0].started_at
@@ -47,3 +49,16 @@ def points(spans: Iterable[SpanRecord], leak_names: Iterable[str] = ()) -> list[
             )
         )
     return out
+
+
+def nothing_to_plot(spans: Iterable[SpanRecord]) -> str | None:
+    """Why ``spans`` give no point to draw, or None when there is something to draw."""
+    records = list(spans)
+    if not records:
+        return "no span has finished yet (cudamem.track, or optimizer steps under cudamem run)"
+    if any(r.devices for r in records):
+        return None
+    return (
+        f"{len(records)} span{'s' if len(records) != 1 else ''} finished, but none measured "
+        "CUDA memory: spans measure the CUDA allocator, and no CUDA device was in use"
+    )

@@ -6,17 +6,24 @@ from collections.abc import Sequence
 from html import escape
 
 from .series import Point
-from .text import format_bytes
+from .text import escape_invisible, format_bytes
 
 __all__ = ["memory_chart"]
 
 _COLORS = {"allocated": "#1f77b4", "reserved": "#ff7f0e", "peak": "#2ca02c"}
 
 
-def memory_chart(pts: Sequence[Point], *, width: int = 800, height: int = 300) -> str:
-    """An ``<svg>`` element: one polyline per series, leak points in red, axes in MiB."""
+def memory_chart(
+    pts: Sequence[Point], *, empty: str | None = None, width: int = 800, height: int = 300
+) -> str:
+    """An ``<svg>`` element: one polyline per series, leak points in red, axes in MiB.
+
+    Without points, no chart: a paragraph saying there is nothing to plot and ``empty``'s
+    reason (``series.nothing_to_plot``), never axes labelled ``0 B``.
+    """
     if not pts:
-        return '<p class="empty">No finished spans to draw.</p>'
+        reason = empty or "no span measured CUDA memory"
+        return f'<p class="empty">Nothing to plot: {escape(reason)}.</p>'
     left, right, top, bottom = 70, 20, 20, 40
     w, h = width - left - right, height - top - bottom
     t_max = max(p.t for p in pts) or 1.0
@@ -33,11 +40,16 @@ def memory_chart(pts: Sequence[Point], *, width: int = 800, height: int = 300) -
         f'viewBox="0 0 {width} {height}" role="img" aria-label="memory per span">',
         f'<rect x="{left}" y="{top}" width="{w}" height="{h}" fill="#fafafa" stroke="#ccc"/>',
     ]
+    labelled: set[str] = set()
     for frac in (0.0, 0.5, 1.0):
         v = int(y_max * frac)
+        label = format_bytes(v)
+        if label in labelled:  # a tiny range would print the same label twice
+            continue
+        labelled.add(label)
         parts.append(
             f'<text x="{left - 6}" y="{y(v) + 4:.1f}" font-size="11" text-anchor="end">'
-            f"{escape(format_bytes(v))}</text>"
+            f"{escape(label)}</text>"
         )
     parts.append(
         f'<text x="{left + w / 2}" y="{height - 8}" font-size="11" text-anchor="middle">'
@@ -62,7 +74,7 @@ def memory_chart(pts: Sequence[Point], *, width: int = 800, height: int = 300) -
         if p.leak:
             parts.append(
                 f'<circle cx="{x(p.t):.1f}" cy="{y(p.allocated):.1f}" r="3" fill="#d62728">'
-                f"<title>{escape(p.name)}: leak warning</title></circle>"
+                f"<title>{escape(escape_invisible(p.name))}: leak warning</title></circle>"
             )
     parts.append("</svg>")
     return "\n".join(parts)

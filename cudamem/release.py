@@ -1,0 +1,302 @@
+"""``release()``: give this process's unused GPU memory back, and say what could not be freed.
+
+``gc.collect()``, then (optionally) ``torch._C._cuda_clearCublasWorkspaces()``, then
+``torch.cuda.empty_cache()``; it reports what was freed per device, what the cuBLAS clear gave
+back, why the cache that is left stays (private pools of CUDA graphs, partial pages of
+expandable segments, free blocks beside live ones) and names the holders of the largest
+storages still allocated.
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+from typing import Any
+
+from . import _backend, _nvml, census
+from ._device_arg import DeviceLike, resolve_device
+from .render.text import format_bytes
+from .snapshot import CacheSplit, PoolBlocks, has_private_pools, pool_blocks_of, split_cache
+from .stats import AllocatorStats, device_name
+
+__all__ = [
+    "DeviceRelease",
+    "ReleaseResult",
+    "RemainingStorage",
+    "largest_storages",
+    "release",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class RemainingStorage:
+    """A storage still allocated after :func:`release`, and the paths that hold it."""
+
+    device: int | str
+    nbytes: int
+    description: str
+    holders: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready mapping."""
+        return {
+            "device": self.device,
+            "bytes": self.nbytes,
+            "description": self.description,
+            "holders": list(self.holders),
+        }
+
+    def __str__(self) -> str:
+        held = "; ".join(self.holders) if self.holders else "no holder found"
+        return f"{format_bytes(self.nbytes)} {self.description} held by {held}"
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceRelease:
+    """What :func:`release` gave back on one device, and what is still allocated.
+
+    ``kept`` is the allocator's cache split after ``empty_cache()``: why what is still
+    reserved but not allocated stayed (``None`` without a snapshot).
+    """
+
+    device: int
+    before: AllocatorStats
+    after: AllocatorStats
+    nvml_used_before: int | None
+    nvml_used_after: int | None
+    remaining: tuple[RemainingStorage, ...]
+    #: Allocated bytes the cuBLAS workspace clear gave back (0 when not cleared).
+    cublas_freed: int = 0
+    kept: CacheSplit | None = None
+
+    @property
+    def freed_reserved(self) -> int:
+        """Bytes the allocator returned to CUDA (what nvidia-smi sees drop)."""
+        return self.before.reserved - self.after.reserved
+
+    @property
+    def freed_allocated(self) -> int:
+        """Allocated bytes freed (by gc and the cuBLAS workspace clear)."""
+        return self.before.allocated - self.after.allocated
+
+    @property
+    def still_allocated(self) -> int:
+        """Bytes still held by live blocks after the release."""
+        return self.after.allocated
+
+    @property
+    def still_cached(self) -> int:
+        """Bytes still reserved but not allocated: what ``empty_cache()`` could not return."""
+        return self.after.reserved - self.after.allocated
+
+    @property
+    def nvml_freed(self) -> int | None:
+        """The drop in NVML's used figure, ``None`` without NVML."""
+        if self.nvml_used_before is None or self.nvml_used_after is None:
+            return None
+        return self.nvml_used_before - self.nvml_used_after
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready mapping."""
+        return {
+            "device": self.device,
+            "freed_reserved": self.freed_reserved,
+            "freed_allocated": self.freed_allocated,
+            "cublas_freed": self.cublas_freed,
+            "still_allocated": self.still_allocated,
+            "still_reserved": self.after.reserved,
+            "still_cached": self.still_cached,
+            "nvml_used_before": self.nvml_used_before,
+            "nvml_used_after": self.nvml_used_after,
+            "nvml_freed": self.nvml_freed,
+            "kept": None if self.kept is None else self.kept.to_dict(),
+            "remaining": [r.to_dict() for r in self.remaining],
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseResult:
+    """The result of :func:`release`."""
+
+    devices: tuple[DeviceRelease, ...]
+    gc_collected: int
+    cublas_cleared: bool
+    notes: tuple[str, ...] = ()
+
+    def __getitem__(self, device: int) -> DeviceRelease:
+        for d in self.devices:
+            if d.device == device:
+                return d
+        raise KeyError(f"no release record for {device_name(device)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready mapping."""
+        return {
+            "devices": [d.to_dict() for d in self.devices],
+            "gc_collected": self.gc_collected,
+            "cublas_cleared": self.cublas_cleared,
+            "notes": list(self.notes),
+        }
+
+    def __str__(self) -> str:
+        from .render.ledger import render_release
+
+        return render_release(self)
+
+
+def largest_storages(
+    device: int | str,
+    top: int = 5,
+    *,
+    holders: bool = True,
+    paths: int = 5,
+    pools: PoolBlocks | None = None,
+) -> tuple[RemainingStorage, ...]:
+    """The ``top`` largest storages alive on ``device`` and the paths that hold each.
+
+    Args:
+        device: a CUDA index or ``'cpu'``.
+        top: how many storages.
+        holders: search who holds each (one search for all of them).
+        paths: holder paths kept per storage.
+        pools: private-pool blocks of the device; a storage inside one is described so.
+
+    One census with one holder search for every storage. Keeps no reference.
+    """
+    found = census.live_tensors(device, holders=holders)
+    out = []
+    for s in list(found.storages)[:top]:
+        what = f"{'saved by autograd ' if not s.python else ''}{s.dtype}{list(s.shape)}"
+        block = None if pools is None else pools.pool_of(s.data_ptr)
+        pool = None if pools is None or block is None else pools.pool(block.pool_id)
+        if pool is not None and pool.held:
+            what += (
+                f" (in private pool {pool.pool_id} of {pool.description}: freed only with the "
+                "graphs that use it)"
+            )
+        held = () if s.holders is None else tuple(s.holders.paths[:paths])
+        out.append(RemainingStorage(device, int(s.nbytes), what, held))
+    return tuple(out)
+
+
+def _nvml_used(device: int) -> int | None:
+    got = _nvml.query_device(device, _backend.get().device_uuid(device))
+    if isinstance(got, _nvml.NvmlDevice) and got.memory is not None:
+        return got.memory.used
+    return None
+
+
+def _kept(device: int) -> tuple[CacheSplit | None, PoolBlocks | None]:
+    """The cache split after ``empty_cache()`` and the private-pool blocks, from one
+    snapshot; ``(None, None)`` without one."""
+    be = _backend.get()
+    segments = be.memory_segments(device)
+    if segments is None:
+        return None, None
+    owners = be.private_pool_owners() if has_private_pools(segments) else None
+    current = be.current_stream_handle(device)
+    split = split_cache(
+        segments,
+        current_streams=(0,) if current is None else (0, current),
+        pool_owners=owners,
+    )
+    pools = pool_blocks_of(device, segments, owners) if split.pools else None
+    return split, pools
+
+
+def _validate(top: Any, clear_cublas: Any, holders: Any) -> None:
+    if isinstance(top, bool) or not isinstance(top, int):
+        raise TypeError(f"top must be an int, not {type(top).__name__}")
+    if top < 0:
+        raise ValueError(f"top must be >= 0, got {top}")
+    for name, value in (("clear_cublas", clear_cublas), ("holders", holders)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, not {type(value).__name__}")
+
+
+def release(
+    device: DeviceLike | None = None,
+    *,
+    clear_cublas: bool = True,
+    top: int = 5,
+    holders: bool = True,
+) -> ReleaseResult:
+    """Give this process's unused GPU memory back, and say what could not be freed and why.
+
+    Runs ``gc.collect()``, then (``clear_cublas=True``) frees cuBLAS workspaces, which
+    ``empty_cache()`` never does (they come back at the next matmul), then
+    ``torch.cuda.empty_cache()``, which empties *every* device's cache. The CUDA context
+    stays until the process exits: nothing frees it.
+
+    Args:
+        device: report this device only (``empty_cache()`` still empties every device).
+        clear_cublas: free the cuBLAS/cuBLASLt workspaces (one per handle and stream).
+        top: how many of the largest remaining storages to name.
+        holders: search who holds those storages (``False`` skips the search).
+
+    Returns:
+        A :class:`ReleaseResult`: per device the bytes freed, what the cuBLAS clear gave
+        back, why the remaining cache stayed (CUDA graph pools, partial pages of expandable
+        segments, free blocks beside live ones), and the largest remaining storages with the
+        paths that hold them.
+
+    Call it between runs, not inside a training step: it synchronizes and empties the cache.
+    """
+    _validate(top, clear_cublas, holders)
+    be = _backend.get()
+    devices = be.initialized_devices() if device is None else (resolve_device(device),)
+    notes: list[str] = []
+    status = _nvml.status()
+    before = {d: be.read(d) for d in devices}
+    nvml_before = {d: _nvml_used(d) if status.available else None for d in devices}
+    collected = gc.collect()
+    cleared = False
+    after_gc = {d: be.read(d) for d in devices}
+    if clear_cublas:
+        try:
+            cleared = be.clear_cublas_workspaces()
+        except Exception as exc:
+            notes.append(f"clearing cuBLAS workspaces failed: {exc}")
+    after_clear = {d: be.read(d) for d in devices}
+    be.empty_cache()
+    records = []
+    for d in devices:
+        after = be.read(d)
+        kept: CacheSplit | None = None
+        pools: PoolBlocks | None = None
+        try:
+            kept, pools = _kept(d)
+        except Exception as exc:
+            notes.append(f"{device_name(d)}: cache not analysed: {type(exc).__name__}: {exc}")
+        remaining: tuple[RemainingStorage, ...] = ()
+        if after.allocated and top:
+            try:
+                remaining = largest_storages(d, top, holders=holders, pools=pools)
+            except Exception as exc:  # the census failed: report the bytes without holders
+                notes.append(f"{device_name(d)}: holders not found: {type(exc).__name__}: {exc}")
+        records.append(
+            DeviceRelease(
+                device=d,
+                before=before[d],
+                after=after,
+                nvml_used_before=nvml_before[d],
+                nvml_used_after=_nvml_used(d) if status.available else None,
+                remaining=remaining,
+                cublas_freed=max(0, after_gc[d].allocated - after_clear[d].allocated)
+                if cleared
+                else 0,
+                kept=kept,
+            )
+        )
+    if not devices:
+        notes.append("this process has no CUDA context: nothing to release")
+    if not status.available:
+        notes.append(f"NVML: {status.reason}")
+    if any(r.after.allocated for r in records):
+        notes.append(
+            "still allocated memory is held by live references: drop them (the holders "
+            "above), then call release() again"
+        )
+    return ReleaseResult(
+        devices=tuple(records), gc_collected=collected, cublas_cleared=cleared, notes=tuple(notes)
+    )

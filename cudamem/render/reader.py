@@ -1,0 +1,25 @@
+"""Text rendering of which counter reader serves spans (``cudamem status``, ``build-reader``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .._fastread import ReaderStatus
+
+__all__ = ["render_reader_status"]
+
+_NAMES = {
+    "C++": "C++ counter reader (~0.2 µs a read)",
+    "dict": "dict (torch._C._cuda_memoryStats, ~11 µs a read)",
+}
+
+
+def render_reader_status(status: ReaderStatus) -> str:
+    """One line: ``reader: <which> [<state>]: <why>``."""
+    if status.state == "cached":
+        # Seen from a process that never started CUDA: the build exists and spans will use it.
+        which = "C++ counter reader, once CUDA starts"
+    else:
+        which = _NAMES[status.reader]
+    return f"reader: {which} [{status.state}]: {status.reason}"
