@@ -1,14 +1,13 @@
-"""The who-holds guide's CPU examples (docs/guide/who-holds.md): many references to one
-tensor, a numpy array on a tensor's memory, a search cut short by its limits.
-
-    PYTHONPATH=. python docs/examples/who_holds_cpu.py
+"""The who-holds guide's examples of scale and limits (docs/guide/who-holds.md): many
+references to one tensor, a numpy array on a tensor's memory, a search cut short by its
+limits, limits refused. Runs on any machine (CPU tensors).
 """
 
 import torch
 
 import cudamem
 
-# -- one list holding a tensor 3,000 times, 60,000 dicts holding another
+print("=== grouped ===")  # one list holding a tensor 3,000 times, 60,000 dicts another
 total = torch.zeros(())
 log = [total] * 3000
 print(cudamem.who_holds(total, timeout=1.0))
@@ -20,23 +19,20 @@ result = cudamem.who_holds(emb)
 print(result)
 h = next(h for h in result if not h.caller)
 print(f"path={h.path!r} count={h.count} pattern={h.pattern!r}")
-print()
 
-# -- numpy arrays on a tensor's memory hold it
+print("=== numpy ===")  # numpy arrays on a tensor's memory hold it
 frame = torch.zeros(480, 640)
 pixels = frame.numpy()  # shares frame's memory
 print(cudamem.who_holds(frame))
-print()
 
-# -- a search cut short says which limit stopped it, and how far it got
+print("=== stopped ===")  # a search cut short says which limit stopped it, how far it got
 t = torch.ones(16)
 nest: list = [t]
 for _ in range(100):
     nest = [nest]
 print(cudamem.who_holds(t, max_depth=5))
-print()
 
-# -- bad limits are refused, naming the argument
+print("=== refused ===")  # bad limits are refused, naming the argument
 for bad in ({"timeout": None}, {"max_depth": "10"}, {"max_nodes": -1}):
     try:
         cudamem.who_holds(t, **bad)
