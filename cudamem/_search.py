@@ -12,15 +12,19 @@ One search serves any number of targets. Its steps:
    (:mod:`cudamem._heap`), which costs the same for 100 objects or 100,000 and may climb
    several levels at once. Each referrer is named once for all the children it holds
    (:func:`cudamem._naming.name_children`: one walk of a list, however many children);
-4. paths are read off the recorded edges, down from each root; paths that differ only in
-   list indices (or hold the same object at many indices) become one group with a count.
+4. paths are read off the recorded edges, down from each root (:mod:`cudamem._paths`);
+   paths that differ only in list indices (or hold the same object at many indices) become
+   one group with a count;
+5. what no root explains: unreachable cycles, objects held by something gc cannot see,
+   without the call's own temporaries; where a search cut short had got to.
 
-Every loop checks the deadline. The climb stops at 80 % of ``timeout`` and reading the paths
-at 95 %, so the whole call holds its timeout; a search cut short says which limit stopped it
-and reports what it had found, never "nothing found".
+Every loop checks the deadline. The climb stops at 75 % of ``timeout`` and reading the paths
+at 90 % (earlier on a heap whose snapshot takes long to let go), so the whole call holds its
+timeout; a search cut short says which limit stopped it and reports what it had found, never
+"nothing found". One search runs at a time in a process.
 
-Objects the search holds are released before it returns; ids of every running search's own
-containers (any thread) are ignored as referrers.
+Objects the search holds are released before it returns; ids of cudamem's own containers
+(any thread) are ignored as referrers.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from numbers import Real
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -54,10 +58,10 @@ from ._naming import (
     instance_dict,
     is_sub,
     name_children,
-    resolve_lazy,
     type_module,
     type_name,
 )
+from ._paths import Group, PathReader, RawHolder
 
 __all__ = ["SEARCH_LOCK", "RawHolder", "Search", "SearchLimits", "own_frame"]
 
@@ -123,27 +127,6 @@ class SearchLimits:
 
 
 @dataclass
-class RawHolder:
-    """One group of root-to-target paths, before it is frozen into a :class:`~cudamem.Holder`."""
-
-    target: int  # index of the target storage
-    root_kind: str
-    root: str
-    refs: list[Ref]  # the first path of the group, one Ref per step
-    via: str  # how ``last`` holds the storage: itself/view/alias/saved/grad/numpy/object
-    caller: bool = False
-    #: References the group stands for (paths times the references on each step).
-    count: int = 1
-    #: Step index -> subscript written for it (``0..2999`` or ``*``) where the group varies.
-    subs: dict[int, str] = field(default_factory=dict)
-
-    @property
-    def segs(self) -> list[Seg]:
-        """The first path's steps."""
-        return [r.seg for r in self.refs]
-
-
-@dataclass
 class _Frames:
     by_value: dict[int, list[tuple[str, str, bool]]] = field(default_factory=dict)
     values: dict[int, Any] = field(default_factory=dict)
@@ -151,152 +134,6 @@ class _Frames:
     #: ids of the locals of cudamem's own frames (any thread): its temporaries.
     own_locals: set[int] = field(default_factory=set)
     keep: list[Any] = field(default_factory=list)
-
-
-class _Path(NamedTuple):
-    """Paths of one shape from a walk's start down to one object holding a target."""
-
-    target: int
-    refs: list[Ref]  # the first path, one Ref per step
-    via: str
-    ids: list[int]  # the objects along the first path, start first
-    #: References of this shape (parallel paths through sibling items, times each step's).
-    times: int
-    #: Step -> (lowest, highest) list index or int key seen there, where steps are indices.
-    ranges: dict[int, tuple[int, int]]
-    #: Steps that vary in a way no range can write (several dict keys, scattered indices).
-    stars: set[int]
-
-
-class _Group:
-    """Paths of one target, root and shape (list indices aside), while they are read."""
-
-    __slots__ = ("count", "first", "ranges", "stars")
-
-    def __init__(self, first: RawHolder) -> None:
-        self.first = first
-        self.count = 0
-        self.ranges: dict[int, tuple[int, int]] = {}
-        self.stars: set[int] = set()
-
-    def add(self, path: _Path, offset: int) -> None:
-        self.count += path.times
-        _merge(self.ranges, path.ranges, offset)
-        self.stars.update(i + offset for i in path.stars)
-
-    def subs(self) -> dict[int, str]:
-        """Subscripts for the steps that vary: ``lo..hi`` for one step that covers a
-        contiguous range once per reference, ``*`` otherwise."""
-        varying = set(self.stars)
-        varying.update(i for i, (lo, hi) in self.ranges.items() if lo != hi)
-        if len(varying) == 1:
-            (i,) = varying
-            if i not in self.stars:
-                lo, hi = self.ranges[i]
-                if hi - lo + 1 == self.count:
-                    return {i: f"{lo}..{hi}"}
-        return dict.fromkeys(varying, "*")
-
-
-def _merge(into: dict[int, tuple[int, int]], new: dict[int, tuple[int, int]], offset: int) -> None:
-    for i, (lo, hi) in new.items():
-        old = into.get(i + offset)
-        into[i + offset] = (lo, hi) if old is None else (min(old[0], lo), max(old[1], hi))
-
-
-class _Mult:
-    """References multiplied along a walk: a ``[t] * 3000`` step, or sibling paths merged."""
-
-    __slots__ = ("owner", "ranges", "stars", "times")
-
-    def __init__(self, owner: int) -> None:
-        self.owner = owner  # the node that may change it; others share it read-only
-        self.times = 1
-        self.ranges: dict[int, tuple[int, int]] = {}
-        self.stars: set[int] = set()
-
-    @classmethod
-    def copy(cls, base: _Mult | None, owner: int) -> _Mult:
-        m = cls(owner)
-        if base is not None:
-            m.times, m.ranges, m.stars = base.times, dict(base.ranges), set(base.stars)
-        return m
-
-    @classmethod
-    def step(cls, base: _Mult | None, r: Ref, depth: int, owner: int) -> _Mult:
-        """``base`` followed by the step ``r`` at ``depth`` (its references multiply)."""
-        m = cls.copy(base, owner)
-        m.times *= r.times
-        if r.times > 1:
-            if _collapsible(r.segs[0]) and r.span is not None:
-                _merge(m.ranges, {depth: r.span}, 0)
-            else:
-                m.stars.add(depth)
-        elif _collapsible(r.segs[0]):
-            v = int(r.segs[0].text)
-            _merge(m.ranges, {depth: (v, v)}, 0)
-        return m
-
-    def absorb(self, other: _Mult) -> None:
-        self.times += other.times
-        _merge(self.ranges, other.ranges, 0)
-        self.stars.update(other.stars)
-
-
-def _chain(prev: dict[int, tuple[int, Ref] | None], node: int) -> tuple[list[Ref], list[int]]:
-    """The first path down to ``node``: its steps and the objects along it, root first."""
-    refs: list[Ref] = []
-    ids = [node]
-    while True:
-        step = prev[node]
-        if step is None:
-            break
-        refs.append(step[1])
-        node = step[0]
-        ids.append(node)
-    refs.reverse()
-    ids.reverse()
-    return refs, ids
-
-
-def _through(prev: dict[int, tuple[int, Ref] | None], node: int, x: int) -> bool:
-    """Whether the first path down to ``node`` passes through ``x``."""
-    while True:
-        if node == x:
-            return True
-        step = prev[node]
-        if step is None:
-            return False
-        node = step[0]
-
-
-def _chain_ranges(
-    prev: dict[int, tuple[int, Ref] | None], node: int, into: dict[int, tuple[int, int]]
-) -> None:
-    """Add the single list indices on the first path down to ``node`` to ``into``."""
-    steps: list[Ref] = []
-    while True:
-        step = prev[node]
-        if step is None:
-            break
-        steps.append(step[1])
-        node = step[0]
-    for depth, r in enumerate(reversed(steps)):
-        if r.times == 1 and _collapsible(r.segs[0]):
-            v = int(r.segs[0].text)
-            _merge(into, {depth: (v, v)}, 0)
-
-
-def _collapsible(seg: Seg) -> bool:
-    """List indices and int dict keys: what varies between items of one container."""
-    if seg.kind == "index":
-        return True
-    text = seg.text[1:] if seg.text.startswith("-") else seg.text
-    return seg.kind == "key" and not seg.extra and text.isdigit()
-
-
-def _shape(seg: Seg) -> tuple[str, str, str]:
-    return (seg.kind, "*" if _collapsible(seg) else seg.text, seg.extra)
 
 
 class Search:
@@ -358,8 +195,8 @@ class Search:
         self._arrays_first = False
         self._array_ids: set[int] = self._own(set())
         self._regions: list[tuple[int, int, int]] = []  # (start, end, target), by start
-        self._groups: list[dict[tuple[Any, ...], _Group]] = []
-        self._cut_paths = False
+        self._groups: list[dict[tuple[Any, ...], Group]] = []
+        self.reader = PathReader({}, {}, {}, limits.max_paths, self._read_late)
         self.nbytes: list[int | None] = [None] * len(keys)
 
     # -- bookkeeping --------------------------------------------------------------------
@@ -797,20 +634,23 @@ class Search:
         return entries
 
     def _collect(self) -> None:
-        groups: list[dict[tuple[Any, ...], _Group]] = [{} for _ in self.keys]
+        groups: list[dict[tuple[Any, ...], Group]] = [{} for _ in self.keys]
         self._groups = groups
+        self.reader = reader = PathReader(
+            self.edges, self.nodes, self.start, self.limits.max_paths, self._read_late
+        )
         entries = self._root_entries()
         for kind, root, head, start_id, is_caller, root_id in entries:
             if self._read_late():
                 self.notes.append("reading the paths stopped at the timeout: some are missing")
                 self._stop("timeout")
                 break
-            for path in self._walk_down(start_id):
+            for path in reader.walk_down(start_id):
                 direct = len(path.refs) == 1 and path.via == "itself"
                 caller = is_caller and direct
                 if kind == "global" and direct:
                     caller = self._caller_global(root_id)
-                self._add_path(groups[path.target], kind, root, head, path, caller)
+                reader.add(groups[path.target], kind, root, head, path, caller)
         self._unrooted()
         if self.stopped is not None:
             self._partial()
@@ -820,28 +660,8 @@ class Search:
                 raw.count = g.count
                 raw.subs = g.subs()
                 self.holders.append(raw)
-        if self._cut_paths:
+        if reader.cut:
             self.notes.append("more paths than max_paths; the rest are not shown")
-
-    def _add_path(
-        self,
-        per: dict[tuple[Any, ...], _Group],
-        kind: str,
-        root: str,
-        head: list[Ref],
-        path: _Path,
-        caller: bool,
-    ) -> None:
-        refs = head + path.refs
-        key = (kind, root, path.via, caller, tuple(_shape(r.seg) for r in refs))
-        group = per.get(key)
-        if group is None:
-            if len(per) >= self.limits.max_paths:
-                self._cut_paths = True
-                return
-            raw = RawHolder(path.target, kind, root, refs, path.via, caller)
-            group = per[key] = _Group(raw)
-        group.add(path, len(head))
 
     def _caller_global(self, dict_id: int) -> bool:
         try:
@@ -852,106 +672,6 @@ class Search:
             )
         except Exception:
             return False
-
-    def _walk_down(self, oid: int) -> list[_Path]:
-        """Shortest paths down from ``oid`` to the objects holding a target storage (BFS over
-        the recorded edges): for each such object, one :class:`_Path` per shape of the last
-        step's container (``log[i]``, ``rows[i]['t']``), sibling paths of that shape (60,000
-        dicts in one list that each hold the object) counted into it."""
-        prev: dict[int, tuple[int, Ref] | None] = {oid: None}
-        level = {oid: 0}
-        sig = {oid: 0}
-        mult: dict[int, _Mult] = {}  # only where references multiply or paths merge
-        shapes: dict[Seg, int] = {}
-        incoming: dict[int, list[tuple[int, Ref, int]]] = {}  # holder -> (parent, ref, sig)
-        holders: list[int] = []
-        edges, nodes, start = self.edges, self.nodes, self.start
-        queue = deque([oid])
-        n = 0
-        while queue:
-            n += 1
-            if not n & 0x3FF and self._read_late():
-                break
-            cur = queue.popleft()
-            if cur in start:
-                holders.append(cur)
-            below = edges.get(cur)
-            if below is None:
-                continue
-            depth, s_cur, m_cur = level[cur], sig[cur], mult.get(cur)
-            for cid, r in below.items():
-                if cid not in nodes:
-                    continue
-                seg = r.segs[0]
-                if seg.kind == "lazy":
-                    r = below[cid] = self._resolve(cur, cid, r)
-                    seg = r.segs[0]
-                elif seg.kind == "framelocals":
-                    continue  # the frame names those values itself
-                shape = shapes.get(seg)
-                if shape is None:
-                    shape = shapes[seg] = hash(_shape(seg))
-                csig = hash((s_cur, shape))
-                if cid in start:
-                    incoming.setdefault(cid, []).append((cur, r, csig))
-                if cid not in prev:
-                    prev[cid] = (cur, r)
-                    level[cid] = depth + 1
-                    sig[cid] = csig
-                    queue.append(cid)
-                    if r.times > 1:
-                        mult[cid] = _Mult.step(m_cur, r, depth, cid)
-                    elif m_cur is not None:
-                        mult[cid] = m_cur
-                elif level[cid] == depth + 1 and sig[cid] == csig and cid not in start:
-                    # Another parent of the same shape: its paths are counted in.
-                    mine = mult.get(cid)
-                    if mine is None or mine.owner != cid:
-                        mine = _Mult.copy(mine, cid)
-                        _chain_ranges(prev, cid, mine.ranges)
-                        mult[cid] = mine
-                    other = _Mult.step(m_cur, r, depth, cid)
-                    _chain_ranges(prev, cur, other.ranges)
-                    mine.absorb(other)
-        out: list[_Path] = []
-        for x in holders:
-            if x == oid:
-                out.extend(self._emit(x, [], [x], None))
-                continue
-            groups: dict[int, tuple[int, Ref, _Mult]] = {}
-            for k, (parent, r, csig) in enumerate(incoming.get(x, ())):
-                if not k & 0x3FF and k and self._read_late():
-                    break  # the references counted so far stand
-                if level[parent] >= level[x] and _through(prev, parent, x):
-                    continue  # a path through the holder itself (a cycle back to it)
-                m = _Mult.step(mult.get(parent), r, level[parent], x)
-                _chain_ranges(prev, parent, m.ranges)
-                group = groups.get(csig)
-                if group is not None:
-                    group[2].absorb(m)
-                elif len(groups) < self.limits.max_paths:
-                    groups[csig] = (parent, r, m)
-            for parent, r, m in groups.values():
-                refs, ids = _chain(prev, parent)
-                out.extend(self._emit(x, [*refs, r], [*ids, x], m))
-        return out
-
-    def _resolve(self, parent: int, child: int, r: Ref) -> Ref:
-        """Name an instance attribute edge now that the climb is over."""
-        p, c = self.nodes.get(parent), self.nodes.get(child)
-        seg = resolve_lazy(p, c, r.segs[0]) if p is not None else Seg("via", "object")
-        return Ref((seg,), r.times, r.span)
-
-    def _emit(self, x: int, refs: list[Ref], ids: list[int], m: _Mult | None) -> list[_Path]:
-        """One path per target the object ``x`` holds."""
-        ranges: dict[int, tuple[int, int]] = {}
-        times, stars = 1, set()
-        if m is not None:
-            ranges, times, stars = m.ranges, m.times, m.stars
-        return [
-            _Path(target, [*refs, Ref((seg,))], via, ids, times, ranges, stars)
-            for target, seg, via in self.start[x]
-        ]
 
     def _unrooted(self) -> None:
         """Holders no root explains: unreachable cycles, and objects gc sees no referrer of.
@@ -999,18 +719,18 @@ class Search:
         for oid, kind, weak in reps:
             label = f"<{type_name(type(self.nodes.get(oid)))} object>"
             seen: set[int] = set()
-            for path in self._walk_down(oid):
+            for path in self.reader.walk_down(oid):
                 if path.target in seen or (weak and self._groups[path.target]):
                     continue
                 seen.add(path.target)
-                self._add_path(self._groups[path.target], kind, label, [], path, False)
+                self.reader.add(self._groups[path.target], kind, label, [], path, False)
 
     def _call_temporary(self, oid: int, queried: set[int]) -> bool:
         """An argument tuple, kwargs dict or ``functools.partial`` that holds only the queried
         object, directly or through another of those: the call's own temporaries."""
         if not _temporary(self.nodes.get(oid)):
             return False
-        paths = self._walk_down(oid)
+        paths = self.reader.walk_down(oid)
         if not paths:
             return False
         for path in paths:
@@ -1033,12 +753,12 @@ class Search:
                 break
             label = f"<{type_name(type(self.nodes.get(oid)))} object>"
             seen: set[int] = set()
-            for path in self._walk_down(oid):
+            for path in self.reader.walk_down(oid):
                 if path.target in seen or shown[path.target] >= _PARTIAL_PER_TARGET:
                     continue
                 seen.add(path.target)
                 shown[path.target] += 1
-                self._add_path(self._groups[path.target], "partial", label, [], path, False)
+                self.reader.add(self._groups[path.target], "partial", label, [], path, False)
 
     def _below(self, starts: Iterable[int]) -> set[int]:
         """Every explored object reachable down the recorded edges from ``starts``."""
