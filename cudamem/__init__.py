@@ -13,7 +13,7 @@ from ._history import History, SpanStats, clear_history, history, set_history_si
 from .census import Census, LiveStorage, Unaccounted, live_tensors, unaccounted
 from .culprits import Culprit
 from .diff import DiffEntry, MemoryDiff, diff
-from .holders import Holder, Holders, who_holds
+from .holders import GraphHolder, GraphHolders, Holder, Holders, find_graph_holders, who_holds
 from .host import HostCopy, to_host
 from .leaks import (
     Growth,
@@ -30,13 +30,10 @@ from .oom import OomEvent, OomGuard, OomReport, on_oom, oom_report
 from .plot import plot
 from .release import DeviceRelease, ReleaseResult, RemainingStorage, release
 from .scalars import (
-    GraphHolder,
-    GraphHolders,
     LoggerStats,
     ScalarLogger,
     Series,
     SeriesSummary,
-    find_graph_holders,
     log_scalar,
 )
 from .snapshot import UnsafeSnapshotError, load_snapshot
