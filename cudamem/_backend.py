@@ -654,6 +654,27 @@ def build_reader(*, validate: bool = True) -> _fastread.ReaderStatus:
     return backend.reader.status()
 
 
+
+def expandable_segments() -> bool:
+    """Whether the allocator maps memory in expandable segments (``expandable_segments:True``
+    in ``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF``): reservations then grow in whole
+    pages (20 MiB in the large pool) rather than in segments of the request's size."""
+    import os
+
+    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        for part in os.environ.get(var, "").replace(";", ",").split(","):
+            key, _, value = part.partition(":")
+            if key.strip() == "expandable_segments":
+                return value.strip().lower() == "true"
+    return False
+
+
+def reserved_for(nbytes: int) -> int:
+    """What a large request of ``nbytes`` reserves in a fresh segment: the request itself
+    (rounded to 2 MiB) by default, whole 20 MiB pages under expandable segments."""
+    step = 20 * 1024**2 if expandable_segments() else 2 * 1024**2
+    return -(-nbytes // step) * step
+
 def get() -> Backend:
     """The backend in use."""
     return _active
