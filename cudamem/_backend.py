@@ -654,7 +654,6 @@ def build_reader(*, validate: bool = True) -> _fastread.ReaderStatus:
     return backend.reader.status()
 
 
-
 def expandable_segments() -> bool:
     """Whether the allocator maps memory in expandable segments (``expandable_segments:True``
     in ``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF``): reservations then grow in whole
@@ -674,6 +673,7 @@ def reserved_for(nbytes: int) -> int:
     (rounded to 2 MiB) by default, whole 20 MiB pages under expandable segments."""
     step = 20 * 1024**2 if expandable_segments() else 2 * 1024**2
     return -(-nbytes // step) * step
+
 
 def get() -> Backend:
     """The backend in use."""
