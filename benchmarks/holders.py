@@ -1,16 +1,33 @@
-"""who_holds() against objgraph on a heap of about 1 M Python objects.
+"""Holder search and census against objgraph, on large heaps, in one interleaved run.
 
-Two questions:
+Questions, each timed ``--repeat`` times with cudamem and the peer alternating:
 
-1. one tensor held six containers deep from a module global: ``cudamem.who_holds`` (every
-   path) against ``objgraph.find_backref_chain`` (one chain);
-2. holders of 1,000 live tensors: ``cudamem.live_tensors(holders=True)`` (one search for
-   all of them) against objgraph one chain per tensor (timed on a sample and extrapolated,
-   because 1,000 chains take minutes; the table says so).
+On a heap of ``--objects`` gc-tracked objects (default 3 M):
 
-Runs on CPU: the search is about Python objects, the device does not matter.
+1. one tensor six containers deep: ``who_holds`` (every path) against objgraph's
+   ``find_backref_chain`` (one chain);
+2. holders of ``--targets`` tensors (default 10,000) in one search (``find_holders``, what
+   ``live_tensors(holders=True)`` and leak reports use) against objgraph one chain per tensor
+   (timed on ``--sample`` tensors and extrapolated: thousands of chains take hours);
+3. ``live_tensors(holders=True)`` over the same tensors (census + search);
+4. the timeout: ``who_holds(..., timeout=T)`` on a search that needs longer; how long the
+   call took against ``T`` (the goal: within 20 %).
 
-    python benchmarks/holders.py [--repeat 5] [--sample 5] [--out benchmarks/results/holders.json]
+On a heap of ``--small-objects`` (default 450 k, the size of a process with transformers
+imported), with a small model and AdamW:
+
+5. a training step plain against the same step under ``track(leaks=True)``;
+6. ``live_tensors(holders=True)``;
+7. the census scan behind ``explain()`` (every live storage, no holders) against objgraph's
+   ``by_type('Tensor')``; on a GPU also ``explain()`` itself.
+
+Runs on CPU (the search is about Python objects); on a GPU machine the model runs there.
+
+    PYTHONPATH=. python3 benchmarks/holders.py [--quick] [--repeat 5]
+        [--out benchmarks/results/holders.json]
+
+``--quick`` (fewer repeats and samples, a 1.5 M-object first heap) finishes in about a
+minute on a fast machine.
 """
 
 from __future__ import annotations
@@ -20,6 +37,7 @@ import gc
 import sys
 import time
 import types
+from collections.abc import Callable
 from typing import Any
 
 import objgraph
@@ -27,8 +45,11 @@ import torch
 from _common import emit, median, spread  # type: ignore[import-not-found]
 
 import cudamem
+from cudamem import census
+from cudamem._search import SearchLimits
+from cudamem.holders import find_holders
 
-# A stand-in for the user's __main__: tensors hang off its globals.
+# A stand-in for the user's __main__: what is held hangs off its globals.
 app = types.ModuleType("bench_app")
 sys.modules["bench_app"] = app
 
@@ -36,7 +57,7 @@ sys.modules["bench_app"] = app
 def build_heap(n_objects: int) -> list[Any]:
     """About ``n_objects`` gc-tracked objects of the usual kinds (dicts, lists, tuples)."""
     heap: list[Any] = []
-    for i in range(n_objects // 4):
+    for i in range(max(0, n_objects) // 4):
         heap.append({"id": i, "tags": [i, str(i)], "pair": (i, [i])})
     return heap
 
@@ -45,103 +66,290 @@ def is_app(obj: Any) -> bool:
     return obj is app.__dict__
 
 
-def time_it(fn: Any, repeat: int) -> list[float]:
-    out = []
-    for _ in range(repeat):
-        gc.collect()
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
+def tracked() -> int:
+    return len(gc.get_objects())
+
+
+#: CPU seconds of every timed call, by the same keys as the wall-clock figures.
+CPU: dict[str, list[float]] = {}
+
+
+def interleaved(
+    fns: dict[str, Callable[[], Any]], repeat: int, once: set[str] | None = None, tag: str = ""
+) -> dict[str, list[float]]:
+    """Wall-clock seconds of each function, ``repeat`` times, alternating between them
+    (those in ``once`` in the first round only). CPU seconds go to ``CPU[tag + name]``."""
+    out: dict[str, list[float]] = {k: [] for k in fns}
+    for r in range(repeat):
+        for name, fn in fns.items():
+            if once and name in once and r > 0:
+                continue
+            gc.collect()
+            c0, t0 = time.process_time(), time.perf_counter()
+            fn()
+            out[name].append(time.perf_counter() - t0)
+            CPU.setdefault(tag + name, []).append(time.process_time() - c0)
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--objects", type=int, default=1_000_000)
-    parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--sample", type=int, default=5, help="objgraph chains timed for Q2")
-    parser.add_argument("--tensors", type=int, default=1000)
-    parser.add_argument("--out", default="benchmarks/results/holders.json")
-    args = parser.parse_args()
+def fmt(xs: list[float]) -> str:
+    lo, hi = spread(xs)
+    m = median(xs)
+    if m >= 1:
+        return f"{m:.2f} s ({lo:.2f}–{hi:.2f})"
+    return f"{m * 1e3:.0f} ms ({lo * 1e3:.0f}–{hi * 1e3:.0f})"
 
-    app.heap = build_heap(args.objects)
+
+def big_heap(args: argparse.Namespace, rows: list[list[str]], data: dict[str, Any]) -> None:
+    app.heap = build_heap(args.objects - tracked())
     gc.collect()
-    tracked = len(gc.get_objects())
+    size = tracked()
+    data["big_heap_objects"] = size
+    heap_text = f"{size / 1e6:.1f} M objects"
 
-    # Q1: one tensor six containers deep.
+    # 1. one tensor six containers deep
     t = torch.ones(16)
     app.trainer = {"runs": [None, {"val": ({"outputs": [[t]]},)}]}
     expected = "bench_app.trainer['runs'][1]['val'][0]['outputs'][0][0]"
-    result = cudamem.who_holds(t)
-    assert expected in result.paths, result.paths
-    cm_one = time_it(lambda: cudamem.who_holds(t), args.repeat)
+    assert expected in cudamem.who_holds(t).paths
     chain = objgraph.find_backref_chain(t, is_app, max_depth=12)
     assert chain[0] is app.__dict__, "objgraph did not find the chain"
     del chain
-    og_one = time_it(
-        lambda: objgraph.find_backref_chain(t, is_app, max_depth=12), max(1, args.repeat // 2)
+    one = interleaved(
+        {
+            "cudamem": lambda: cudamem.who_holds(t),
+            "objgraph": lambda: objgraph.find_backref_chain(t, is_app, max_depth=12),
+        },
+        args.repeat,
+        tag="one_tensor.",
     )
+    ratio = median(one["objgraph"]) / median(one["cudamem"])
+    rows.append(
+        [
+            f"who_holds: 1 tensor 6 deep, {heap_text}",
+            fmt(one["cudamem"]),
+            fmt(one["objgraph"]) + " (1 chain)",
+            f"{ratio:.1f}×",
+        ]
+    )
+    data["one_tensor"] = {**one, "ratio": ratio}
+    del app.trainer
 
-    # Q2: 1,000 live tensors, held from several containers.
-    app.pool = {f"layer{i}": [torch.full((4,), float(i))] for i in range(args.tensors // 2)}
-    app.history = [torch.full((2,), float(i)) for i in range(args.tensors - args.tensors // 2)]
-    tensors = [v[0] for v in app.pool.values()] + list(app.history)
-    census = cudamem.live_tensors("cpu", holders=True)
-    named = sum(1 for s in census if s.holders is not None and s.holders.holders)
-    assert named >= args.tensors, (named, args.tensors)
-    del census
-    cm_many = time_it(lambda: cudamem.live_tensors("cpu", holders=True), args.repeat)
-    sample = tensors[:: max(1, len(tensors) // args.sample)][: args.sample]
+    # 2. many targets in one search
+    n = args.targets
+    app.pool = {f"layer{i}": [torch.full((4,), float(i))] for i in range(n // 2)}
+    app.history = [torch.full((2,), float(i)) for i in range(n - n // 2)]
+
+    def targets() -> list[Any]:
+        # made afresh for every call: a list of the benchmark's own would be a holder too
+        return [v[0] for v in app.pool.values()] + list(app.history)
+
+    def batch() -> list[Any]:
+        return find_holders(targets(), SearchLimits(), None)
+
+    found = batch()
+    named = sum(1 for h in found if h.holders)
+    assert named == n, (named, n)
+    assert [h.path for h in found[0]] == ["bench_app.pool['layer0'][0]"], found[0].paths
+    del found
+    sample = targets()[:: max(1, n // args.sample)][: args.sample]
 
     def chains() -> None:
         for x in sample:
             objgraph.find_backref_chain(x, is_app, max_depth=12)
 
-    og_per_chain = time_it(chains, 1)[0] / len(sample)
-    og_many = og_per_chain * len(tensors)
-    sample.clear()
-    tensors.clear()
+    many = interleaved(
+        {"cudamem": batch, "objgraph": chains}, args.repeat, {"objgraph"}, tag="many_targets."
+    )
+    og_total = median(many["objgraph"]) / len(sample) * n
+    rows.append(
+        [
+            f"find_holders: {n:,} tensors, {heap_text}",
+            fmt(many["cudamem"]),
+            f"{og_total:.0f} s (extrapolated from {len(sample)} chains)",
+            f"{og_total / median(many['cudamem']):.0f}×",
+        ]
+    )
+    data["many_targets"] = {
+        "targets": n,
+        "cudamem_s": many["cudamem"],
+        "objgraph_sample_s": many["objgraph"],
+        "objgraph_sample": len(sample),
+        "objgraph_extrapolated_s": og_total,
+        "goal_s": 3.0,
+    }
 
-    cm1, og1, cmn = median(cm_one), median(og_one), median(cm_many)
-    rows = [
+    # 3. live_tensors(holders=True) over the same tensors
+    census_many = interleaved(
+        {"cudamem": lambda: cudamem.live_tensors("cpu", holders=True)},
+        args.repeat,
+        tag="live_tensors_big.",
+    )
+    rows.append(
         [
-            "1 tensor, 6 deep: who_holds (all paths)",
-            f"{cm1 * 1e3:.0f} ms",
-            f"{og1 * 1e3:.0f} ms",
-            f"{og1 / cm1:.1f}×",
-        ],
+            f"live_tensors(holders=True): {n:,} tensors, {heap_text}",
+            fmt(census_many["cudamem"]),
+            "-",
+            "-",
+        ]
+    )
+    data["live_tensors_big"] = census_many["cudamem"]
+
+    # 4. the timeout holds: a 10,000-target search given less time than it needs
+    limit = args.timeout
+    taken: list[float] = []
+    stopped: list[str | None] = []
+    for _ in range(args.repeat):
+        objs = targets()
+        t0 = time.perf_counter()
+        res = find_holders(objs, SearchLimits(timeout=limit), None)
+        taken.append(time.perf_counter() - t0)
+        stopped.append(res[0].stopped)
+        del res
+    rows.append(
         [
-            f"{args.tensors} tensors: live_tensors(holders=True)",
-            f"{cmn * 1e3:.0f} ms",
-            f"{og_many:.1f} s (extrapolated from {args.sample})",
-            f"{og_many / cmn:.0f}×",
-        ],
-    ]
-    emit(
-        f"who_holds vs objgraph.find_backref_chain, {tracked:,} gc-tracked objects",
-        ["case", "cudamem (median)", "objgraph (one chain each)", "speed-up"],
-        rows,
+            f"timeout={limit:g} s on that search",
+            fmt(taken) + f", {max(taken) / limit:.2f}× the timeout at most",
+            "-",
+            "-",
+        ]
+    )
+    data["timeout"] = {"timeout_s": limit, "taken_s": taken, "stopped": stopped}
+    sample.clear()
+    del app.pool, app.history, app.heap
+    gc.collect()
+
+
+class Model(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
+
+
+def small_heap(args: argparse.Namespace, rows: list[list[str]], data: dict[str, Any]) -> None:
+    app.heap = build_heap(args.small_objects - tracked())
+    gc.collect()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = Model(256).to(device)
+    opt = torch.optim.AdamW(model.parameters())
+    x = torch.randn(64, 256, device=device)
+    app.model, app.opt = model, opt
+
+    def step() -> None:
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        cudamem.log_scalar(loss)
+
+    def tracked_step() -> None:
+        with cudamem.track("bench-step", leaks=True):
+            step()
+
+    for _ in range(3):
+        step()
+    size = tracked()
+    data["small_heap_objects"] = size
+    heap_text = f"{size / 1e3:.0f} k objects"
+    steps = interleaved({"plain": step, "tracked": tracked_step}, args.repeat * 2, tag="step.")
+    rows.append(
+        [
+            f"training step, track(leaks=True), {heap_text}",
+            fmt(steps["tracked"]),
+            fmt(steps["plain"]) + " (plain step)",
+            f"+{median(steps['tracked']) - median(steps['plain']):.2f} s",
+        ]
+    )
+    data["track_leaks_step"] = {**steps, "goal_s": 0.5}
+
+    app.outputs = [model(x) for _ in range(4)]  # four graphs kept alive: holders to name
+    lt = interleaved(
         {
-            "gc_tracked_objects": tracked,
-            "one_tensor": {
-                "cudamem_s": cm_one,
-                "objgraph_s": og_one,
-                "cudamem_median_s": cm1,
-                "objgraph_median_s": og1,
-                "ratio": og1 / cm1,
-                "paths": result.paths,
-            },
-            "many_tensors": {
-                "tensors": args.tensors,
-                "cudamem_s": cm_many,
-                "cudamem_median_s": cmn,
-                "objgraph_per_chain_s": og_per_chain,
-                "objgraph_sample": args.sample,
-                "objgraph_extrapolated_s": og_many,
-                "ratio": og_many / cmn,
-                "cudamem_spread_s": spread(cm_many),
-            },
+            "cudamem": lambda: cudamem.live_tensors(holders=True),
+            "objgraph": lambda: objgraph.by_type("Tensor"),
         },
+        args.repeat,
+        tag="live_tensors_small.",
+    )
+    rows.append(
+        [
+            f"live_tensors(holders=True), {heap_text}",
+            fmt(lt["cudamem"]),
+            fmt(lt["objgraph"]) + " (by_type, no holders)",
+            "-",
+        ]
+    )
+    data["live_tensors_small"] = {**lt, "goal_s": 0.5}
+
+    scans: dict[str, Callable[[], Any]] = {
+        "census": census.live_storage_keys,
+        "objgraph": lambda: objgraph.by_type("Tensor"),
+    }
+    if torch.cuda.is_available():
+        scans["explain"] = cudamem.explain
+    sc = interleaved(scans, args.repeat, tag="census_scan.")
+    rows.append(
+        [
+            f"census scan behind explain(), {heap_text}",
+            fmt(sc["census"]),
+            fmt(sc["objgraph"]) + " (by_type)",
+            f"{median(sc['objgraph']) / median(sc['census']):.1f}×",
+        ]
+    )
+    if "explain" in sc:
+        rows.append([f"explain(), {heap_text}", fmt(sc["explain"]), "-", "-"])
+    data["census_scan"] = {**sc, "goal_s": 0.3}
+    del app.outputs, app.model, app.opt, app.heap
+    gc.collect()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repeats, smaller heap")
+    parser.add_argument("--objects", type=int, default=3_000_000)
+    parser.add_argument("--small-objects", type=int, default=450_000)
+    parser.add_argument("--targets", type=int, default=10_000)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--sample", type=int, default=3, help="objgraph chains timed for 2")
+    parser.add_argument("--timeout", type=float, default=0.5)
+    parser.add_argument("--out", default="benchmarks/results/holders.json")
+    args = parser.parse_args()
+    if args.quick:
+        args.repeat = min(args.repeat, 3)
+        args.sample = min(args.sample, 2)
+        args.objects = min(args.objects, 1_500_000)
+
+    rows: list[list[str]] = []
+    data: dict[str, Any] = {"args": vars(args)}
+    big_heap(args, rows, data)
+    small_heap(args, rows, data)
+    data["cpu_s"] = CPU
+    rows.append(
+        [
+            "CPU seconds (median): find_holders, track step, live_tensors, census",
+            " / ".join(
+                f"{median(CPU[k]):.2f}"
+                for k in (
+                    "many_targets.cudamem",
+                    "step.tracked",
+                    "live_tensors_small.cudamem",
+                    "census_scan.census",
+                )
+            ),
+            "-",
+            "-",
+        ]
+    )
+    emit(
+        "cudamem holder search and census vs objgraph (median, range)",
+        ["case", "cudamem", "peer", "ratio"],
+        rows,
+        data,
         args.out,
     )
 

@@ -16,7 +16,7 @@ from typing import Any
 from ._history import clear_history, history, set_history_size
 from .census import live_tensors, unaccounted
 from .diff import diff
-from .holders import who_holds
+from .holders import find_graph_holders, who_holds
 from .host import to_host
 from .leaks import LeakWarning, configure_leaks, leak_settings, leaks
 from .ledger import explain, machine_status
@@ -24,7 +24,7 @@ from .memviz import dump_snapshot
 from .oom import on_oom, oom_report
 from .plot import plot
 from .release import release
-from .scalars import ScalarLogger, find_graph_holders, log_scalar
+from .scalars import ScalarLogger, log_scalar
 from .snapshot import UnsafeSnapshotError, load_snapshot
 from .span import MemorySpan, max_allocated, track
 

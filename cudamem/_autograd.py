@@ -9,11 +9,18 @@ Saved tensors are read through ``SavedTensor.data`` (the packed value), never ``
 ``save_on_cpu``) unpacking runs the hook, which recomputes the forward or copies to the GPU.
 A node whose saved tensor has an unpack hook and whose packed value is not a tensor is
 reported as *not inspected*.
+
+Only tensors with real memory count. ``torch.compile`` leaves FakeTensors on the heap (their
+storage is a meta storage, and asking its ``data_ptr()`` warns that it "will error"); meta
+tensors, functional tensors and wrapper subclasses (``__torch_dispatch__``, e.g. DTensor, whose
+real data lives in inner tensors found on their own) have no memory of their own either. They
+are recognised by type, device and dispatch flags, never by touching their data.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 import weakref
 from collections import deque
@@ -23,14 +30,22 @@ from typing import Any
 
 import torch
 
-from ._naming import is_sub, type_name
+from ._naming import class_attr, is_sub, type_name
 from ._storages import StorageRef, ref_of
 
 __all__ = [
     "GraphWalk",
     "StorageKey",
     "all_tensors",
+    "array_region",
+    "array_types",
+    "base_of",
     "describe_tensor",
+    "grad_fn_of",
+    "grad_of",
+    "has_graph_or_grad",
+    "has_memory",
+    "resizable",
     "storage_of",
     "walk_graphs",
 ]
@@ -44,6 +59,7 @@ _GRAD_FN = _TB_DICT["grad_fn"]
 _GRAD = _TB_DICT["_grad"] if "_grad" in _TB_DICT else _TB_DICT["grad"]
 _BASE = _TB_DICT.get("_base")
 _IS_LEAF = _TB_DICT["is_leaf"]
+_IS_META = _TB_DICT["is_meta"]
 _RETAINS = _TB_DICT["retains_grad"]
 _STORAGE = _TB_DICT["untyped_storage"]
 _DTYPE = _TB_DICT["dtype"]
@@ -57,20 +73,135 @@ def _no_torch_function() -> Any:
     return torch._C.DisableTorchFunctionSubclass()
 
 
+_NO_DISPATCH = torch.Tensor.__dict__.get("__torch_dispatch__")
+_is_functional = getattr(torch, "_is_functional_tensor", None)
+#: id(tensor type) -> (weak reference to the type, whether its instances may own memory).
+_type_memory: dict[int, tuple[weakref.ref[type], bool]] = {}
+
+
+def _type_has_memory(tp: type) -> bool:
+    """Whether instances of ``tp`` may own memory: not a FakeTensor, a FunctionalTensor or
+    another subclass that dispatches in Python (a wrapper whose data lives elsewhere)."""
+    entry = _type_memory.get(id(tp))
+    if entry is not None and entry[0]() is tp:
+        return entry[1]
+    real = (
+        tp is torch.Tensor
+        or tp is torch.nn.Parameter
+        or (class_attr(tp, "__torch_dispatch__") is _NO_DISPATCH)
+    )
+    for module, name in _NO_MEMORY_TYPES:
+        mod = sys.modules.get(module)
+        base = getattr(mod, name, None) if mod is not None else None
+        if isinstance(base, type) and is_sub(tp, base):
+            real = False
+    with contextlib.suppress(TypeError):
+        _type_memory[id(tp)] = (weakref.ref(tp), real)
+    return real
+
+
+# Looked up in sys.modules only: never imported by cudamem (they load half of torch._dynamo).
+_NO_MEMORY_TYPES = (
+    ("torch._subclasses.fake_tensor", "FakeTensor"),
+    ("torch._subclasses.functional_tensor", "FunctionalTensor"),
+)
+
+
+def has_memory(t: Any) -> bool:
+    """Whether the tensor ``t`` may own real memory (see the module notes): by its type, its
+    ``is_meta`` flag and the functionalization flag, never by its data."""
+    if not _type_has_memory(type(t)):
+        return False
+    try:
+        with _no_torch_function():
+            if _IS_META.__get__(t):
+                return False
+            if _is_functional is not None and _is_functional(t):
+                return False
+    except Exception:
+        return False
+    return True
+
+
 def storage_of(t: Any) -> tuple[StorageKey, int] | None:
-    """``(key, nbytes)`` of a tensor's storage, or ``None`` (no storage, empty, wrapper)."""
+    """``(key, nbytes)`` of a tensor's storage, or ``None`` (no storage, empty, no memory of
+    its own: fake, meta, functional or a wrapper subclass)."""
+    if not has_memory(t):
+        return None
     try:
         with _no_torch_function():
             st = _STORAGE(t)
+            dev = st.device
+            if dev.type == "meta":
+                return None  # never ask a meta storage (a FakeTensor's) for its data
             ptr = int(st.data_ptr())
             nbytes = int(st.nbytes())
-            dev = st.device
     except Exception:
         return None
     if ptr == 0:
         return None
     index = dev.index
     return (str(dev.type), -1 if index is None else int(index), ptr), nbytes
+
+
+def grad_fn_of(t: Any) -> Any:
+    """``t.grad_fn`` through torch's own descriptor, or ``None``."""
+    try:
+        with _no_torch_function():
+            return _GRAD_FN.__get__(t)
+    except Exception:
+        return None
+
+
+def resizable(t: Any) -> bool:
+    """Whether ``t``'s storage is resizable: memory PyTorch allocated itself. Memory lent
+    by someone else (``torch.from_numpy``, ``frombuffer``, DLPack, a mapped file) is not."""
+    try:
+        with _no_torch_function():
+            return bool(_STORAGE(t).resizable())
+    except Exception:
+        return True
+
+
+def has_graph_or_grad(t: Any) -> bool:
+    """Whether ``t`` has a ``grad_fn`` or a ``.grad`` (what the graph walk starts from)."""
+    try:
+        with _no_torch_function():
+            return _GRAD_FN.__get__(t) is not None or grad_of(t) is not None
+    except Exception:
+        return False
+
+
+def array_types() -> tuple[type, ...]:
+    """numpy's array types, when numpy is loaded (it is never imported here)."""
+    np = sys.modules.get("numpy")
+    nd = getattr(np, "ndarray", None) if np is not None else None
+    if not isinstance(nd, type):
+        return ()
+    memmap = getattr(np, "memmap", None)
+    return (nd, memmap) if isinstance(memmap, type) else (nd,)
+
+
+def array_region(arr: Any) -> tuple[int, int] | None:
+    """``(address, nbytes)`` of a numpy array's data, read through ndarray's own descriptors."""
+    np = sys.modules.get("numpy")
+    if np is None:
+        return None
+    try:
+        nd = np.ndarray.__dict__
+        iface = nd["__array_interface__"].__get__(arr)
+        return int(iface["data"][0]), int(nd["nbytes"].__get__(arr))
+    except Exception:
+        return None
+
+
+def array_base(arr: Any) -> Any:
+    """``arr.base`` (a tensor for ``t.numpy()``), or ``None``."""
+    np = sys.modules.get("numpy")
+    try:
+        return np.ndarray.__dict__["base"].__get__(arr) if np is not None else None
+    except Exception:
+        return None
 
 
 def describe_tensor(t: Any) -> tuple[str, tuple[int, ...], int]:
@@ -98,6 +229,17 @@ def is_view(t: Any) -> bool:
         return False
 
 
+def base_of(t: Any) -> Any:
+    """``t._base`` (the tensor a view was taken from), or ``None``."""
+    if _BASE is None:
+        return None
+    try:
+        with _no_torch_function():
+            return _BASE.__get__(t)
+    except Exception:
+        return None
+
+
 def grad_of(t: Any) -> Any:
     """``t.grad`` without the non-leaf warning of the public property."""
     try:
@@ -108,20 +250,6 @@ def grad_of(t: Any) -> Any:
             return _GRAD.__get__(t)
     except Exception:
         return None
-
-
-def grad_fn_of(t: Any) -> Any:
-    """``t.grad_fn`` read from the C slot (no ``__torch_function__``), ``None`` if unreadable."""
-    try:
-        with _no_torch_function():
-            return _GRAD_FN.__get__(t)
-    except Exception:
-        return None
-
-
-def has_graph(t: Any) -> bool:
-    """Whether ``t`` has a ``grad_fn`` or a ``.grad``: where graph walks start."""
-    return grad_fn_of(t) is not None or grad_of(t) is not None
 
 
 def key_device(key: StorageKey) -> str:
@@ -158,7 +286,7 @@ def all_tensors() -> list[Any]:
     return [
         o
         for o in gc.get_referrers(*types_)
-        if is_sub(type(o), torch.Tensor) and not _is_our_wrapper(o)
+        if is_sub(type(o), torch.Tensor) and not _is_our_wrapper(o) and has_memory(o)
     ]
 
 

@@ -1,55 +1,89 @@
-"""The holder search: backward BFS from target storages to named roots.
+"""The holder search: from target storages back to named roots, in few heap passes.
 
-One search serves any number of targets. Its passes:
+One search serves any number of targets. Its steps:
 
-1. every tensor object, in one heap scan (``gc.get_referrers`` on the tensor types);
-2. every live autograd graph, walked once (tensor → ``grad_fn`` → saved tensors is invisible
-   to gc), plus ``.grad`` of every tensor;
-3. the roots gc cannot see: locals of every thread's running frames;
-4. backward BFS from the objects that hold a target storage: each level finds the referrers of
-   the whole frontier at once, with ``gc.get_referrers(*frontier)`` (one heap scan, whose cost
-   grows with the number of objects asked about) when the frontier is small, or else one
-   Python pass over ``gc.get_objects()`` that checks each object's referents against the
-   frontier's ids (~0.3 s per 700k objects, independent of the frontier's size).
+1. the roots gc cannot see: locals of every thread's running frames; and module dicts;
+2. every tensor object (one heap scan), every live autograd graph walked once (tensor →
+   ``grad_fn`` → saved tensors is invisible to gc), ``.grad`` of every tensor, and for CPU
+   targets the numpy arrays whose data lies in a target storage (gc does not track arrays);
+3. the climb: the referrers of every object found so far that holds a target, level after
+   level, until only roots are left. A few objects at a time are looked up with
+   ``gc.get_referrers`` (one C scan); more with a chunked pass over a heap snapshot
+   (:mod:`cudamem._heap`), which costs the same for 100 objects or 100,000 and may climb
+   several levels at once. Each referrer is named once for all the children it holds
+   (:func:`cudamem._naming.name_children`: one walk of a list, however many children);
+4. paths are read off the recorded edges, down from each root (:mod:`cudamem._paths`);
+   paths that differ only in list indices (or hold the same object at many indices) become
+   one group with a count;
+5. what no root explains: unreachable cycles, objects held by something gc cannot see,
+   without the call's own temporaries; where a search cut short had got to.
 
-The search stops at roots (module dicts, classes, running frames) and records, for every object
-it reached, the first (shortest) hop towards a target. Paths are read off that tree. Objects the
-search holds are released before it returns; ids of its own containers are ignored as referrers.
+Every loop checks the deadline. The climb stops at 75 % of ``timeout`` and reading the paths
+at 90 % (earlier on a heap whose snapshot takes long to let go), so the whole call holds its
+timeout; a search cut short says which limit stopped it and reports what it had found, never
+"nothing found". One search runs at a time in a process.
+
+Objects the search holds are released before it returns; ids of cudamem's own containers
+(any thread) are ignored as referrers.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import functools
 import gc
+import math
 import sys
 import threading
 import time
 import types
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from numbers import Real
 from typing import Any
 
 import torch
 
-from . import _autograd
+from . import _autograd, _heap
 from ._autograd import StorageKey
 from ._frames import own_frame
 from ._naming import (
+    Ref,
     Seg,
     class_label,
     frame_label,
     frame_locals,
     instance_dict,
     is_sub,
-    name_edges,
+    name_children,
+    type_module,
     type_name,
 )
+from ._paths import Group, PathReader, RawHolder
 
-__all__ = ["RawHolder", "Search", "SearchLimits"]
+__all__ = ["SEARCH_LOCK", "RawHolder", "Search", "SearchLimits"]
 
 _MODULE_DICT: Any = vars(types.ModuleType)["__dict__"]
-#: Above this many frontier objects one Python pass over all objects beats get_referrers.
-_BATCH_LIMIT = 150
+#: Shares of ``timeout`` for climbing and for reading paths (the rest is freezing results
+#: and letting go of the heap snapshot, whose cost is reserved as well: _RELEASE_NS each).
+_CLIMB_SHARE = 0.75
+_READ_SHARE = 0.9
+_RELEASE_NS = 60e-9
+#: Unrooted objects reported when a limit stopped the search ("found so far").
+_PARTIAL_PER_TARGET = 3
+#: Builtin iterator types: a running ``for`` loop's iterator lives on the frame's value
+#: stack, which gc cannot see, so it looks like an object nothing holds.
+_ITERATORS = frozenset({"enumerate", "zip", "map", "filter", "reversed"})
+_TEMPORARY_TYPES: tuple[type, ...] = (tuple, dict, functools.partial, types.MethodType)
+
+_NONE: dict[int, Ref] = {}
+_OURS = _heap.OURS
+_OURS_LOCK = _heap.OURS_LOCK
+#: One search at a time in the process: a search running in another thread would find the
+#: first one's bookkeeping (lists of tensors on its stack) as holders.
+SEARCH_LOCK = threading.RLock()
 
 
 @dataclass(frozen=True)
@@ -61,24 +95,35 @@ class SearchLimits:
     timeout: float = 30.0
     max_paths: int = 64
 
-
-@dataclass
-class RawHolder:
-    """One root-to-target path, before it is frozen into a :class:`~cudamem.holders.Holder`."""
-
-    target: int  # index of the target storage
-    root_kind: str
-    root: str
-    segs: list[Seg]
-    last: Any  # the object whose storage edge ends the path (released after freezing)
-    via: str  # how ``last`` holds the storage: itself/view/alias/saved/grad/object
-    caller: bool = False
+    @classmethod
+    def checked(
+        cls, *, max_depth: Any, max_nodes: Any, timeout: Any, max_paths: Any
+    ) -> SearchLimits:
+        """Limits from a user's arguments: ``TypeError``/``ValueError`` naming a bad one."""
+        for name, value in (
+            ("max_depth", max_depth),
+            ("max_nodes", max_nodes),
+            ("max_paths", max_paths),
+        ):
+            if type(value) is bool or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, not {type(value).__name__}")
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if type(timeout) is bool or not isinstance(timeout, Real):
+            raise TypeError(f"timeout must be a number of seconds, not {type(timeout).__name__}")
+        seconds = float(timeout)
+        if math.isnan(seconds) or seconds < 0:
+            raise ValueError(f"timeout must be >= 0 seconds, got {timeout!r}")
+        return cls(int(max_depth), int(max_nodes), seconds, int(max_paths))
 
 
 @dataclass
 class _Frames:
     by_value: dict[int, list[tuple[str, str, bool]]] = field(default_factory=dict)
+    values: dict[int, Any] = field(default_factory=dict)
     snapshot_ids: set[int] = field(default_factory=set)
+    #: ids of the locals of cudamem's own frames (any thread): its temporaries.
+    own_locals: set[int] = field(default_factory=set)
     keep: list[Any] = field(default_factory=list)
 
 
@@ -93,135 +138,286 @@ class Search:
         caller: types.FrameType | None,
         *,
         light: bool = False,
+        scan: tuple[list[Any], _autograd.GraphWalk] | None = None,
     ) -> None:
         self.light = light  # identity targets only: no tensor scan, no autograd walk
+        self._scan = scan  # every tensor and the graph walk, made by the caller just now
         self.keys = keys
-        self.objects = objects  # the queried objects, one per target (ours: ignored)
+        self.objects = objects  # the queried objects, one per target
         self.limits = limits
         self.caller = caller
-        self.deadline = time.perf_counter() + limits.timeout
+        t0 = time.perf_counter()
+        self.deadline = t0 + limits.timeout * _CLIMB_SHARE
+        self.read_deadline = t0 + limits.timeout * _READ_SHARE
+        self._end = t0 + limits.timeout
         self.notes: list[str] = []
+        #: The limit that cut the search short: ``timeout``, ``max_depth`` or ``max_nodes``.
+        self.stopped: str | None = None
+        self.levels = 0
         self.not_inspected: list[tuple[Any, str]] = []
-        self.ignore: set[int] = set()
+        self._ids: list[int] = []
         self.keep: list[Any] = []  # our containers stay alive so their ids stay unique
         self._own(objects)
+        with _OURS_LOCK:
+            _OURS.add(id(self.keep))
+        self._ids.append(id(self.keep))
         self.nodes: dict[int, Any] = self._own({})
-        # child id -> first (parent id, seg) hop towards a target; parents of each child.
-        self.hop: dict[int, tuple[int, Seg]] = self._own({})
-        self.parents: dict[int, list[int]] = self._own({})
-        self.edges: dict[int, dict[int, Seg]] = self._own({})
+        self.depth: dict[int, int] = self._own({})
+        # parent id -> child id -> every reference from parent to child.
+        self.edges: dict[int, dict[int, Ref]] = self._own({})
+        self.has_parent: set[int] = self._own(set())
         self.start: dict[int, list[tuple[int, Seg, str]]] = self._own({})
         self.virtual: dict[int, list[tuple[Any, Seg]]] = self._own({})
+        #: Tensors held by a view or numpy array of theirs (not holders in their own right).
+        self.bases: set[int] = self._own(set())
+        self.current: set[int] = self._own(set())
+        self.next: set[int] = self._own(set())
         self.holders: list[RawHolder] = []
         self.module_types: tuple[type, ...] = (torch.nn.Module,)
         self.odd_keys: dict[int, Any] = self._own({})
         self.tensors: list[Any] = []
         self.walk: _autograd.GraphWalk | None = None
-        self.truncated_depth = False
+        self.heap: list[Any] | None = None
+        self.frames = _Frames()
+        self.module_dicts: dict[int, str] = {}
+        self.root_ids: list[int] = []
+        self.roots: list[int] = []  # module dicts and classes reached
+        self._arrays: tuple[type, ...] = ()
+        self._arrays_first = False
+        self._array_ids: set[int] = self._own(set())
+        self._regions: list[tuple[int, int, int]] = []  # (start, end, target), by start
+        self._groups: list[dict[tuple[Any, ...], Group]] = []
+        self.reader = PathReader({}, {}, {}, limits.max_paths, self._read_late)
+        self.nbytes: list[int | None] = [None] * len(keys)
 
     # -- bookkeeping --------------------------------------------------------------------
     def _own(self, container: Any) -> Any:
-        self.ignore.add(id(container))
+        with _OURS_LOCK:
+            _OURS.add(id(container))
+        self._ids.append(id(container))
         self.keep.append(container)
         return container
 
     def release(self) -> None:
         """Drop every reference the search took."""
-        for c in self.keep:
+        for c in list(self.keep):
             with contextlib.suppress(Exception):
                 c.clear()
         self.keep.clear()
+        with _OURS_LOCK:
+            for i in self._ids:
+                _OURS.discard(i)
+        self._ids.clear()
         self.tensors = []
         self.walk = None
+        self._scan = None
+        self.heap = None
         self.objects = []
         self.caller = None
         self.not_inspected = []
+        self.frames = _Frames()
 
     def timed_out(self) -> bool:
         return time.perf_counter() > self.deadline
 
+    def _stop(self, limit: str) -> None:
+        if self.stopped is None:
+            self.stopped = limit
+
     # -- passes ---------------------------------------------------------------------------
     def run(self) -> None:
-        frontier = self._seed()
-        frames = self._frames()
-        module_dicts = self._module_dicts()
-        depth = 0
-        while frontier:
-            if depth >= self.limits.max_depth:
-                self.truncated_depth = True
-                self.notes.append(f"search stopped at depth {depth} (max_depth)")
-                break
-            if len(self.nodes) >= self.limits.max_nodes:
-                self.notes.append(f"search stopped after {len(self.nodes)} objects (max_nodes)")
-                break
-            if self.timed_out():
-                self.notes.append(f"search stopped after {self.limits.timeout:g} s (timeout)")
-                break
-            depth += 1
-            frontier = self._level(frontier, frames, module_dicts)
-        self._collect(frames, module_dicts)
-        frames.keep.clear()
+        self.frames = self._frames()
+        self.module_dicts = self._module_dicts()
+        self._seed()
+        self._climb(self._arrays_first)
+        if self._arrays_late():
+            self._climb(False)
+        self._collect()
+        self._limit_notes()
 
-    def _seed(self) -> dict[int, Any]:
-        """Objects that hold a target storage directly: tensors, ``.grad`` and graph owners."""
+    def _limit_notes(self) -> None:
+        found = f"after {self.levels} level(s) and {len(self.nodes)} objects"
+        if self.stopped == "timeout":
+            self.notes.append(
+                f"search stopped by its timeout ({self.limits.timeout:g} s) {found}: "
+                "holders beyond that are not listed"
+            )
+        elif self.stopped == "max_depth":
+            self.notes.append(
+                f"search stopped at depth {self.limits.max_depth} (max_depth) {found}: "
+                "holders further from a root are not listed"
+            )
+        elif self.stopped == "max_nodes":
+            self.notes.append(
+                f"search stopped after {len(self.nodes)} objects (max_nodes): "
+                "holders beyond that are not listed"
+            )
+
+    def _seed(self) -> None:
+        """Objects that hold a target storage directly: tensors, ``.grad``, graph owners,
+        numpy arrays in a frame's locals (arrays elsewhere are found by the first pass)."""
         key_index = {k: i for i, k in enumerate(self.keys) if k is not None}
-        frontier: dict[int, Any] = self._own({})
         for i, obj in enumerate(self.objects):
             if self.keys[i] is None:
-                self._start(obj, i, Seg("storage", ""), "object", frontier)
-        if self.light:
-            return frontier
-        self.tensors = self._own(_autograd.all_tensors())
-        for t in self.tensors:
+                self._start(obj, i, Seg("storage", ""), "object")
+        if self.light or self.timed_out():
+            if self.timed_out():
+                self._stop("timeout")
+            return
+        owned = False  # a CPU target's memory may belong to numpy (see _arrays_for_cpu_targets)
+        prepared, self._scan = self._scan, None
+        tensors = prepared[0] if prepared is not None else _autograd.all_tensors()
+        self.tensors = self._own(tensors)
+        for n, t in enumerate(self.tensors):
+            if not n & 0xFFF and self.timed_out():
+                self._stop("timeout")
+                return
             info = _autograd.storage_of(t)
             if info is None or info[0] not in key_index:
                 continue
             i = key_index[info[0]]
-            if t is self.objects[i]:
+            target = self.objects[i]
+            if t is target:
                 via = "itself"
-            elif _autograd.is_view(t) or _autograd.is_view(self.objects[i]):
+            elif _autograd.is_view(t) or _autograd.is_view(target):
                 via = "view"
             else:
                 via = "alias"
-            self._start(t, i, Seg("storage", ""), via, frontier)
-        owners = [t for t in self.tensors if _autograd.has_graph(t)]
-        self._own(owners)
-        known = {id(t) for t in self.tensors}
-        self.walk = walk = _autograd.walk_graphs(owners, deadline=self.deadline, known=known)
-        self._own(walk.saved)
-        self._own(walk.grads)
+            base = _autograd.base_of(t)
+            if base is not None:
+                self.bases.add(id(base))
+            if info[0][0] == "cpu" and not owned and not _autograd.resizable(t):
+                owned = True
+            self._start(t, i, Seg("storage", ""), via)
+        if prepared is not None:
+            walk = prepared[1]
+        else:
+            owners = self._own([t for t in self.tensors if _autograd.has_graph_or_grad(t)])
+            known = {id(t) for t in self.tensors}
+            walk = _autograd.walk_graphs(owners, deadline=self.deadline, known=known)
+        self.walk = walk
+        for coll in (walk.saved, walk.grads, walk.not_inspected):
+            self._own(coll)
         self._own(walk.py_nodes)
-        self.not_inspected = self._own(walk.not_inspected)
+        self.not_inspected = walk.not_inspected
         py_nodes = self._own(list(walk.py_nodes.values()))
-        for coll in (walk.saved, walk.grads, walk.not_inspected, py_nodes):
-            for entry in coll:
-                self.ignore.add(id(entry))
+        with _OURS_LOCK:
+            for coll in (walk.saved, walk.grads, walk.not_inspected, py_nodes):
+                for entry in coll:
+                    _OURS.add(id(entry))
+                    self._ids.append(id(entry))
         if walk.truncated:
             self.notes.append(f"autograd walk stopped after {walk.nodes} nodes")
+            if self.timed_out():
+                self._stop("timeout")
         for owner, chain, key, _nbytes, label in walk.saved:
             if key in key_index:
                 seg = Seg("autograd", f"{chain} {label}")
-                self._start(owner, key_index[key], seg, "saved", frontier)
+                self._start(owner, key_index[key], seg, "saved")
         for owner, _label, key, _nbytes in walk.grads:
             if key in key_index:
-                self._start(owner, key_index[key], Seg("attr", "grad"), "grad", frontier)
+                self._start(owner, key_index[key], Seg("attr", "grad"), "grad")
         for node, owner, chain in py_nodes:
             entry = (owner, Seg("autograd", chain))
-            self.ignore.add(id(entry))
             self.virtual.setdefault(id(node), []).append(entry)
-        return frontier
+            if id(node) in self.nodes:
+                self._edge(owner, node, Ref((entry[1],)))
+        self._arrays_for_cpu_targets(owned)
 
-    def _start(self, obj: Any, target: int, seg: Seg, via: str, frontier: dict[int, Any]) -> None:
+    def _arrays_for_cpu_targets(self, owned: bool) -> None:
+        """Numpy arrays on the memory of CPU targets: those in frames now; the rest in the
+        first pass when a target's memory may belong to numpy (``owned``: a storage that is
+        not resizable, as ``torch.from_numpy`` makes), else only if the climb leaves a tensor
+        on a target's storage that nothing gc sees holds (``t.numpy()``'s array holds one)."""
+        regions = []
+        for i, key in enumerate(self.keys):
+            if key is not None and key[0] == "cpu":
+                nbytes = self.nbytes[i] or 1
+                regions.append((key[2], key[2] + max(nbytes, 1), i))
+        if not regions:
+            return
+        self._arrays = _autograd.array_types()
+        if not self._arrays:
+            return
+        regions.sort()
+        self._regions = regions
+        self._arrays_first = owned
+        locals_ = [v for v in self.frames.values.values() if type(v) in self._arrays]
+        self._on_arrays(locals_)
+
+    def _arrays_late(self) -> bool:
+        """After the climb: scan for arrays if an unexplained tensor suggests one."""
+        if not self._arrays or self._arrays_first or self.stopped is not None:
+            return False
+        saved = {key for _o, _c, key, _n, _l in self.walk.saved} if self.walk is not None else set()
+        cpu = {i for _s, _e, i in self._regions}
+        orphan = False
+        for oid, entries in self.start.items():
+            if oid in self.has_parent or oid in self.bases:
+                continue
+            if not is_sub(type(self.nodes.get(oid)), torch.Tensor):
+                continue
+            if any(t in cpu and self.keys[t] not in saved for t, _seg, _via in entries):
+                orphan = True
+                break
+        if not orphan:
+            return False
+        if self.heap is None:
+            self.heap = self._own(_heap.snapshot())
+            self._reserve(len(self.heap) * _RELEASE_NS)
+        self.current.clear()
+        self.next.clear()
+        done, _last, _whole = _heap.chunked_pass(
+            self.heap,
+            set(),
+            lambda _o: False,
+            deadline=self.deadline,
+            array_type=self._arrays[0],
+            on_arrays=self._on_arrays,
+        )
+        if not done:
+            self._stop("timeout")
+        return bool(self.current) and self.stopped is None
+
+    def _on_arrays(self, arrays: list[Any]) -> bool:
+        """Numpy arrays whose data overlaps a CPU target's storage hold it; whether one
+        joined the search."""
+        before = len(self.next)
+        starts = [r[0] for r in self._regions]
+        for arr in arrays:
+            if id(arr) in self._array_ids:
+                continue
+            self._array_ids.add(id(arr))
+            region = _autograd.array_region(arr)
+            if region is None or region[1] <= 0:
+                continue
+            lo, hi = region[0], region[0] + region[1]
+            pos = max(bisect.bisect_right(starts, lo) - 1, 0)
+            while pos < len(self._regions) and self._regions[pos][0] < hi:
+                start, end, target = self._regions[pos]
+                if start < hi and lo < end:
+                    base = _autograd.array_base(arr)
+                    if base is not None and is_sub(type(base), torch.Tensor):
+                        self.bases.add(id(base))
+                    self._start(arr, target, Seg("storage", ""), "numpy")
+                pos += 1
+        return len(self.next) > before
+
+    def _start(self, obj: Any, target: int, seg: Seg, via: str) -> None:
         self.start.setdefault(id(obj), []).append((target, seg, via))
         if id(obj) not in self.nodes:
             self.nodes[id(obj)] = obj
-            frontier[id(obj)] = obj
+            self.depth[id(obj)] = 0
+            if is_sub(type(obj), type):
+                self.roots.append(id(obj))
+            self.current.add(id(obj))
+            self.next.add(id(obj))  # found in mid-pass: the next pass looks behind it
 
     def _frames(self) -> _Frames:
         """Locals of every thread's running frames (gc cannot see them)."""
         out = _Frames()
-        self._own(out.keep)
-        self._own(out.by_value)
+        for part in (out.keep, out.by_value, out.values, out.snapshot_ids, out.own_locals):
+            self._own(part)
         try:
             current = sys._current_frames()
         except Exception:
@@ -234,7 +430,9 @@ class Search:
                 frame = top
                 while frame is not None:
                     out.keep.append(frame)
-                    if not own_frame(frame):
+                    if own_frame(frame):
+                        self._own_locals(frame, out)
+                    else:
                         self._frame_roots(frame, ident, me, names, out)
                     frame = frame.f_back
         finally:
@@ -244,6 +442,10 @@ class Search:
             top = None  # type: ignore[assignment]
             frame = None
         return out
+
+    def _own_locals(self, frame: types.FrameType, out: _Frames) -> None:
+        for _name, value in frame_locals(frame):
+            out.own_locals.add(id(value))
 
     def _frame_roots(
         self, frame: types.FrameType, ident: int, me: int, names: dict[int, str], out: _Frames
@@ -265,7 +467,7 @@ class Search:
         del loc
         for name, value in frame_locals(frame):
             out.by_value.setdefault(id(value), []).append((label, name, is_caller))
-            out.keep.append(value)
+            out.values[id(value)] = value
 
     def _module_dicts(self) -> dict[int, str]:
         """``id(module.__dict__) → module name`` for all of ``sys.modules``."""
@@ -288,108 +490,169 @@ class Search:
             out.setdefault(id(d), name)
         return out
 
-    def _level(
-        self, frontier: dict[int, Any], frames: _Frames, module_dicts: dict[int, str]
-    ) -> dict[int, Any]:
-        """Find the referrers of ``frontier``; return the next frontier."""
-        nxt: dict[int, Any] = self._own({})
-        # Two parallel lists, both ignored: a (ref, kids) tuple would itself be a referrer of
-        # ``ref`` at the next level.
-        found_refs: list[Any] = self._own([])
-        found_kids: list[list[Any]] = self._own([])
-        # Candidates: the referrers of a small frontier (one C-level heap scan), else every
-        # object (one Python pass, cheaper than many scans once the frontier is large).
-        if len(frontier) <= _BATCH_LIMIT:
-            objs = self._own(list(frontier.values()))
-            candidates = self._own(gc.get_referrers(*objs))
-        else:
-            candidates = self._own(gc.get_objects())
-        for n, ref in enumerate(candidates):
-            if n & 0x3FFF == 0 and self.timed_out():
+    def _climb(self, arrays_first: bool) -> None:
+        """Referrers of everything found, until only roots are left (or a limit stops it);
+        ``arrays_first``: the first pass also finds numpy arrays on a CPU target's memory."""
+        first = arrays_first
+        need: int | None = None  # batches the next chunked pass must cover (None: all)
+        while self.current and self.stopped is None:
+            if self.timed_out():
+                self._stop("timeout")
                 break
-            if id(ref) in self.ignore:
-                continue
-            kids = [c for c in gc.get_referents(ref) if id(c) in frontier]
-            if kids:
-                found_refs.append(ref)
-                found_kids.append(kids)
-        for cid, child in frontier.items():
-            for owner, seg in self.virtual.get(cid, ()):
-                self._edge(owner, child, [seg], module_dicts, frames, nxt)
-        for ref, kids in zip(found_refs, found_kids, strict=True):
-            if type(ref) is types.FrameType and own_frame(ref):
-                continue
-            if id(ref) in frames.snapshot_ids:
-                continue  # a running frame's f_locals snapshot: named from the frame instead
-            for child in kids:
-                segs = name_edges(ref, child, self.module_types, self.odd_keys)
-                self._edge(ref, child, segs, module_dicts, frames, nxt)
-        return nxt
+            self.levels += 1
+            self.next.clear()
+            arrays = first
+            if not arrays and self._scan_is_cheaper(need):
+                objs = self._own([self.nodes[i] for i in self.current])
+                found = self._own(gc.get_referrers(*objs))
+                for n, ref in enumerate(found):
+                    if not n & 0xFFF and self.timed_out():
+                        self._stop("timeout")
+                        break
+                    self._hit(ref)
+                found.clear()
+                objs.clear()
+                need = None  # what it found was never looked for: a full pass next
+            else:
+                if self.heap is None:
+                    self.heap = self._own(_heap.snapshot())
+                    self._reserve(len(self.heap) * _RELEASE_NS)
+                done, last, whole = _heap.chunked_pass(
+                    self.heap,
+                    self.current,
+                    self._hit,
+                    at_least=need,
+                    deadline=self.deadline,
+                    array_type=self._arrays[0] if arrays else None,
+                    on_arrays=self._on_arrays if arrays else None,
+                )
+                if not done:
+                    self._stop("timeout")
+                # New finds of a shortened pass were tested against part of the heap only.
+                need = last + 1 if whole or last < 0 else None
+            first = False
+            self.current, self.next = self.next, self.current
 
-    def _edge(
-        self,
-        ref: Any,
-        child: Any,
-        segs: list[Seg],
-        module_dicts: dict[int, str],
-        frames: _Frames,
-        nxt: dict[int, Any],
-    ) -> None:
+    def _reserve(self, seconds: float) -> None:
+        """Keep ``seconds`` at the end of the timeout for letting go of the snapshot."""
+        self.deadline = min(self.deadline, self._end - seconds - 0.15 * self.limits.timeout)
+        self.read_deadline = min(self.read_deadline, self._end - seconds)
+
+    def _scan_is_cheaper(self, need: int | None) -> bool:
+        """Whether ``gc.get_referrers`` (a C scan of the whole heap, comparing each reference
+        with every object asked about) beats a chunked pass over the part of the heap that
+        ``need`` says is left (~100 ns an object): few objects, or no snapshot yet."""
+        k = len(self.current)
+        if k > _heap.SMALL:
+            return False
+        if self.heap is None or need is None:
+            return True
+        scan_ns = len(self.heap) * (23 + 0.7 * k)
+        pass_ns = min(need * _heap.CHUNK, len(self.heap)) * 100
+        return scan_ns <= pass_ns
+
+    def _hit(self, ref: Any) -> bool:
+        """``ref`` refers to something in ``current``: record and name its edges; whether a
+        new object joined the search."""
+        rid = id(ref)
+        if rid in _OURS or rid in self.frames.snapshot_ids:
+            return False
+        tp = type(ref)
+        if tp is types.FrameType and own_frame(ref):
+            return False
+        current = self.current
+        named = self.edges.get(rid, _NONE)  # known from an earlier pass: name only what is new
+        kids = {id(c): c for c in gc.get_referents(ref) if id(c) in current and id(c) not in named}
+        if not kids:
+            return False
+        before = len(self.next)
+        for cid, r in name_children(ref, kids, self.module_types, self.odd_keys).items():
+            self._edge(ref, kids[cid], r)
+        return len(self.next) > before  # a root found is not something to look above
+
+    def _edge(self, ref: Any, child: Any, r: Ref) -> None:
         rid, cid = id(ref), id(child)
-        plist = self.parents.setdefault(cid, [])
-        if rid not in plist:
-            plist.append(rid)
-        self.edges.setdefault(rid, {}).setdefault(cid, segs[0])
-        if rid not in self.hop:
-            self.hop[rid] = (cid, segs[0])
-        if rid in self.nodes:
+        known = rid in self.nodes
+        depth = self.depth.get(cid, 0) + 1
+        if not known:
+            if depth > self.limits.max_depth:
+                self._stop("max_depth")
+                return
+            if len(self.nodes) >= self.limits.max_nodes:
+                self._stop("max_nodes")
+                return
+        self.has_parent.add(cid)
+        out = self.edges.get(rid)
+        if out is None:
+            out = self.edges[rid] = {}
+        if cid not in out:
+            out[cid] = r
+        if known:
             return
         self.nodes[rid] = ref
-        if rid in module_dicts or type(ref) is type or is_sub(type(ref), type):
+        self.depth[rid] = depth
+        if rid in self.module_dicts or type(ref) is type or is_sub(type(ref), type):
+            self.roots.append(rid)
             return  # a root: do not look further up
-        nxt[rid] = ref
+        self.current.add(rid)
+        self.next.add(rid)
+        for owner, seg in self.virtual.get(rid, ()):
+            self._edge(owner, ref, Ref((seg,)))
 
-    # -- reading paths off the tree -------------------------------------------------------
-    def _collect(self, frames: _Frames, module_dicts: dict[int, str]) -> None:
-        self.root_ids: list[int] = []
-        seen_paths: set[tuple[int, str, str]] = set()
-        for oid, obj in list(self.nodes.items()):
-            roots: list[tuple[str, str, list[Seg], bool]] = []
-            if oid in module_dicts:
-                for _cid, segs in self._child_segs(oid):
-                    for seg in segs:
-                        roots.append(("global", module_dicts[oid], [seg], False))
-            elif type(obj) is type or is_sub(type(obj), type):
-                roots.append(("class", class_label(obj), [], False))
-            for label, name, is_caller in frames.by_value.get(oid, ()):
-                roots.append(("frame", label, [Seg("local", name, label)], is_caller))
-            if roots:
-                self.root_ids.append(oid)
-            for kind, root, head, is_caller in roots:
-                if len(self.holders) >= self.limits.max_paths * max(1, len(self.keys)):
-                    self.notes.append("more paths than max_paths; the rest are not shown")
-                    return
-                start_id = oid
-                segs = list(head)
-                if oid in module_dicts:
-                    # the head seg names the key; the path continues from that child
-                    child_id = self._child_for(oid, head[0])
-                    if child_id is None:
-                        continue
-                    start_id = child_id
-                for target, tail, last, via in self._walk_down(start_id):
-                    key = (target, root, _seg_text(segs + tail))
-                    if key in seen_paths:
-                        continue
-                    seen_paths.add(key)
-                    direct = len(tail) == 1 and via == "itself"
-                    caller = is_caller and direct
-                    if kind == "global" and direct:
-                        caller = self._caller_global(oid)
-                    self.holders.append(
-                        RawHolder(target, kind, root, segs + tail, last, via, caller)
-                    )
-        self._unrooted(module_dicts, frames)
+    # -- reading paths off the recorded edges ---------------------------------------------
+    def _read_late(self) -> bool:
+        return time.perf_counter() > self.read_deadline
+
+    def _root_entries(self) -> list[tuple[str, str, list[Ref], int, bool, int]]:
+        """``(kind, root, head, start id, is_caller, root id)`` of every root reached."""
+        entries: list[tuple[str, str, list[Ref], int, bool, int]] = []
+        by_value = self.frames.by_value
+        for oid in self.roots:
+            obj = self.nodes[oid]
+            if oid in self.module_dicts:
+                for cid, r in self.edges.get(oid, {}).items():
+                    for seg in r.segs:
+                        head = [Ref((seg,))]
+                        entries.append(("global", self.module_dicts[oid], head, cid, False, oid))
+            else:
+                entries.append(("class", class_label(obj), [], oid, False, oid))
+            self.root_ids.append(oid)
+        for oid in [o for o in self.nodes if o in by_value]:
+            for label, name, is_caller in by_value[oid]:
+                head = [Ref((Seg("local", name, label),))]
+                entries.append(("frame", label, head, oid, is_caller, oid))
+            self.root_ids.append(oid)
+        return entries
+
+    def _collect(self) -> None:
+        groups: list[dict[tuple[Any, ...], Group]] = [{} for _ in self.keys]
+        self._groups = groups
+        self.reader = reader = PathReader(
+            self.edges, self.nodes, self.start, self.limits.max_paths, self._read_late
+        )
+        entries = self._root_entries()
+        for kind, root, head, start_id, is_caller, root_id in entries:
+            if self._read_late():
+                self.notes.append("reading the paths stopped at the timeout: some are missing")
+                self._stop("timeout")
+                break
+            for path in reader.walk_down(start_id):
+                direct = len(path.refs) == 1 and path.via == "itself"
+                caller = is_caller and direct
+                if kind == "global" and direct:
+                    caller = self._caller_global(root_id)
+                reader.add(groups[path.target], kind, root, head, path, caller)
+        self._unrooted()
+        if self.stopped is not None:
+            self._partial()
+        for per in groups:
+            for g in per.values():
+                raw = g.first
+                raw.count = g.count
+                raw.subs = g.subs()
+                self.holders.append(raw)
+        if reader.cut:
+            self.notes.append("more paths than max_paths; the rest are not shown")
 
     def _caller_global(self, dict_id: int) -> bool:
         try:
@@ -401,84 +664,97 @@ class Search:
         except Exception:
             return False
 
-    def _child_segs(self, oid: int) -> list[tuple[int, list[Seg]]]:
-        out = []
-        for cid, plist in self.parents.items():
-            if oid in plist:
-                child = self.nodes.get(cid)
-                if child is not None:
-                    out.append((cid, name_edges(self.nodes[oid], child, self.module_types)))
-        return out
-
-    def _child_for(self, oid: int, seg: Seg) -> int | None:
-        for cid, segs in self._child_segs(oid):
-            if seg in segs:
-                return cid
-        return None
-
-    def _walk_down(self, oid: int) -> list[tuple[int, list[Seg], Any, str]]:
-        """Shortest paths down from ``oid`` to each object holding a target storage:
-        ``(target, segs, last, via)``, one per such object (BFS over the recorded edges)."""
-        prev: dict[int, tuple[int, Seg] | None] = {oid: None}
-        queue = deque([oid])
-        out: list[tuple[int, list[Seg], Any, str]] = []
-        while queue:
-            cur = queue.popleft()
-            if cur in self.start:
-                segs: list[Seg] = []
-                node = cur
-                while prev[node] is not None:
-                    p, seg = prev[node]  # type: ignore[misc]
-                    segs.append(seg)
-                    node = p
-                segs.reverse()
-                for target, seg, via in self.start[cur]:
-                    out.append((target, [*segs, seg], self.nodes.get(cur), via))
-            for cid, seg in self.edges.get(cur, {}).items():
-                if cid not in prev:
-                    prev[cid] = (cur, seg)
-                    queue.append(cid)
-        return out
-
-    def _unrooted(self, module_dicts: dict[int, str], frames: _Frames) -> None:
+    def _unrooted(self) -> None:
         """Holders no root explains: unreachable cycles, and objects gc sees no referrer of.
 
         Every explored object lies on a path down to an object holding a target. Those that
         no root reaches are either *sources* (no referrer found: something gc cannot see
         holds them, such as C code) or held only by each other: a finite set in which every
         object has a referrer inside the set contains a cycle, garbage that ``gc.collect()``
-        frees.
+        frees. Not reported: the call's own temporaries (its argument tuple, a
+        ``functools.partial`` around it, cudamem's own locals), tensors a view or a numpy
+        array of theirs holds; nor, beside a rooted holder, a running loop's iterator, a
+        running function's cell, or a tensor only C++ holds.
         """
-        if self.truncated_depth or self.timed_out() or len(self.nodes) >= self.limits.max_nodes:
+        if self.stopped is not None:
             return  # the search did not finish: "no root" would be a guess
         rooted = self._below(self.root_ids)
         unrooted = [oid for oid in self.nodes if oid not in rooted]
         if not unrooted:
             return
-        sources = [oid for oid in unrooted if not self.parents.get(oid)]
+        sources = [oid for oid in unrooted if oid not in self.has_parent]
         explained = self._below(sources)
         rest = [oid for oid in unrooted if oid not in explained]
-        # A source that is a queried object is held only by the call (a temporary argument).
         queried = {id(o) for o in self.objects}
-        reps = [(oid, "unknown") for oid in sources if oid not in queried][:8]
+        reps: list[tuple[int, str, bool]] = []  # (id, kind, only if nothing else holds it)
+        for oid in sources:
+            if oid in queried or oid in self.bases or oid in self.frames.own_locals:
+                continue
+            obj = self.nodes.get(oid)
+            if type_module(type(obj)).startswith("cudamem."):
+                continue  # bookkeeping of cudamem running in another thread
+            if self._call_temporary(oid, queried):
+                continue
+            # A loop's iterator, a running function's own cell (a comprehension closes over
+            # its locals), a tensor only C++ holds: noise beside a root that explains it.
+            tp = type(obj)
+            weak = _is_iterator(tp) or tp is types.CellType or is_sub(tp, torch.Tensor)
+            reps.append((oid, "unknown", weak))
+            if len(reps) >= 8:
+                break
         if rest:
             # Discovered last = inside the cycle's closure; name it by an object, not a dict.
             plain = (dict, list, tuple, set, types.CellType, types.FrameType)
             named = [o for o in rest if type(self.nodes.get(o)) not in plain]
-            reps.append(((named or rest)[-1], "cycle"))
-        for oid, kind in reps:
+            reps.append(((named or rest)[-1], "cycle", False))
+        for oid, kind, weak in reps:
             label = f"<{type_name(type(self.nodes.get(oid)))} object>"
             seen: set[int] = set()
-            for target, tail, last, via in self._walk_down(oid):
-                if target in seen:
+            for path in self.reader.walk_down(oid):
+                if path.target in seen or (weak and self._groups[path.target]):
                     continue
-                seen.add(target)
-                self.holders.append(RawHolder(target, kind, label, tail, last, via))
+                seen.add(path.target)
+                self.reader.add(self._groups[path.target], kind, label, [], path, False)
 
-    def _below(self, starts: list[int]) -> set[int]:
+    def _call_temporary(self, oid: int, queried: set[int]) -> bool:
+        """An argument tuple, kwargs dict or ``functools.partial`` that holds only the queried
+        object, directly or through another of those: the call's own temporaries."""
+        if not _temporary(self.nodes.get(oid)):
+            return False
+        paths = self.reader.walk_down(oid)
+        if not paths:
+            return False
+        for path in paths:
+            ids = path.ids
+            if len(ids) > 3 or ids[-1] not in queried:
+                return False
+            for i in ids[:-1]:
+                if not _temporary(self.nodes.get(i)):
+                    return False
+        return True
+
+    def _partial(self) -> None:
+        """What a search cut short had reached: the farthest objects below no root yet."""
+        rooted = self._below(self.root_ids)
+        pending = [oid for oid in self.nodes if oid not in rooted and oid not in self.has_parent]
+        pending.sort(key=lambda oid: -self.depth.get(oid, 0))
+        shown = [0] * len(self.keys)
+        for oid in pending[:16]:
+            if self._read_late():
+                break
+            label = f"<{type_name(type(self.nodes.get(oid)))} object>"
+            seen: set[int] = set()
+            for path in self.reader.walk_down(oid):
+                if path.target in seen or shown[path.target] >= _PARTIAL_PER_TARGET:
+                    continue
+                seen.add(path.target)
+                shown[path.target] += 1
+                self.reader.add(self._groups[path.target], "partial", label, [], path, False)
+
+    def _below(self, starts: Iterable[int]) -> set[int]:
         """Every explored object reachable down the recorded edges from ``starts``."""
         seen = set(starts)
-        queue = deque(starts)
+        queue = deque(seen)
         while queue:
             cur = queue.popleft()
             for cid in self.edges.get(cur, {}):
@@ -488,8 +764,16 @@ class Search:
         return seen
 
 
-def _seg_text(segs: list[Seg]) -> str:
-    return "|".join(f"{s.kind}:{s.text}" for s in segs)
+def _temporary(obj: Any) -> bool:
+    tp = type(obj)
+    return any(is_sub(tp, t) for t in _TEMPORARY_TYPES)
+
+
+def _is_iterator(tp: type) -> bool:
+    name = type_name(tp)
+    if not (name.endswith("iterator") or name in _ITERATORS):
+        return False
+    return type_module(tp) == "builtins"
 
 
 def _thread_names() -> dict[int, str]:

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from . import _autograd, _backend
+from . import _autograd, _backend, _heap
 from ._autograd import StorageKey
 from ._device_arg import DeviceLike, resolve_device
 from ._frames import own_frame
@@ -200,11 +200,22 @@ class _Acc:
     ref: StorageRef | None = None
 
 
-def _gather(device: str | None, refs: bool = False) -> tuple[dict[StorageKey, _Acc], list[str]]:
-    """Every live storage (of ``device``) once; ``refs``: with its :class:`StorageRef`."""
+def _gather(
+    device: str | None, scan: list[Any] | None = None, refs: bool = False
+) -> tuple[dict[StorageKey, _Acc], list[str]]:
+    """Every live storage (of ``device``) once; ``refs``: with its :class:`StorageRef`;
+    ``scan`` receives the tensor list and the graph walk, for a holder search to start from
+    instead of scanning the heap again."""
+    tensors = _autograd.all_tensors()
+    with _heap.ignored(tensors):  # a search in another thread must not name our list
+        return _gather_from(tensors, device, scan, refs)
+
+
+def _gather_from(
+    tensors: list[Any], device: str | None, scan: list[Any] | None, refs: bool
+) -> tuple[dict[StorageKey, _Acc], list[str]]:
     notes: list[str] = []
     acc: dict[StorageKey, _Acc] = {}
-    tensors = _autograd.all_tensors()
     key_of: dict[int, StorageKey] = {}  # id(tensor) → its storage (reused below)
     for t in tensors:
         info = _autograd.storage_of(t)
@@ -223,7 +234,7 @@ def _gather(device: str | None, refs: bool = False) -> tuple[dict[StorageKey, _A
             a.nbytes = max(a.nbytes, nbytes)
             if numel > a.numel:
                 a.dtype, a.shape, a.numel = dtype, shape, numel
-    owners = [t for t in tensors if _autograd.has_graph(t)]
+    owners = [t for t in tensors if _autograd.has_graph_or_grad(t)]
     walk = _autograd.walk_graphs(owners, known={id(t) for t in tensors}, refs=refs)
     walk_refs = walk.refs or {}
     for _owner, _chain, key, nbytes, _label in walk.saved:
@@ -245,7 +256,10 @@ def _gather(device: str | None, refs: bool = False) -> tuple[dict[StorageKey, _A
         notes.append(
             f"{len(walk.not_inspected)} autograd node(s) not inspected (saved-tensor hooks)"
         )
-    tensors.clear()
+    if scan is not None:
+        scan.extend((tensors, walk))
+    else:
+        tensors.clear()
     owners.clear()
     walk_refs.clear()
     return acc, notes
@@ -264,8 +278,9 @@ def _discount_preserved(
     after every Python reference is gone. A layer's input saved by its graph is then a
     "Python tensor" that nothing in Python refers to: the memory is held by the graph, and the
     census should say so. Such an object has no referrer but cudamem's own lists and is no
-    running frame's local: one ``gc.get_referrers`` scan over the candidates (tensors whose
-    storage a graph saved) and a walk of every thread's frames tell them apart.
+    running frame's local: one referrer pass over the candidates (tensors whose storage a
+    graph saved; see :func:`cudamem._heap.referrers`) and a walk of every thread's frames
+    tell them apart.
     """
     import gc
     import types
@@ -287,11 +302,15 @@ def _discount_preserved(
     ours.update(id(entry) for entry in walk.saved)
     ours.update(id(entry) for entry in walk.grads)
     ours.update(id(entry) for entry in cands.values())
+    ours.update((id(walk.py_nodes), id(walk.not_inspected)))
+    ours.update(id(entry) for entry in walk.py_nodes.values())
+    ours.update(id(entry) for entry in walk.not_inspected)
     referenced: set[int] = set()
     objs = [t for t, _k in cands.values()]
     ours.add(id(objs))
     try:
-        referrers = gc.get_referrers(*objs)
+        referrers = _heap.referrers(objs)
+        ours.add(id(referrers))
         for r in referrers:
             if id(r) in ours or type(r) is _Acc:
                 continue
@@ -398,7 +417,8 @@ def _census(
     device_type: str | None = None,
 ) -> Census:
     t0 = time.perf_counter()
-    acc, notes = _gather(device, refs=True)
+    scan: list[Any] = []
+    acc, notes = _gather(device, scan if holders else None, refs=True)
     keys = sorted(acc, key=lambda k: (-acc[k].nbytes, k))
     if device_type is not None:
         keys = [k for k in keys if k[0] == device_type]
@@ -417,9 +437,13 @@ def _census(
             keys=list[StorageKey | None](keys),
             nbytes=list[int | None](acc[k].nbytes for k in keys),
             labels=labels,
+            scan=(scan[0], scan[1]),
         )
         found = dict(zip(keys, results, strict=True))
         objs.clear()
+    if scan:
+        scan[0].clear()
+    scan.clear()
     storages = tuple(
         LiveStorage(
             _autograd.key_device(k),

@@ -1,4 +1,5 @@
-"""``who_holds()``: every path that keeps a tensor's memory alive.
+"""``who_holds()``: every path that keeps a tensor's memory alive; ``find_graph_holders()``:
+the containers that keep autograd graphs alive.
 
 What keeps memory alive is a storage, so a tensor's holders are the holders of every tensor
 sharing its storage (views, ``detach()``, ``.data``, tensors saved by autograd). Paths read as
@@ -8,25 +9,41 @@ Python from a root: ``__main__.loss_history[3]``, ``Cache.store['a']``,
 
 The search never calls user code, keeps nothing alive after it returns (results hold only
 strings and ints), and is bounded in depth, objects and time; see :mod:`cudamem._search`.
+Many references of one shape (``log = [loss] * 3000``, 60,000 dicts in a list that each hold
+the tensor) are one :class:`Holder` with a ``count``, written ``__main__.log[0..2999]``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import sys
+import time
 import types
+import warnings
+import weakref
 from dataclasses import dataclass
-from typing import Any
+from numbers import Real
+from typing import Any, ClassVar
 
 import torch
 
-from . import _autograd
+from . import _autograd, _heap, _search
 from ._autograd import StorageKey
 from ._frames import own_frame
 from ._naming import Seg, is_sub
 from ._search import RawHolder, Search, SearchLimits
 from ._sequence import ItemSequence
+from .culprits import container_of
 
-__all__ = ["Holder", "Holders", "who_holds"]
+__all__ = [
+    "GraphHolder",
+    "GraphHolders",
+    "Holder",
+    "Holders",
+    "find_graph_holders",
+    "who_holds",
+]
 
 _IPYTHON_NAMES = ("Out", "_oh", "_", "__", "___")
 _TRACEBACK_NAMES = ("last_traceback", "last_exc", "last_value")
@@ -39,11 +56,13 @@ class Holder:
 
     #: Python-like path from the root, e.g. ``__main__.trainer.outputs['val'][2]``.
     path: str
-    #: ``global``, ``class``, ``frame``, ``traceback``, ``ipython``, ``cycle`` or ``unknown``.
+    #: ``global``, ``class``, ``frame``, ``traceback``, ``ipython``, ``cycle``, ``unknown``,
+    #: or ``partial`` (where a search cut short by a limit had got to, below no root yet).
     root_kind: str
     #: The root: a module name, a class, a frame (``train.py:42 in step()``), ...
     root: str
-    #: ``itself``, ``view``, ``alias``, ``saved``, ``grad`` or ``object``.
+    #: ``itself``, ``view``, ``alias``, ``saved``, ``grad``, ``numpy`` (a numpy array sharing
+    #: the memory, e.g. from ``t.numpy()``) or ``object``.
     via: str
     #: Bytes of the storage held (``None`` for non-tensor objects).
     nbytes: int | None
@@ -51,6 +70,12 @@ class Holder:
     device: str | None
     #: The caller's own reference to the argument of ``who_holds``.
     caller: bool = False
+    #: References this entry stands for: ``log = [t] * 3000`` is one entry with 3000, as are
+    #: 3000 dicts in one list that each hold it (paths differing only in list indices).
+    count: int = 1
+    #: With ``count > 1``: the path with what varies written as a range or ``*``, e.g.
+    #: ``__main__.log[0..2999]`` or ``__main__.rows[*]['t']``; else ``None``.
+    pattern: str | None = None
 
     @property
     def is_alias(self) -> bool:
@@ -75,6 +100,14 @@ class Holders(ItemSequence[Holder]):
     #: Bounds that cut the search short, nodes not inspected, other caveats.
     notes: tuple[str, ...] = ()
     elapsed: float = 0.0
+    #: The limit that cut the search short (``timeout``, ``max_depth``, ``max_nodes``), or
+    #: ``None`` when it ran to the end. When set, the holders are what was found so far.
+    stopped: str | None = None
+
+    @property
+    def complete(self) -> bool:
+        """Whether the search ran to the end (no limit cut it short)."""
+        return self.stopped is None
 
     def _items(self) -> tuple[Holder, ...]:
         """The holders."""
@@ -107,19 +140,28 @@ def who_holds(
     """Name every path that keeps ``obj`` (a tensor's storage, or any object) alive.
 
     Args:
-        obj: a tensor or parameter (its storage is what is held: views, ``detach()`` and
-            tensors saved by autograd count), or any other object (matched by identity).
-        max_depth: most references followed from ``obj`` towards a root.
-        max_nodes: most objects explored.
-        timeout: seconds before the search stops (with a note).
-        max_paths: most paths reported.
+        obj: a tensor or parameter (its storage is what is held: views, ``detach()``, numpy
+            arrays from ``t.numpy()`` and tensors saved by autograd count), or any other
+            object (matched by identity).
+        max_depth: most references followed from ``obj`` towards a root (``>= 1``).
+        max_nodes: most objects explored (``>= 1``).
+        timeout: seconds the call may take (``>= 0``); it returns within about 20 % of it,
+            with what it found so far and ``stopped='timeout'``.
+        max_paths: most holders reported (``>= 1``); paths differing only in list indices
+            count as one.
 
     Returns:
         :class:`Holders`, a sequence of :class:`Holder` (``print()`` it; JSON:
         ``render.json.to_json()``). The caller's own reference to ``obj`` is shown once,
         marked as the caller's.
+
+    Raises:
+        TypeError: a limit of the wrong type (``timeout=None``, ``max_depth="10"``).
+        ValueError: a limit out of range (negative, zero depth, NaN timeout).
     """
-    limits = SearchLimits(max_depth, max_nodes, timeout, max_paths)
+    limits = SearchLimits.checked(
+        max_depth=max_depth, max_nodes=max_nodes, timeout=timeout, max_paths=max_paths
+    )
     return find_holders([obj], limits, _caller_frame())[0]
 
 
@@ -137,10 +179,28 @@ def find_holders(
     keys: list[StorageKey | None] | None = None,
     nbytes: list[int | None] | None = None,
     labels: list[str] | None = None,
+    scan: tuple[list[Any], _autograd.GraphWalk] | None = None,
 ) -> list[Holders]:
-    """Holders of several objects (or storage keys) in one search."""
-    import time
+    """Holders of several objects (or storage keys) in one search.
 
+    ``scan``: every tensor and the walk of every graph, when the caller (the census) has
+    just made them; the search then starts from them instead of scanning again.
+
+    ``objs`` is emptied when the search ends (a list of ours holding the targets would be a
+    holder in its own right while it lives)."""
+    with _heap.ignored(objs):  # while it waits for another thread's search, too
+        return _find_holders(objs, limits, caller, keys, nbytes, labels, scan)
+
+
+def _find_holders(
+    objs: list[Any],
+    limits: SearchLimits,
+    caller: types.FrameType | None,
+    keys: list[StorageKey | None] | None,
+    nbytes: list[int | None] | None,
+    labels: list[str] | None,
+    scan: tuple[list[Any], _autograd.GraphWalk] | None,
+) -> list[Holders]:
     t0 = time.perf_counter()
     if keys is None:
         keys, nbytes = [], []
@@ -149,26 +209,84 @@ def find_holders(
             keys.append(None if info is None else info[0])
             nbytes.append(None if info is None else info[1])
     assert nbytes is not None
-    search = Search(keys, objs, limits, caller)
+    if not _search.SEARCH_LOCK.acquire(timeout=_wait(limits.timeout)):
+        busy = ("another holder search (another thread) ran for the whole timeout",)
+        names = labels if labels is not None else [_describe(o) for o in objs]
+        objs.clear()
+        return [
+            Holders(names[i], nbytes[i], _device_text(keys[i]), (), busy, limits.timeout, "timeout")
+            for i in range(len(keys))
+        ]
     try:
-        search.run()
-        key_names = _name_odd_keys(search)
-        per: list[list[Holder]] = [[] for _ in keys]
-        for raw in search.holders:
-            per[raw.target].append(_freeze(raw, keys[raw.target], nbytes[raw.target], key_names))
+        left = max(0.0, limits.timeout - (time.perf_counter() - t0))
+        raws, notes, targets, stopped, key_names, unnamed = _search_once(
+            objs, dataclasses.replace(limits, timeout=left), caller, keys, nbytes, labels, scan
+        )
+        with _heap.gc_paused():
+            left = limits.timeout - (time.perf_counter() - t0)
+            key_names.update(_name_odd_keys(unnamed, min(2.0, left * 0.5)))
+            per: list[list[Holder]] = [[] for _ in keys]
+            for raw in raws:
+                holder = _freeze(raw, keys[raw.target], nbytes[raw.target], key_names)
+                per[raw.target].append(holder)
+    finally:
+        _search.SEARCH_LOCK.release()
+    elapsed = time.perf_counter() - t0
+    out = []
+    for i in range(len(keys)):
+        device = _device_text(keys[i])
+        holders = _order(_dedupe_caller(per[i]))
+        out.append(
+            Holders(targets[i], nbytes[i], device, tuple(holders), tuple(notes), elapsed, stopped)
+        )
+    return out
+
+
+def _wait(timeout: float) -> float:
+    """``Lock.acquire``'s timeout for a search's own (``-1``: wait as long as it takes)."""
+    return -1 if math.isinf(timeout) else timeout
+
+
+def _search_once(
+    objs: list[Any],
+    limits: SearchLimits,
+    caller: types.FrameType | None,
+    keys: list[StorageKey | None],
+    nbytes: list[int | None],
+    labels: list[str] | None,
+    scan: tuple[list[Any], _autograd.GraphWalk] | None,
+) -> tuple[list[RawHolder], list[str], list[str], str | None, dict[str, str], list[Any]]:
+    """Run one search; what freezing its results needs, with nothing of the heap held but
+    the dict keys still to be named (``unnamed``)."""
+    search = Search(keys, objs, limits, caller, scan=scan)
+    search.nbytes = list(nbytes)
+    try:
+        with _heap.gc_paused():
+            search.run()
+        raws = search.holders
         notes = list(dict.fromkeys(search.notes))
         for _owner, chain in search.not_inspected:
             notes.append(f"not inspected: {chain} (saved-tensor hooks, e.g. checkpointing)")
         targets = labels if labels is not None else [_describe(o) for o in objs]
+        # Dict keys that are objects (a parameter keying ``optimizer.state``): named by a
+        # target's own path when they are targets, else by a small search of their own.
+        queried = {id(o): i for i, o in enumerate(objs)}
+        key_names: dict[str, str] = {}
+        unnamed: list[Any] = []
+        for kid, key_obj in search.odd_keys.items():
+            if kid in queried:
+                name = _key_name([r for r in raws if r.target == queried[kid]])
+                if name is not None:
+                    key_names[str(kid)] = name
+            elif len(unnamed) < _MAX_KEY_SEARCH and is_sub(type(key_obj), torch.Tensor):
+                unnamed.append(key_obj)
+        return raws, notes, targets, search.stopped, key_names, unnamed
     finally:
-        search.release()
-    elapsed = time.perf_counter() - t0
-    out = []
-    for i, key in enumerate(keys):
-        device = None if key is None else _autograd.key_device(key)
-        holders = _order(_dedupe_caller(per[i]))
-        out.append(Holders(targets[i], nbytes[i], device, tuple(holders), tuple(notes), elapsed))
-    return out
+        search.release()  # before the key search, which must not find our bookkeeping
+
+
+def _device_text(key: StorageKey | None) -> str | None:
+    return None if key is None else _autograd.key_device(key)
 
 
 def _describe(obj: Any) -> str:
@@ -178,17 +296,20 @@ def _describe(obj: Any) -> str:
     if is_sub(tp, torch.Tensor):
         dtype, shape, _ = _autograd.describe_tensor(obj)
         info = _autograd.storage_of(obj)
-        where = f" on {_autograd.key_device(info[0])}" if info is not None else ""
+        where = f" on {_device_text(info[0])}" if info is not None else ""
         return f"{type_name(tp)} {dtype}[{', '.join(map(str, shape))}]{where}"
     return f"{type_name(tp)} object"
 
 
 def _order(holders: list[Holder]) -> list[Holder]:
-    rank = {"global": 0, "ipython": 0, "class": 1, "frame": 2, "traceback": 3}
+    """Your own reference last; roots by kind (globals, classes, frames, tracebacks, the
+    rest); ``__main__`` first; a tensor as a dict key after the paths to it; shortest first."""
+    rank = {"global": 0, "ipython": 0, "class": 1, "frame": 2, "traceback": 3, "partial": 5}
 
-    def key(h: Holder) -> tuple[int, int, int, int]:
+    def key(h: Holder) -> tuple[int, int, int, int, int]:
         main = 0 if h.root == "__main__" else 1
-        return (int(h.caller), rank.get(h.root_kind, 4), main, len(h.path))
+        as_key = int(h.path.endswith(" (dict key)"))
+        return (int(h.caller), rank.get(h.root_kind, 4), main, as_key, len(h.path))
 
     return sorted(holders, key=key)
 
@@ -205,36 +326,46 @@ def _dedupe_caller(holders: list[Holder]) -> list[Holder]:
     return out
 
 
-def _name_odd_keys(search: Search) -> dict[str, str]:
-    """Name dict keys that are objects (``optimizer.state[<model.lin1.weight>]``) by a path."""
+#: Dict keys that are objects named by a search of their own, at most.
+_MAX_KEY_SEARCH = 64
+
+
+def _name_odd_keys(wanted: list[Any], timeout: float) -> dict[str, str]:
+    """Name dict keys that are objects (``optimizer.state[<model.lin1.weight>]``) by a path,
+    within ``timeout`` seconds; ``wanted`` is emptied."""
+    if not wanted or timeout <= 0:
+        wanted.clear()
+        return {}
+    ids = [id(o) for o in wanted]
+    limits = SearchLimits(max_depth=12, max_nodes=20_000, timeout=timeout, max_paths=16)
+    mini = Search([None] * len(wanted), wanted, limits, None, light=True)
     names: dict[str, str] = {}
-    wanted = [(i, o) for i, o in list(search.odd_keys.items())[:8] if is_sub(type(o), torch.Tensor)]
-    if not wanted:
-        return names
-    limits = SearchLimits(max_depth=12, max_nodes=20_000, timeout=2.0, max_paths=16)
-    mini = Search([None] * len(wanted), [o for _, o in wanted], limits, None, light=True)
     try:
         mini.run()
-        best: dict[int, tuple[int, str]] = {}
-        for raw in mini.holders:
-            if raw.root_kind != "global" or any(s.kind == "keyof" for s in raw.segs):
-                continue
-            path = _join(raw.root_kind, raw.root, raw.segs, {})
-            if path.startswith("__main__."):
-                path = path[len("__main__.") :]
-            # Prefer a module's parameter (``model.lin1.weight``) over an optimizer's list.
-            score = (
-                0 if not any(s.kind in ("index", "key") for s in raw.segs[1:]) else 1,
-                len(path),
-            )
-            prev = best.get(raw.target)
-            if prev is None or score < (prev[0], len(prev[1])):
-                best[raw.target] = (score[0], path)
-        for t, (_, path) in best.items():
-            names[str(wanted[t][0])] = f"<{path}>"
+        for t, kid in enumerate(ids):
+            name = _key_name([r for r in mini.holders if r.target == t])
+            if name is not None:
+                names[str(kid)] = name
     finally:
         mini.release()
     return names
+
+
+def _key_name(raws: list[RawHolder]) -> str | None:
+    """``<model.lin1.weight>``: the best global path among ``raws``, for naming a dict key.
+    A module's parameter (``model.lin1.weight``) is preferred over an optimizer's list."""
+    best: tuple[int, int, str] | None = None
+    for raw in raws:
+        if raw.root_kind != "global" or any(s.kind == "keyof" for s in raw.segs):
+            continue
+        if raw.via not in ("itself", "object"):
+            continue
+        path = _join(raw.root_kind, raw.root, raw.segs, {}).removeprefix("__main__.")
+        subscripts = any(s.kind in ("index", "key") for s in raw.segs[1:])
+        score = (int(subscripts), len(path), path)
+        if best is None or score < best:
+            best = score
+    return None if best is None else f"<{best[2]}>"
 
 
 def _freeze(
@@ -249,11 +380,12 @@ def _freeze(
         elif root == "__main__" and name in _IPYTHON_NAMES and "IPython" in sys.modules:
             kind = "ipython"
     path = _join(kind, root, segs, key_names)
-    if kind == "ipython" and path.startswith("__main__."):
-        path = path[len("__main__.") :]
-    raw.last = None
-    device = None if key is None else _autograd.key_device(key)
-    return Holder(path, kind, root, raw.via, nbytes, device, raw.caller)
+    pattern = _join(kind, root, segs, key_names, raw.subs) if raw.count > 1 else None
+    if kind == "ipython":
+        path = path.removeprefix("__main__.")
+        pattern = pattern.removeprefix("__main__.") if pattern is not None else None
+    device = _device_text(key)
+    return Holder(path, kind, root, raw.via, nbytes, device, raw.caller, raw.count, pattern)
 
 
 def _unquote(text: str) -> str | None:
@@ -263,8 +395,16 @@ def _unquote(text: str) -> str | None:
     return None
 
 
-def _join(kind: str, root: str, segs: list[Seg], key_names: dict[str, str]) -> str:
-    """Write a path: root, then each step in Python syntax (see :class:`Seg`)."""
+def _join(
+    kind: str,
+    root: str,
+    segs: list[Seg],
+    key_names: dict[str, str],
+    subs: dict[int, str] | None = None,
+) -> str:
+    """Write a path: root, then each step in Python syntax (see :class:`Seg`); ``subs``
+    replaces the subscripts of some steps (``0..2999``, ``*``)."""
+    subs = subs or {}
     out: list[str] = []
     i = 0
     if kind in ("global", "traceback", "ipython") and segs and segs[0].kind == "key":
@@ -334,7 +474,7 @@ def _join(kind: str, root: str, segs: list[Seg], key_names: dict[str, str]) -> s
             out.append(f".{seg.text}")
         elif seg.kind in ("key", "index"):
             text = key_names.get(seg.extra, seg.text) if seg.extra else seg.text
-            out.append(f"[{text}]")
+            out.append(f"[{subs.get(i, text)}]")
         elif seg.kind == "member":
             out.append(" (set member)")
         elif seg.kind == "keyof":
@@ -354,3 +494,206 @@ def _module_child(name: str) -> str:
 def _local(seg: Seg, rest: list[Seg]) -> str:
     more = any(s.kind not in ("storage", "tbframe") for s in rest)
     return f"{seg.extra}: {seg.text}" if more else f"{seg.extra}: local '{seg.text}'"
+
+
+# --------------------------------------------------------------------------- graph holders
+
+
+@dataclass(frozen=True, slots=True)
+class GraphHolder:
+    """A container (or variable) holding tensors that still carry autograd graphs."""
+
+    #: Path of the container, e.g. ``__main__.loss_history`` (or of the variable itself).
+    container: str
+    #: ``global``, ``class``, ``frame``, ``traceback``, ``ipython``, ...
+    root_kind: str
+    #: Tensors with a ``grad_fn`` it holds.
+    tensors: int
+    #: Bytes of storages saved in their graphs that no graph-free tensor (parameter, input,
+    #: detached copy) also holds: what dropping these tensors would free.
+    graph_bytes: int
+    #: Bytes of the tensors' own storages.
+    tensor_bytes: int
+    devices: tuple[str, ...]
+    #: One of the tensors' paths, e.g. ``__main__.loss_history[3]``.
+    example: str
+
+    @property
+    def total_bytes(self) -> int:
+        """``graph_bytes + tensor_bytes``."""
+        return self.graph_bytes + self.tensor_bytes
+
+    def __str__(self) -> str:
+        from .render.text import format_bytes
+
+        where = ", ".join(self.devices) or "no device"
+        return (
+            f"{self.container}: {self.tensors} tensor(s) with graphs keep "
+            f"{format_bytes(self.graph_bytes)} of saved tensors alive on {where} "
+            f"(e.g. {self.example})"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class GraphHolders(ItemSequence[GraphHolder]):
+    """Result of :func:`find_graph_holders`, largest ``graph_bytes`` first."""
+
+    json_properties: ClassVar[tuple[str, ...]] = ("graph_bytes",)
+
+    holders: tuple[GraphHolder, ...]
+    #: Live tensors with a ``grad_fn`` found (searched or not).
+    tensors: int
+    #: Bounds that cut the search short and other caveats.
+    notes: tuple[str, ...] = ()
+    elapsed: float = 0.0
+
+    def _items(self) -> tuple[GraphHolder, ...]:
+        """The holders."""
+        return self.holders
+
+    @property
+    def graph_bytes(self) -> int:
+        """Sum over containers (a graph shared by two containers counts in each)."""
+        return sum(h.graph_bytes for h in self.holders)
+
+    def __str__(self) -> str:
+        from .render.holders import render_graph_holders
+
+        return render_graph_holders(self)
+
+
+class _Group:
+    __slots__ = ("example", "owners", "root_kind")
+
+    def __init__(self, root_kind: str, example: str) -> None:
+        self.root_kind = root_kind
+        self.example = example
+        self.owners: list[Any] = []
+
+
+def find_graph_holders(
+    *,
+    device: str | None = None,
+    max_tensors: int = 256,
+    timeout: float = 30.0,
+) -> GraphHolders:
+    """Containers that hold tensors still carrying autograd graphs, with the bytes those
+    graphs keep alive: the check to run when memory grows every step.
+
+    Seed 000's ``loss_history.append(loss)`` shows up as ``__main__.loss_history``: 10
+    tensors, 40 MiB of saved ``sigmoid`` results. Uses cudamem's census of live tensors and
+    autograd graphs (no user code runs, saved-tensor hooks are not triggered, nothing found
+    is kept alive) and :func:`cudamem.who_holds`'s search to name the containers.
+
+    Args:
+        device: only count storages on this device (``'cuda:0'``, ``'cpu'``); default all.
+        max_tensors: most graph-carrying tensors whose holders are searched (the rest are
+            counted in ``tensors`` and noted).
+        timeout: seconds before the search stops (with a note).
+
+    Returns:
+        :class:`GraphHolders`, largest ``graph_bytes`` first; ``print()`` it (JSON:
+        ``render.json.to_json()``).
+        Graph bytes exclude leaves (parameters, inputs) and anything a graph-free tensor
+        also holds; a graph shared by two containers counts in each.
+    """
+    t0 = time.perf_counter()
+    device = _check_graph_args(device, max_tensors, timeout)
+    notes: list[str] = []
+    groups: dict[str, _Group] = {}
+    with warnings.catch_warnings():
+        # Reading .grad of non-leaf tensors warns inside the census; nothing to tell the user.
+        warnings.simplefilter("ignore", UserWarning)
+        tensors = _autograd.all_tensors()
+        owners: list[Any] = []
+        plain: set[tuple[str, int, int]] = set()  # storages of graph-free tensors
+        for t in tensors:
+            if _autograd.grad_fn_of(t) is not None:
+                owners.append(t)
+            else:
+                info = _autograd.storage_of(t)
+                if info is not None:
+                    plain.add(info[0])
+        del tensors
+        total = len(owners)
+        if total > max_tensors:
+            notes.append(f"searched holders of {max_tensors} of {total} tensors with graphs")
+        try:
+            # One search for every tensor with a graph (a single backwards pass over the heap).
+            # The targets travel in one list that find_holders empties as it starts, and are
+            # kept here only weakly: a list of ours holding them would be named as a holder.
+            targets = owners[:max_tensors]
+            refs = [weakref.ref(t) for t in targets]
+            owners.clear()
+            limits = SearchLimits(timeout=max(timeout - (time.perf_counter() - t0), 0.1))
+            found_all = find_holders(targets, limits, None)
+            for ref, found in zip(refs, found_all, strict=True):
+                owner = ref()
+                if owner is None:
+                    continue
+                for h in found:
+                    if h.via != "itself" or " → " in h.path:
+                        continue  # an alias, or a tensor inside another graph
+                    name = container_of(h.path)
+                    group = groups.get(name)
+                    if group is None:
+                        group = groups[name] = _Group(h.root_kind, h.path)
+                    if not any(o is owner for o in group.owners):
+                        group.owners.append(owner)
+                del owner
+                if found.stopped == "timeout":
+                    notes.append("the holder search timed out: some containers may be missing")
+                    break
+            results = [_measure(name, g, plain, device) for name, g in groups.items()]
+        finally:
+            owners.clear()
+            for g in groups.values():
+                g.owners.clear()
+    kept = [r for r in results if r is not None]
+    kept.sort(key=lambda r: (-r.graph_bytes, -r.tensors, r.container))
+    return GraphHolders(tuple(kept), total, tuple(notes), time.perf_counter() - t0)
+
+
+def _check_graph_args(device: Any, max_tensors: Any, timeout: Any) -> str | None:
+    if device is not None and not isinstance(device, str):
+        raise TypeError(
+            f"device must be a str such as 'cuda:0' or 'cpu', not {type(device).__name__}"
+        )
+    if type(max_tensors) is bool or not isinstance(max_tensors, int):
+        raise TypeError(f"max_tensors must be an int, not {type(max_tensors).__name__}")
+    if max_tensors < 1:
+        raise ValueError(f"max_tensors must be >= 1, got {max_tensors}")
+    if type(timeout) is bool or not isinstance(timeout, Real):
+        raise TypeError(f"timeout must be a number of seconds, not {type(timeout).__name__}")
+    if not float(timeout) >= 0:
+        raise ValueError(f"timeout must be >= 0 seconds, got {timeout!r}")
+    return device
+
+
+def _measure(
+    name: str, group: _Group, plain: set[tuple[str, int, int]], device: str | None
+) -> GraphHolder | None:
+    own: dict[tuple[str, int, int], int] = {}
+    for t in group.owners:
+        info = _autograd.storage_of(t)
+        if info is not None and (device is None or _autograd.key_device(info[0]) == device):
+            own[info[0]] = info[1]
+    walk = _autograd.walk_graphs(group.owners)
+    saved: dict[tuple[str, int, int], int] = {}
+    for _owner, _chain, key, nbytes, label in walk.saved:
+        if label == "variable" or key in plain or key in own:
+            continue  # leaves and tensors held anyway are not what the graph keeps alive
+        if device is None or _autograd.key_device(key) == device:
+            saved[key] = max(nbytes, saved.get(key, 0))
+    if device is not None and not own and not saved:
+        return None
+    devices = sorted({_autograd.key_device(k) for k in (*own, *saved)})
+    return GraphHolder(
+        container=name,
+        root_kind=group.root_kind,
+        tensors=len(group.owners),
+        graph_bytes=sum(saved.values()),
+        tensor_bytes=sum(own.values()),
+        devices=tuple(devices),
+        example=group.example,
+    )

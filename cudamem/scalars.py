@@ -22,30 +22,24 @@ import decimal
 import math
 import numbers
 import threading
-import warnings
 import weakref
 from array import array
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, overload
+from typing import Any, overload
 
 import numpy as np
 import torch
 
 from . import _backend
-from ._sequence import ItemSequence
 from ._warn import warn_once
-from .culprits import container_of
 
 __all__ = [
-    "GraphHolder",
-    "GraphHolders",
     "LoggerStats",
     "ScalarLogger",
     "Series",
     "SeriesSummary",
-    "find_graph_holders",
     "log_scalar",
 ]
 
@@ -944,197 +938,3 @@ class ScalarLogger:
                 data.add(int(step), float(value))
             data.count = int(saved["count"])
             data.next_step = int(state["next_steps"].get(name, 0))
-
-
-# --------------------------------------------------------------------------- graph holders
-
-
-@dataclass(frozen=True, slots=True)
-class GraphHolder:
-    """A container (or variable) holding tensors that still carry autograd graphs."""
-
-    #: Path of the container, e.g. ``__main__.loss_history`` (or of the variable itself).
-    container: str
-    #: ``global``, ``class``, ``frame``, ``traceback``, ``ipython``, ...
-    root_kind: str
-    #: Tensors with a ``grad_fn`` it holds.
-    tensors: int
-    #: Bytes of storages saved in their graphs that no graph-free tensor (parameter, input,
-    #: detached copy) also holds: what dropping these tensors would free.
-    graph_bytes: int
-    #: Bytes of the tensors' own storages.
-    tensor_bytes: int
-    devices: tuple[str, ...]
-    #: One of the tensors' paths, e.g. ``__main__.loss_history[3]``.
-    example: str
-
-    @property
-    def total_bytes(self) -> int:
-        """``graph_bytes + tensor_bytes``."""
-        return self.graph_bytes + self.tensor_bytes
-
-    def __str__(self) -> str:
-        from .render.text import format_bytes
-
-        where = ", ".join(self.devices) or "no device"
-        return (
-            f"{self.container}: {self.tensors} tensor(s) with graphs keep "
-            f"{format_bytes(self.graph_bytes)} of saved tensors alive on {where} "
-            f"(e.g. {self.example})"
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class GraphHolders(ItemSequence[GraphHolder]):
-    """Result of :func:`find_graph_holders`, largest ``graph_bytes`` first."""
-
-    json_properties: ClassVar[tuple[str, ...]] = ("graph_bytes",)
-
-    holders: tuple[GraphHolder, ...]
-    #: Live tensors with a ``grad_fn`` found (searched or not).
-    tensors: int
-    #: Bounds that cut the search short and other caveats.
-    notes: tuple[str, ...] = ()
-    elapsed: float = 0.0
-
-    def _items(self) -> tuple[GraphHolder, ...]:
-        """The holders."""
-        return self.holders
-
-    @property
-    def graph_bytes(self) -> int:
-        """Sum over containers (a graph shared by two containers counts in each)."""
-        return sum(h.graph_bytes for h in self.holders)
-
-    def __str__(self) -> str:
-        from .render.scalars import render_graph_holders
-
-        return render_graph_holders(self)
-
-
-class _Group:
-    __slots__ = ("example", "owners", "root_kind")
-
-    def __init__(self, root_kind: str, example: str) -> None:
-        self.root_kind = root_kind
-        self.example = example
-        self.owners: list[Any] = []
-
-
-def find_graph_holders(
-    *,
-    device: str | None = None,
-    max_tensors: int = 256,
-    timeout: float = 30.0,
-) -> GraphHolders:
-    """Containers that hold tensors still carrying autograd graphs, with the bytes those
-    graphs keep alive: the check to run when memory grows every step.
-
-    Seed 000's ``loss_history.append(loss)`` shows up as ``__main__.loss_history``: 10
-    tensors, 40 MiB of saved ``sigmoid`` results. Uses cudamem's census of live tensors and
-    autograd graphs (no user code runs, saved-tensor hooks are not triggered, nothing found
-    is kept alive) and :func:`cudamem.who_holds`'s search to name the containers.
-
-    Args:
-        device: only count storages on this device (``'cuda:0'``, ``'cpu'``); default all.
-        max_tensors: most graph-carrying tensors whose holders are searched (the rest are
-            counted in ``tensors`` and noted).
-        timeout: seconds before the search stops (with a note).
-
-    Returns:
-        :class:`GraphHolders`, largest ``graph_bytes`` first; ``print()`` it (JSON:
-        ``cudamem.render.json.to_json``).
-        Graph bytes exclude leaves (parameters, inputs) and anything a graph-free tensor
-        also holds; a graph shared by two containers counts in each.
-    """
-    import time
-
-    from . import _autograd
-    from ._search import SearchLimits
-    from .holders import find_holders
-
-    t0 = time.perf_counter()
-    notes: list[str] = []
-    groups: dict[str, _Group] = {}
-    with warnings.catch_warnings():
-        # Reading .grad of non-leaf tensors warns inside the census; nothing to tell the user.
-        warnings.simplefilter("ignore", UserWarning)
-        tensors = _autograd.all_tensors()
-        owners: list[Any] = []
-        plain: set[tuple[str, int, int]] = set()  # storages of graph-free tensors
-        for t in tensors:
-            if _autograd.grad_fn_of(t) is not None:
-                owners.append(t)
-            else:
-                info = _autograd.storage_of(t)
-                if info is not None:
-                    plain.add(info[0])
-        del tensors
-        total = len(owners)
-        if total > max_tensors:
-            notes.append(f"searched holders of {max_tensors} of {total} tensors with graphs")
-        try:
-            # One search for every tensor with a graph (a single backwards pass over the heap).
-            # The targets travel in one list that find_holders empties as it starts, and are
-            # kept here only weakly: a list of ours holding them would be named as a holder.
-            targets = owners[:max_tensors]
-            refs = [weakref.ref(t) for t in targets]
-            owners.clear()
-            limits = SearchLimits(timeout=max(timeout - (time.perf_counter() - t0), 0.1))
-            found_all = find_holders(targets, limits, None)
-            for ref, found in zip(refs, found_all, strict=True):
-                owner = ref()
-                if owner is None:
-                    continue
-                for h in found:
-                    if h.via != "itself" or " → " in h.path:
-                        continue  # an alias, or a tensor inside another graph
-                    name = container_of(h.path)
-                    group = groups.get(name)
-                    if group is None:
-                        group = groups[name] = _Group(h.root_kind, h.path)
-                    if not any(o is owner for o in group.owners):
-                        group.owners.append(owner)
-                del owner
-                if any("(timeout)" in n for n in found.notes):
-                    notes.append("the holder search timed out: some containers may be missing")
-                    break
-            results = [_measure(name, g, plain, device) for name, g in groups.items()]
-        finally:
-            owners.clear()
-            for g in groups.values():
-                g.owners.clear()
-    kept = [r for r in results if r is not None]
-    kept.sort(key=lambda r: (-r.graph_bytes, -r.tensors, r.container))
-    return GraphHolders(tuple(kept), total, tuple(notes), time.perf_counter() - t0)
-
-
-def _measure(
-    name: str, group: _Group, plain: set[tuple[str, int, int]], device: str | None
-) -> GraphHolder | None:
-    from . import _autograd
-
-    own: dict[tuple[str, int, int], int] = {}
-    for t in group.owners:
-        info = _autograd.storage_of(t)
-        if info is not None and (device is None or _autograd.key_device(info[0]) == device):
-            own[info[0]] = info[1]
-    walk = _autograd.walk_graphs(group.owners)
-    saved: dict[tuple[str, int, int], int] = {}
-    for _owner, _chain, key, nbytes, label in walk.saved:
-        if label == "variable" or key in plain or key in own:
-            continue  # leaves and tensors held anyway are not what the graph keeps alive
-        if device is None or _autograd.key_device(key) == device:
-            saved[key] = max(nbytes, saved.get(key, 0))
-    if device is not None and not own and not saved:
-        return None
-    devices = sorted({_autograd.key_device(k) for k in (*own, *saved)})
-    return GraphHolder(
-        container=name,
-        root_kind=group.root_kind,
-        tensors=len(group.owners),
-        graph_bytes=sum(saved.values()),
-        tensor_bytes=sum(own.values()),
-        devices=tuple(devices),
-        example=group.example,
-    )

@@ -16,13 +16,13 @@ from cudamem._history import History, SpanStats
 from cudamem._nvml import DeviceMemory, GpuProcess, NvmlDevice, NvmlStatus
 from cudamem.census import Census, LiveStorage, Unaccounted
 from cudamem.culprits import Culprit
-from cudamem.holders import Holder, Holders
+from cudamem.holders import GraphHolder, GraphHolders, Holder, Holders
 from cudamem.leaks import Growth, LeakReport
 from cudamem.ledger import DeviceLedger, Explanation, LedgerLine, MachineStatus
 from cudamem.oom import OomReport, StrandedCache
 from cudamem.release import DeviceRelease, ReleaseResult, RemainingStorage
 from cudamem.runner import RunReport
-from cudamem.scalars import GraphHolder, GraphHolders, LoggerStats, SeriesSummary
+from cudamem.scalars import LoggerStats, SeriesSummary
 from cudamem.snapshot import CacheSplit, PrivatePool
 from cudamem.span import DeviceSpan, ExceptionInfo, SpanRecord
 from cudamem.stats import AllocatorStats
@@ -91,6 +91,7 @@ def span_stats(name: str = "step", **kw: Any) -> SpanStats:
         total_allocated_delta=40 * MiB,
         mean_duration=0.0015,
         max_duration=0.004,
+        measured=10,
     )
     values.update(kw)
     return SpanStats(**values)

@@ -16,7 +16,7 @@ RESULTS = {
     "span": ("SpanRecord", "DeviceSpan", "ExceptionInfo"),
     "_history": ("History", "SpanStats"),
     "stats": ("AllocatorStats", "DeviceCounters"),
-    "holders": ("Holders", "Holder"),
+    "holders": ("Holders", "Holder", "GraphHolders", "GraphHolder"),
     "census": ("Census", "LiveStorage", "Unaccounted"),
     "culprits": ("Culprit",),
     "leaks": ("LeakReport", "Growth", "LeakSettings"),

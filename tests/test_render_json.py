@@ -36,6 +36,8 @@ def test_a_result_is_its_fields_by_their_names() -> None:
         "nbytes": 4 * MiB,
         "device": "cuda:0",
         "caller": False,
+        "count": 1,
+        "pattern": None,
     }
 
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from cudamem.render.scalars import render_graph_holders, render_logger
+from cudamem.render.holders import render_graph_holders
+from cudamem.render.scalars import render_logger
 
 from .built import MiB, graph_holder, graph_holders, logger_stats, summary
 

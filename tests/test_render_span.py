@@ -67,3 +67,9 @@ def test_history_table() -> None:
 
 def test_empty_history() -> None:
     assert str(history()) == "no finished spans"
+
+
+def test_history_of_calls_that_measured_no_device() -> None:
+    # CPU only: the byte figures say nothing, so they read n/a, never +0 B.
+    row = str(history(span_stats("cpu", measured=0))).splitlines()[2]
+    assert row.split()[:5] == ["cpu", "10", "n/a", "n/a", "n/a"]

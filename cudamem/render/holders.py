@@ -1,4 +1,4 @@
-"""Text rendering of holders, the live-tensor census and unaccounted bytes."""
+"""Text rendering of holders, graph holders, the live-tensor census and unaccounted bytes."""
 
 from __future__ import annotations
 
@@ -8,41 +8,71 @@ from .text import format_bytes, render_table
 
 if TYPE_CHECKING:
     from ..census import Census, Unaccounted
-    from ..holders import Holder, Holders
+    from ..holders import GraphHolders, Holder, Holders
 
-__all__ = ["render_census", "render_holder", "render_holders", "render_unaccounted"]
+__all__ = [
+    "render_census",
+    "render_graph_holders",
+    "render_holder",
+    "render_holders",
+    "render_unaccounted",
+]
 
 _VIA = {
     "view": "view",
     "alias": "alias",
     "saved": "saved by autograd",
     "grad": ".grad",
+    "numpy": "numpy array",
+}
+_STOPPED = {
+    "timeout": "its timeout",
+    "max_depth": "max_depth",
+    "max_nodes": "max_nodes",
 }
 
 
+def holder_text(holder: Holder) -> str:
+    """The path, or for a group of references the pattern (``__main__.log[0..2999]``)."""
+    return holder.pattern if holder.count > 1 and holder.pattern else holder.path
+
+
 def render_holder(holder: Holder) -> str:
-    """``__main__.saved[0]  (view)``: the path, what it holds if not the tensor itself, and
-    whether it is the caller's own reference."""
+    """``__main__.saved[0]  (view)``: the path (a group's pattern), how many references it
+    stands for, what it holds if not the tensor itself, and whether it is the caller's own
+    reference."""
     marks = []
+    if holder.count > 1:
+        marks.append(f"{holder.count} references")
     if holder.via in _VIA:
         marks.append(_VIA[holder.via])
     if holder.root_kind == "cycle":
         marks.append("unreachable cycle, freed by gc.collect()")
     elif holder.root_kind == "unknown":
         marks.append("held by a reference gc cannot see (C code or an unread frame)")
+    elif holder.root_kind == "partial":
+        marks.append("the search stopped here, below no root yet")
     if holder.caller:
         marks.append("your own reference")
-    return holder.path + (f"  ({'; '.join(marks)})" if marks else "")
+    return holder_text(holder) + (f"  ({'; '.join(marks)})" if marks else "")
 
 
 def render_holders(holders: Holders) -> str:
     """A header naming the target and its bytes, one line per holder, then notes."""
     size = "" if holders.nbytes is None else f", {format_bytes(holders.nbytes)}"
     count = len(holders.holders)
-    lines = [f"{holders.target}{size}: {count} holder{'s' if count != 1 else ''}"]
+    header = f"{holders.target}{size}: {count} holder{'s' if count != 1 else ''}"
+    if holders.stopped is not None:
+        header += (
+            f" found before the search stopped ({_STOPPED.get(holders.stopped, holders.stopped)})"
+        )
+    lines = [header]
     lines.extend(f"  {render_holder(h)}" for h in holders.holders)
     if not holders.holders:
-        lines.append("  (nothing found: only the caller's temporaries hold it)")
+        if holders.stopped is None:
+            lines.append("  (nothing found: only the caller's temporaries hold it)")
+        else:
+            lines.append("  (nothing found yet: raise the limit to search further)")
     lines.extend(f"  note: {n}" for n in holders.notes)
     return "\n".join(lines)
 
@@ -55,7 +85,7 @@ def render_census(census: Census, *, limit: int = 30) -> str:
     for s in census.storages[:limit]:
         holder = ""
         if s.holders is not None:
-            holder = s.holders.holders[0].path if s.holders.holders else "?"
+            holder = holder_text(s.holders.holders[0]) if s.holders.holders else "?"
             if len(s.holders.holders) > 1:
                 holder += f" (+{len(s.holders.holders) - 1})"
         rows.append(
@@ -93,3 +123,27 @@ def render_unaccounted(u: Unaccounted) -> str:
     lines = [render_table(["held by", "bytes"], rows, title=title)]
     lines.extend(f"note: {n}" for n in u.notes)
     return "\n".join(lines)
+
+
+def render_graph_holders(result: GraphHolders) -> str:
+    """One row per container holding tensors with graphs, then the notes."""
+    if not result.holders:
+        text = "no container holds a tensor with an autograd graph"
+    else:
+        rows = [
+            [
+                h.container,
+                str(h.tensors),
+                format_bytes(h.graph_bytes),
+                format_bytes(h.tensor_bytes),
+                ", ".join(h.devices),
+                h.example,
+            ]
+            for h in result.holders
+        ]
+        text = render_table(
+            ["container", "tensors", "graph", "tensors' own", "device", "e.g."],
+            rows,
+            align="lrrrll",
+        )
+    return "\n".join([text, *result.notes])

@@ -1,16 +1,16 @@
-"""Text rendering of scalar logging results: a logger's series, and graph holders."""
+"""Text rendering of scalar logging results: a logger's series."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from .text import format_bytes, render_table
+from .text import render_table
 
 if TYPE_CHECKING:
-    from ..scalars import GraphHolders, SeriesSummary
+    from ..scalars import SeriesSummary
 
-__all__ = ["render_graph_holders", "render_logger"]
+__all__ = ["render_logger"]
 
 
 def render_logger(summaries: Sequence[SeriesSummary]) -> str:
@@ -26,27 +26,3 @@ def render_logger(summaries: Sequence[SeriesSummary]) -> str:
         for s in summaries
     ]
     return render_table(["series", "count", "last", "mean", "min", "max", "NaN"], rows)
-
-
-def render_graph_holders(result: GraphHolders) -> str:
-    """One row per container holding tensors with graphs, then the notes."""
-    if not result.holders:
-        text = "no container holds a tensor with an autograd graph"
-    else:
-        rows = [
-            [
-                h.container,
-                str(h.tensors),
-                format_bytes(h.graph_bytes),
-                format_bytes(h.tensor_bytes),
-                ", ".join(h.devices),
-                h.example,
-            ]
-            for h in result.holders
-        ]
-        text = render_table(
-            ["container", "tensors", "graph", "tensors' own", "device", "e.g."],
-            rows,
-            align="lrrrll",
-        )
-    return "\n".join([text, *result.notes])

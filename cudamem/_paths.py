@@ -1,0 +1,331 @@
+"""Reading paths off the graph a holder search recorded, grouped by shape.
+
+The search (:mod:`cudamem._search`) records, for every object it reached, which objects it
+refers to and how (``parent id -> child id -> Ref``). Reading walks down from each root, BFS,
+to the objects that hold a target storage. Paths are *grouped*: a step that holds one object
+many times (``[t] * 3000``) and sibling paths that differ only in list indices or int dict
+keys (60,000 dicts in one list that each hold the tensor) become one group with a count and,
+where the indices run without gaps, a range (``log[0..2999]``). Each holding object gets one
+path per shape of the container that holds it, the shortest.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from ._naming import Ref, Seg, resolve_lazy
+
+__all__ = ["Group", "Path", "PathReader", "RawHolder"]
+
+
+@dataclass
+class RawHolder:
+    """One group of root-to-target paths, before it is frozen into a
+    :class:`~cudamem.holders.Holder`."""
+
+    target: int  # index of the target storage
+    root_kind: str
+    root: str
+    refs: list[Ref]  # the first path of the group, one Ref per step
+    via: str  # how ``last`` holds the storage: itself/view/alias/saved/grad/numpy/object
+    caller: bool = False
+    #: References the group stands for (paths times the references on each step).
+    count: int = 1
+    #: Step index -> subscript written for it (``0..2999`` or ``*``) where the group varies.
+    subs: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def segs(self) -> list[Seg]:
+        """The first path's steps."""
+        return [r.seg for r in self.refs]
+
+
+class Path(NamedTuple):
+    """Paths of one shape from a walk's start down to one object holding a target."""
+
+    target: int
+    refs: list[Ref]  # the first path, one Ref per step
+    via: str
+    ids: list[int]  # the objects along the first path, start first
+    #: References of this shape (parallel paths through sibling items, times each step's).
+    times: int
+    #: Step -> (lowest, highest) list index or int key seen there, where steps are indices.
+    ranges: dict[int, tuple[int, int]]
+    #: Steps that vary in a way no range can write (several dict keys, scattered indices).
+    stars: set[int]
+
+
+class Group:
+    """Paths of one target, root and shape (list indices aside), while they are read."""
+
+    __slots__ = ("count", "first", "ranges", "stars")
+
+    def __init__(self, first: RawHolder) -> None:
+        self.first = first
+        self.count = 0
+        self.ranges: dict[int, tuple[int, int]] = {}
+        self.stars: set[int] = set()
+
+    def add(self, path: Path, offset: int) -> None:
+        self.count += path.times
+        _merge(self.ranges, path.ranges, offset)
+        self.stars.update(i + offset for i in path.stars)
+
+    def subs(self) -> dict[int, str]:
+        """Subscripts for the steps that vary: ``lo..hi`` for one step that covers a
+        contiguous range once per reference, ``*`` otherwise."""
+        varying = set(self.stars)
+        varying.update(i for i, (lo, hi) in self.ranges.items() if lo != hi)
+        if len(varying) == 1:
+            (i,) = varying
+            if i not in self.stars:
+                lo, hi = self.ranges[i]
+                if hi - lo + 1 == self.count:
+                    return {i: f"{lo}..{hi}"}
+        return dict.fromkeys(varying, "*")
+
+
+def _merge(into: dict[int, tuple[int, int]], new: dict[int, tuple[int, int]], offset: int) -> None:
+    for i, (lo, hi) in new.items():
+        old = into.get(i + offset)
+        into[i + offset] = (lo, hi) if old is None else (min(old[0], lo), max(old[1], hi))
+
+
+class Mult:
+    """References multiplied along a walk: a ``[t] * 3000`` step, or sibling paths merged."""
+
+    __slots__ = ("owner", "ranges", "stars", "times")
+
+    def __init__(self, owner: int) -> None:
+        self.owner = owner  # the node that may change it; others share it read-only
+        self.times = 1
+        self.ranges: dict[int, tuple[int, int]] = {}
+        self.stars: set[int] = set()
+
+    @classmethod
+    def copy(cls, base: Mult | None, owner: int) -> Mult:
+        m = cls(owner)
+        if base is not None:
+            m.times, m.ranges, m.stars = base.times, dict(base.ranges), set(base.stars)
+        return m
+
+    @classmethod
+    def step(cls, base: Mult | None, r: Ref, depth: int, owner: int) -> Mult:
+        """``base`` followed by the step ``r`` at ``depth`` (its references multiply)."""
+        m = cls.copy(base, owner)
+        m.times *= r.times
+        if r.times > 1:
+            if _collapsible(r.segs[0]) and r.span is not None:
+                _merge(m.ranges, {depth: r.span}, 0)
+            else:
+                m.stars.add(depth)
+        elif _collapsible(r.segs[0]):
+            v = int(r.segs[0].text)
+            _merge(m.ranges, {depth: (v, v)}, 0)
+        return m
+
+    def absorb(self, other: Mult) -> None:
+        self.times += other.times
+        _merge(self.ranges, other.ranges, 0)
+        self.stars.update(other.stars)
+
+
+def _chain(prev: dict[int, tuple[int, Ref] | None], node: int) -> tuple[list[Ref], list[int]]:
+    """The first path down to ``node``: its steps and the objects along it, root first."""
+    refs: list[Ref] = []
+    ids = [node]
+    while True:
+        step = prev[node]
+        if step is None:
+            break
+        refs.append(step[1])
+        node = step[0]
+        ids.append(node)
+    refs.reverse()
+    ids.reverse()
+    return refs, ids
+
+
+def _through(prev: dict[int, tuple[int, Ref] | None], node: int, x: int) -> bool:
+    """Whether the first path down to ``node`` passes through ``x``."""
+    while True:
+        if node == x:
+            return True
+        step = prev[node]
+        if step is None:
+            return False
+        node = step[0]
+
+
+def _chain_ranges(
+    prev: dict[int, tuple[int, Ref] | None], node: int, into: dict[int, tuple[int, int]]
+) -> None:
+    """Add the single list indices on the first path down to ``node`` to ``into``."""
+    steps: list[Ref] = []
+    while True:
+        step = prev[node]
+        if step is None:
+            break
+        steps.append(step[1])
+        node = step[0]
+    for depth, r in enumerate(reversed(steps)):
+        if r.times == 1 and _collapsible(r.segs[0]):
+            v = int(r.segs[0].text)
+            _merge(into, {depth: (v, v)}, 0)
+
+
+def _collapsible(seg: Seg) -> bool:
+    """List indices and int dict keys: what varies between items of one container."""
+    if seg.kind == "index":
+        return True
+    text = seg.text[1:] if seg.text.startswith("-") else seg.text
+    return seg.kind == "key" and not seg.extra and text.isdigit()
+
+
+def _shape(seg: Seg) -> tuple[str, str, str]:
+    return (seg.kind, "*" if _collapsible(seg) else seg.text, seg.extra)
+
+
+class PathReader:
+    """Walks down the recorded edges of one search (see the module notes)."""
+
+    def __init__(
+        self,
+        edges: dict[int, dict[int, Ref]],
+        nodes: dict[int, Any],
+        start: dict[int, list[tuple[int, Seg, str]]],
+        max_paths: int,
+        late: Callable[[], bool],
+    ) -> None:
+        self.edges = edges
+        self.nodes = nodes
+        self.start = start  # object id -> (target, storage seg, via) for each target it holds
+        self.max_paths = max_paths
+        self.late = late  # whether the time for reading is up
+        #: Whether a group was left out for ``max_paths``.
+        self.cut = False
+
+    def add(
+        self,
+        per: dict[tuple[Any, ...], Group],
+        kind: str,
+        root: str,
+        head: list[Ref],
+        path: Path,
+        caller: bool,
+    ) -> None:
+        """Count ``path`` (below ``head``, the root's own steps) into its group in ``per``;
+        a new group only while there are fewer than ``max_paths``."""
+        refs = head + path.refs
+        key = (kind, root, path.via, caller, tuple(_shape(r.seg) for r in refs))
+        group = per.get(key)
+        if group is None:
+            if len(per) >= self.max_paths:
+                self.cut = True
+                return
+            raw = RawHolder(path.target, kind, root, refs, path.via, caller)
+            group = per[key] = Group(raw)
+        group.add(path, len(head))
+
+    def walk_down(self, oid: int) -> list[Path]:
+        """Shortest paths down from ``oid`` to the objects holding a target storage (BFS over
+        the recorded edges): for each such object, one :class:`Path` per shape of the last
+        step's container (``log[i]``, ``rows[i]['t']``), sibling paths of that shape (60,000
+        dicts in one list that each hold the object) counted into it."""
+        prev: dict[int, tuple[int, Ref] | None] = {oid: None}
+        level = {oid: 0}
+        sig = {oid: 0}
+        mult: dict[int, Mult] = {}  # only where references multiply or paths merge
+        shapes: dict[Seg, int] = {}
+        incoming: dict[int, list[tuple[int, Ref, int]]] = {}  # holder -> (parent, ref, sig)
+        holders: list[int] = []
+        edges, nodes, start = self.edges, self.nodes, self.start
+        queue = deque([oid])
+        n = 0
+        while queue:
+            n += 1
+            if not n & 0x3FF and self.late():
+                break
+            cur = queue.popleft()
+            if cur in start:
+                holders.append(cur)
+            below = edges.get(cur)
+            if below is None:
+                continue
+            depth, s_cur, m_cur = level[cur], sig[cur], mult.get(cur)
+            for cid, r in below.items():
+                if cid not in nodes:
+                    continue
+                seg = r.segs[0]
+                if seg.kind == "lazy":
+                    r = below[cid] = self._resolve(cur, cid, r)
+                    seg = r.segs[0]
+                elif seg.kind == "framelocals":
+                    continue  # the frame names those values itself
+                shape = shapes.get(seg)
+                if shape is None:
+                    shape = shapes[seg] = hash(_shape(seg))
+                csig = hash((s_cur, shape))
+                if cid in start:
+                    incoming.setdefault(cid, []).append((cur, r, csig))
+                if cid not in prev:
+                    prev[cid] = (cur, r)
+                    level[cid] = depth + 1
+                    sig[cid] = csig
+                    queue.append(cid)
+                    if r.times > 1:
+                        mult[cid] = Mult.step(m_cur, r, depth, cid)
+                    elif m_cur is not None:
+                        mult[cid] = m_cur
+                elif level[cid] == depth + 1 and sig[cid] == csig and cid not in start:
+                    # Another parent of the same shape: its paths are counted in.
+                    mine = mult.get(cid)
+                    if mine is None or mine.owner != cid:
+                        mine = Mult.copy(mine, cid)
+                        _chain_ranges(prev, cid, mine.ranges)
+                        mult[cid] = mine
+                    other = Mult.step(m_cur, r, depth, cid)
+                    _chain_ranges(prev, cur, other.ranges)
+                    mine.absorb(other)
+        out: list[Path] = []
+        for x in holders:
+            if x == oid:
+                out.extend(self._emit(x, [], [x], None))
+                continue
+            groups: dict[int, tuple[int, Ref, Mult]] = {}
+            for k, (parent, r, csig) in enumerate(incoming.get(x, ())):
+                if not k & 0x3FF and k and self.late():
+                    break  # the references counted so far stand
+                if level[parent] >= level[x] and _through(prev, parent, x):
+                    continue  # a path through the holder itself (a cycle back to it)
+                m = Mult.step(mult.get(parent), r, level[parent], x)
+                _chain_ranges(prev, parent, m.ranges)
+                group = groups.get(csig)
+                if group is not None:
+                    group[2].absorb(m)
+                elif len(groups) < self.max_paths:
+                    groups[csig] = (parent, r, m)
+            for parent, r, m in groups.values():
+                refs, ids = _chain(prev, parent)
+                out.extend(self._emit(x, [*refs, r], [*ids, x], m))
+        return out
+
+    def _resolve(self, parent: int, child: int, r: Ref) -> Ref:
+        """Name an instance attribute edge now that the climb is over."""
+        p, c = self.nodes.get(parent), self.nodes.get(child)
+        seg = resolve_lazy(p, c, r.segs[0]) if p is not None else Seg("via", "object")
+        return Ref((seg,), r.times, r.span)
+
+    def _emit(self, x: int, refs: list[Ref], ids: list[int], m: Mult | None) -> list[Path]:
+        """One path per target the object ``x`` holds."""
+        ranges: dict[int, tuple[int, int]] = {}
+        times, stars = 1, set()
+        if m is not None:
+            ranges, times, stars = m.ranges, m.times, m.stars
+        return [
+            Path(target, [*refs, Ref((seg,))], via, ids, times, ranges, stars)
+            for target, seg, via in self.start[x]
+        ]
