@@ -9,12 +9,11 @@ from __future__ import annotations
 
 from ._history import History, SpanStats, clear_history, history, set_history_size
 from .census import Census, LiveStorage, Unaccounted, live_tensors, unaccounted
+from .culprits import Culprit
 from .holders import GraphHolder, GraphHolders, Holder, Holders, find_graph_holders, who_holds
 from .host import HostCopy, to_host
 from .leaks import (
-    Culprit,
     Growth,
-    LeakedStorage,
     LeakReport,
     LeakSettings,
     LeakWarning,
@@ -23,7 +22,7 @@ from .leaks import (
     leaks,
 )
 from .ledger import DeviceLedger, Explanation, LedgerLine, MachineStatus, explain, machine_status
-from .oom import OomEvent, OomGuard, OomReport, OomStorage, on_oom, oom_report
+from .oom import OomEvent, OomGuard, OomReport, on_oom, oom_report
 from .plot import plot
 from .release import DeviceRelease, ReleaseResult, RemainingStorage, release
 from .scalars import (
@@ -58,7 +57,6 @@ __all__ = [
     "LeakReport",
     "LeakSettings",
     "LeakWarning",
-    "LeakedStorage",
     "LedgerLine",
     "LiveStorage",
     "LoggerStats",
@@ -67,7 +65,6 @@ __all__ = [
     "OomEvent",
     "OomGuard",
     "OomReport",
-    "OomStorage",
     "ReleaseResult",
     "RemainingStorage",
     "ScalarLogger",

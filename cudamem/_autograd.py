@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from ._naming import class_attr, is_sub, type_name
+from ._storages import StorageRef, ref_of
 
 __all__ = [
     "GraphWalk",
@@ -328,6 +329,15 @@ class GraphWalk:
     known: set[int] | None = None
     #: Bytes of saved storages already counted, by key (for the census).
     saved_meta: dict[StorageKey, tuple[str, tuple[int, ...], int]] = field(default_factory=dict)
+    #: A weak reference to each storage found, by key (only when ``walk_graphs(refs=True)``).
+    refs: dict[StorageKey, StorageRef] | None = None
+
+    def note_ref(self, key: StorageKey, t: Any) -> None:
+        """Remember the identity of ``t``'s storage (found under ``key``) when asked to."""
+        if self.refs is not None and key not in self.refs:
+            ref = ref_of(t)
+            if ref is not None:
+                self.refs[key] = ref
 
 
 def _node_attr(node: Any, name: str) -> Any:
@@ -382,12 +392,14 @@ def walk_graphs(
     max_nodes: int = 200_000,
     deadline: float | None = None,
     known: set[int] | None = None,
+    refs: bool = False,
 ) -> GraphWalk:
     """Walk every graph reachable from ``owners``' ``grad_fn`` once (multi-source BFS).
 
     A node shared by several owners is named through the first owner that reaches it.
+    ``refs``: also keep a :class:`~cudamem._storages.StorageRef` per storage found.
     """
-    walk = GraphWalk(known=known)
+    walk = GraphWalk(known=known, refs={} if refs else None)
     queue: deque[tuple[Any, Any, str]] = deque()
     seen: set[int] = set()
     keep: list[Any] = []  # nodes stay alive while their ids are in ``seen``
@@ -406,6 +418,7 @@ def walk_graphs(
                 info = storage_of(grad)
                 if info is not None:
                     walk.grads.append((owner, ".grad", info[0], info[1]))
+                    walk.note_ref(info[0], grad)
             if fn is not None and id(fn) not in seen:
                 seen.add(id(fn))
                 keep.append(fn)
@@ -519,6 +532,7 @@ def _visit(node: Any, owner: Any, chain: str, walk: GraphWalk) -> None:
             if info is not None:
                 walk.saved.append((owner, chain, info[0], info[1], "variable"))
                 walk.saved_meta.setdefault(info[0], describe_tensor(var))
+                walk.note_ref(info[0], var)
         return
     skipped = False
     for label, st in _saved_slots(node):
@@ -537,5 +551,6 @@ def _visit(node: Any, owner: Any, chain: str, walk: GraphWalk) -> None:
             continue
         walk.saved.append((owner, chain, info[0], info[1], label))
         walk.saved_meta.setdefault(info[0], describe_tensor(tensor))
+        walk.note_ref(info[0], tensor)
     if skipped:
         walk.not_inspected.append((owner, chain))

@@ -1,129 +1,110 @@
-"""The narrow seam between leak/OOM reporting and the census (issue 3).
+"""Storage identity: "is this the same storage, still alive?" without keeping it alive.
 
-Leak detection and OOM post-mortems need two things from the census and nothing else:
+``data_ptr`` is only where a storage starts. After a free, the caching allocator hands the
+same address to the next block of that size: the gradient ``zero_grad(set_to_none=True)``
+dropped and ``backward()`` re-creates lands where the old one was, and a before/after
+comparison by address calls it a survivor. What identifies a storage is its ``StorageImpl``.
 
-* :func:`live_keys` — a cheap snapshot of which storages are alive (key → bytes), diffed
-  before/after a span to find the storages it created that outlive it;
-* :func:`live_storages` — the live storages with bytes, device, dtype, shape and, on request,
-  the holder paths of :func:`cudamem.who_holds`.
+A :class:`StorageRef` holds a *weak* reference to the StorageImpl
+(``UntypedStorage._weak_ref()``, the call behind
+``torch.multiprocessing.reductions.StorageWeakRef``; PyTorch 2.0 through 2.13 offer the same
+three calls: ``_weak_ref``, ``_expired``, ``_free_weak_ref``). A weak reference keeps only the
+StorageImpl's small C++ header allocated, never the memory: the data is freed when the last
+strong reference goes (``StorageImpl::release_resources``). Because the header stays, no new
+StorageImpl can be created at that address while the reference lives, so two refs compare
+equal exactly when they name the same storage, at whatever times they were taken, and
+:attr:`StorageRef.alive` says whether it still exists. The reference is released when the
+``StorageRef`` is garbage collected.
 
-Everything goes through here so that the census's storage enumeration and path naming are
-used, never re-implemented, and so that a census failure (or its absence) degrades into a
-report without culprits instead of an exception in the user's training step. A key is
-whatever the census identifies a storage by (device and ``data_ptr``); it is hashable plain
-data and keeps nothing alive.
+This module imports only torch: the census, the autograd walk and the reports build on it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Hashable
-from dataclasses import dataclass
 from typing import Any
 
-__all__ = [
-    "LiveStorage",
-    "available",
-    "key_device",
-    "live_keys",
-    "live_storages",
-    "matches_type",
-]
+import torch
+
+__all__ = ["StorageRef", "matches_type", "ref_of"]
+
+_SB: Any = torch.UntypedStorage
+_WEAK_REF: Any = _SB._weak_ref
+_EXPIRED: Any = _SB._expired
+_FREE: Any = _SB._free_weak_ref
+_STORAGE = torch._C.TensorBase.__dict__["untyped_storage"]
 
 
-@dataclass(frozen=True, slots=True)
-class LiveStorage:
-    """One live storage as the census sees it (plain data: no reference to the tensor)."""
+class StorageRef:
+    """A weak reference to one storage (its StorageImpl): identity, never ownership.
 
-    key: Hashable
-    nbytes: int
-    device: str
-    dtype: str | None
-    shape: tuple[int, ...] | None
-    #: Holder paths (``who_holds`` style), the most direct first; empty when not asked for.
-    holders: tuple[str, ...]
-    #: Where the storage starts (allocator blocks start there too).
-    data_ptr: int | None = None
-    #: The census could not inspect every path (a bound was hit, a graph was not inspected).
-    truncated: bool = False
+    Hashable; equal to another ref exactly when both name the same storage. Copies share
+    the reference; a pickled ref comes back detached (never alive, equal only to itself),
+    because a process cannot own another's StorageImpl.
+    """
+
+    __slots__ = ("__weakref__", "_cdata")
+
+    def __init__(self, storage: Any) -> None:
+        """A reference to ``storage`` (an ``UntypedStorage``)."""
+        self._cdata: int = int(_WEAK_REF(storage))
+
+    @classmethod
+    def _detached(cls) -> StorageRef:
+        ref = cls.__new__(cls)
+        ref._cdata = 0
+        return ref
+
+    @property
+    def alive(self) -> bool:
+        """Whether the storage still exists (something still holds it)."""
+        return self._cdata != 0 and not _EXPIRED(self._cdata)
+
+    def __hash__(self) -> int:
+        return hash(self._cdata) if self._cdata else id(self)
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if type(other) is not StorageRef:
+            return NotImplemented
+        return self._cdata != 0 and self._cdata == other._cdata
+
+    def __copy__(self) -> StorageRef:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> StorageRef:
+        return self
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return (StorageRef._detached, ())
+
+    def __repr__(self) -> str:
+        state = "alive" if self.alive else "freed"
+        return f"<StorageRef {self._cdata:#x} {state}>"
+
+    def __del__(self, _free: Any = _FREE) -> None:
+        # ``_free`` is bound at definition: at interpreter exit ``torch`` may be gone first.
+        cdata, self._cdata = self._cdata, 0
+        if cdata:
+            try:  # noqa: SIM105 (contextlib may already be torn down at exit)
+                _free(cdata)
+            except Exception:
+                pass
 
 
-def _census() -> Any:
-    """The census module, or ``None`` while it does not exist (issue 3 not merged)."""
+def ref_of(t: Any) -> StorageRef | None:
+    """A :class:`StorageRef` to a tensor's storage, or ``None`` (no real storage).
+
+    Read through torch's own descriptor with ``__torch_function__`` off; a tensor without a
+    real storage (fake, meta, functional wrappers raise or have no data) gives ``None``.
+    """
     try:
-        from . import census
-    except ImportError:
+        with torch._C.DisableTorchFunctionSubclass():
+            return StorageRef(_STORAGE(t))
+    except Exception:
         return None
-    return census
-
-
-def available() -> bool:
-    """Whether the census can be asked at all."""
-    return _census() is not None
 
 
 def matches_type(device: str, device_type: str | None) -> bool:
     """``'cuda:0'`` matches ``'cuda'``; ``None`` matches everything."""
     return device_type is None or device.split(":", 1)[0] == device_type
-
-
-def key_device(key: Hashable) -> str:
-    """The device of a census storage key, ``(device, data_ptr)``."""
-    if isinstance(key, tuple) and key and isinstance(key[0], str):
-        return key[0]
-    return "?"
-
-
-def live_keys(device_type: str | None) -> dict[Hashable, int] | None:
-    """Key → bytes of every live storage on devices of ``device_type`` (``None``: all).
-
-    ``None`` when the census is unavailable. No holder walk: this is the cheap pass.
-    """
-    census = _census()
-    if census is None:
-        return None
-    return dict(census.live_storage_keys(device_type))
-
-
-def live_storages(
-    device_type: str | None,
-    *,
-    holders: bool,
-    keys: Collection[Hashable] | None = None,
-) -> list[LiveStorage] | None:
-    """Live storages of ``device_type`` (largest first), with holder paths when ``holders``.
-
-    ``keys`` restricts the result (and the holder search) to those storages. ``None`` when
-    the census is unavailable.
-    """
-    census = _census()
-    if census is None:
-        return None
-    if keys is not None:
-        # Only those storages, and a holder search over only them.
-        found = census.storages_with_keys(keys, holders=holders)
-    else:
-        found = census.live_tensors(None, holders=holders)
-    out = [
-        _convert(entry, holders=holders)
-        for entry in found
-        if matches_type(str(entry.device), device_type)
-    ]
-    out.sort(key=lambda s: s.nbytes, reverse=True)
-    return out
-
-
-def _convert(entry: Any, *, holders: bool) -> LiveStorage:
-    """A :class:`cudamem.census.LiveStorage` → the plain data leaks and OOM reports use."""
-    paths: tuple[str, ...] = ()
-    if holders and entry.holders is not None:
-        paths = tuple(entry.holders.paths)
-    return LiveStorage(
-        key=entry.key,
-        nbytes=int(entry.nbytes),
-        device=str(entry.device),
-        dtype=str(entry.dtype),
-        shape=tuple(int(d) for d in entry.shape),
-        holders=paths,
-        data_ptr=int(entry.data_ptr),
-        truncated=bool(entry.truncated),
-    )

@@ -17,7 +17,7 @@ import bisect
 import sys
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, overload
 
 import torch
@@ -26,6 +26,8 @@ from . import _autograd, _backend, _heap
 from ._autograd import StorageKey
 from ._device_arg import DeviceLike, resolve_device
 from ._search import SearchLimits
+from ._storages import StorageRef, ref_of
+from .culprits import through_graph
 from .holders import Holders, find_holders
 
 __all__ = [
@@ -33,16 +35,20 @@ __all__ = [
     "LiveStorage",
     "Unaccounted",
     "ledger_view",
+    "listing_order",
+    "live_refs",
     "live_storage_keys",
+    "live_storages",
     "live_tensors",
-    "storages_with_keys",
     "unaccounted",
 ]
 
 
 @dataclass(frozen=True, slots=True)
 class LiveStorage:
-    """One live storage and what is known about it."""
+    """One live storage: the value every report uses (census, leaks, OOM post-mortems,
+    ``release()``). Plain data but for :attr:`ref`, a weak reference that keeps nothing
+    alive."""
 
     device: str
     nbytes: int
@@ -53,14 +59,37 @@ class LiveStorage:
     tensors: int
     #: Whether an autograd graph saved it.
     saved_by_autograd: bool
+    #: Where the storage starts: an address, not an identity (after a free the allocator
+    #: gives it to the next block of that size). Allocator blocks start there too.
     data_ptr: int
-    #: Its holders, when ``live_tensors(holders=True)`` asked for them.
+    #: Its holders, when asked for (``live_tensors(holders=True)``, leak and OOM reports).
     holders: Holders | None = None
+    #: ``file:line in function`` where it was allocated (OOM reports with history on).
+    allocated_at: str | None = None
+    #: Its identity: a weak reference to the StorageImpl, equal to another ref of the same
+    #: storage whenever either was taken (``None`` for a storage with no real data).
+    ref: StorageRef | None = field(default=None, compare=False, repr=False)
 
     @property
     def key(self) -> tuple[str, int]:
-        """``(device, data_ptr)``: identifies the storage while it lives (plain data)."""
+        """``(device, data_ptr)``: where it is. Compare :attr:`ref` to ask "the same one?"."""
         return (self.device, self.data_ptr)
+
+    @property
+    def alive(self) -> bool:
+        """Whether this storage still exists now."""
+        return self.ref is not None and self.ref.alive
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        """The holder paths, most direct first (empty when holders were not asked for)."""
+        return () if self.holders is None else tuple(h.path for h in self.holders)
+
+    @property
+    def through_autograd(self) -> bool:
+        """Held only through other tensors' autograd graphs."""
+        paths = self.paths
+        return bool(paths) and all(through_graph(p) for p in paths)
 
     @property
     def truncated(self) -> bool:
@@ -71,6 +100,11 @@ class LiveStorage:
     def python(self) -> bool:
         """Whether a Python tensor object refers to it (else only a graph does)."""
         return self.tensors > 0
+
+    def describe(self) -> str:
+        """``float32[256, 256]``, prefixed ``saved by autograd`` when no tensor object holds it."""
+        what = f"{self.dtype}[{', '.join(map(str, self.shape))}]"
+        return what if self.python else f"saved by autograd {what}"
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready mapping."""
@@ -83,6 +117,8 @@ class LiveStorage:
             "saved_by_autograd": self.saved_by_autograd,
             "data_ptr": self.data_ptr,
             "holders": None if self.holders is None else self.holders.to_dict(),
+            "through_autograd": self.through_autograd,
+            "allocated_at": self.allocated_at,
         }
 
     def __str__(self) -> str:
@@ -90,6 +126,12 @@ class LiveStorage:
 
         shape = "×".join(map(str, self.shape)) or "scalar"
         return f"{format_bytes(self.nbytes)} {self.dtype}[{shape}] on {self.device}"
+
+
+def listing_order(storage: LiveStorage) -> tuple[int, str]:
+    """Sort key for listing storages: largest first, then by holder path, never by address
+    (which differs from run to run), so that the same program gives the same table."""
+    return (-storage.nbytes, min(storage.paths, default="\uffff"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,20 +268,22 @@ class _Acc:
     tensors: int
     saved: bool
     first: Any  # a tensor on this storage (for holders); released before returning
+    ref: StorageRef | None = None
 
 
 def _gather(
-    device: str | None, scan: list[Any] | None = None
+    device: str | None, refs: bool = False, scan: list[Any] | None = None
 ) -> tuple[dict[StorageKey, _Acc], list[str]]:
-    """Every live storage (of ``device``); ``scan`` receives the tensor list and the graph
-    walk, for a holder search to start from instead of scanning the heap again."""
+    """Every live storage (of ``device``) once; ``refs``: with its :class:`StorageRef`;
+    ``scan`` receives the tensor list and the graph walk, for a holder search to start from
+    instead of scanning the heap again."""
     tensors = _autograd.all_tensors()
     with _heap.ignored(tensors):  # a search in another thread must not name our list
-        return _gather_from(tensors, device, scan)
+        return _gather_from(tensors, device, refs, scan)
 
 
 def _gather_from(
-    tensors: list[Any], device: str | None, scan: list[Any] | None
+    tensors: list[Any], device: str | None, refs: bool, scan: list[Any] | None
 ) -> tuple[dict[StorageKey, _Acc], list[str]]:
     notes: list[str] = []
     acc: dict[StorageKey, _Acc] = {}
@@ -255,26 +299,27 @@ def _gather_from(
         dtype, shape, numel = _autograd.describe_tensor(t)
         a = acc.get(key)
         if a is None:
-            acc[key] = _Acc(nbytes, dtype, shape, numel, 1, False, t)
+            acc[key] = _Acc(nbytes, dtype, shape, numel, 1, False, t, ref_of(t) if refs else None)
         else:
             a.tensors += 1
             a.nbytes = max(a.nbytes, nbytes)
             if numel > a.numel:
                 a.dtype, a.shape, a.numel = dtype, shape, numel
     owners = [t for t in tensors if _autograd.has_graph_or_grad(t)]
-    walk = _autograd.walk_graphs(owners, known={id(t) for t in tensors})
+    walk = _autograd.walk_graphs(owners, known={id(t) for t in tensors}, refs=refs)
+    walk_refs = walk.refs or {}
     for _owner, _chain, key, nbytes, _label in walk.saved:
         if device is not None and _device_text(key) != device:
             continue
         a = acc.get(key)
         if a is None:
             dtype, shape, numel = walk.saved_meta.get(key, ("?", (), 0))
-            acc[key] = _Acc(nbytes, dtype, shape, numel, 0, True, None)
+            acc[key] = _Acc(nbytes, dtype, shape, numel, 0, True, None, walk_refs.get(key))
         else:
             a.saved = True
     for _owner, _label, key, nbytes in walk.grads:
         if (device is None or _device_text(key) == device) and key not in acc:
-            acc[key] = _Acc(nbytes, "?", (), 0, 0, False, None)
+            acc[key] = _Acc(nbytes, "?", (), 0, 0, False, None, walk_refs.get(key))
     _discount_preserved(tensors, key_of, owners, walk, acc)
     if walk.truncated:
         notes.append(f"autograd walk stopped after {walk.nodes} nodes")
@@ -287,6 +332,7 @@ def _gather_from(
     else:
         tensors.clear()
     owners.clear()
+    walk_refs.clear()
     return acc, notes
 
 
@@ -384,13 +430,31 @@ def _device_filter(device: DeviceLike | None) -> str | None:
 
 def live_storage_keys(device_type: str | None = None) -> dict[tuple[str, int], int]:
     """``(device, data_ptr) → bytes`` of every live storage on devices of ``device_type``
-    (``'cuda'``, ``'cpu'``, ``None`` for all): the cheap pass, no holders."""
+    (``'cuda'``, ``'cpu'``, ``None`` for all): addresses at one instant, for totals. To
+    compare two instants, use :func:`live_refs`."""
     acc, _ = _gather(None)
     out: dict[tuple[str, int], int] = {}
     for key, a in acc.items():
         if device_type is None or key[0] == device_type:
             out[(_device_text(key), key[2])] = a.nbytes
         a.first = None
+    return out
+
+
+def live_refs(device_type: str | None = None) -> dict[StorageRef, tuple[str, int]]:
+    """Every live storage on devices of ``device_type`` (``'cuda'``, ``'cpu'``, ``None``):
+    its :class:`~cudamem._storages.StorageRef` → ``(device, bytes)``.
+
+    The cheap pass (no holders) that before/after comparisons use: a storage of one pass is
+    in another exactly when it is the same storage, wherever the allocator put the others.
+    Keeps nothing alive; the refs are released with the dict.
+    """
+    acc, _ = _gather(None, refs=True)
+    out: dict[StorageRef, tuple[str, int]] = {}
+    for key, a in acc.items():
+        if a.ref is not None and (device_type is None or key[0] == device_type):
+            out[a.ref] = (_device_text(key), a.nbytes)
+        a.first = a.ref = None
     return out
 
 
@@ -405,26 +469,37 @@ def live_tensors(device: DeviceLike | None = None, *, holders: bool = False) -> 
     return _census(_device_filter(device), holders, None, sys._getframe(1))
 
 
-def storages_with_keys(
-    keys: Iterable[tuple[str, int]], *, holders: bool = False
+def live_storages(
+    device_type: str | None = None,
+    *,
+    holders: bool = False,
+    among: Iterable[StorageRef] | None = None,
 ) -> tuple[LiveStorage, ...]:
-    """The live storages among ``keys`` (``LiveStorage.key``: device and ``data_ptr``),
-    largest first; the holder search covers only those (``leaks=True`` asks for a few)."""
-    return _census(None, holders, set(keys), sys._getframe(1)).storages
+    """Live storages on devices of ``device_type`` (``'cuda'``, ``'cpu'``, ``None``), largest
+    first; the holder search covers only these.
+
+    ``among``: only the storages of these refs (from :func:`live_refs` or
+    :attr:`LiveStorage.ref`, taken at any earlier time) that are still alive.
+    """
+    only = None if among is None else set(among)
+    return _census(None, holders, only, sys._getframe(1), device_type).storages
 
 
 def _census(
     device: str | None,
     holders: bool,
-    only: set[tuple[str, int]] | None,
+    only: set[StorageRef] | None,
     frame: Any,
+    device_type: str | None = None,
 ) -> Census:
     t0 = time.perf_counter()
     scan: list[Any] = []
-    acc, notes = _gather(device, scan if holders else None)
+    acc, notes = _gather(device, refs=True, scan=scan if holders else None)
     keys = sorted(acc, key=lambda k: (-acc[k].nbytes, k))
+    if device_type is not None:
+        keys = [k for k in keys if k[0] == device_type]
     if only is not None:
-        keys = [k for k in keys if (_device_text(k), k[2]) in only]
+        keys = [k for k in keys if acc[k].ref in only]
     found: dict[StorageKey, Holders] = {}
     if holders and keys:
         objs = [acc[k].first for k in keys]
@@ -455,11 +530,12 @@ def _census(
             acc[k].saved,
             k[2],
             found.get(k),
+            ref=acc[k].ref,
         )
         for k in keys
     )
     for a in acc.values():
-        a.first = None
+        a.first = a.ref = None
     return Census(storages, tuple(notes), time.perf_counter() - t0)
 
 

@@ -8,6 +8,7 @@ returned as skipped on a machine without one.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import sys
 import types
@@ -572,6 +573,354 @@ def census_now() -> Experiment:
     )
 
 
+# --------------------------------------------------------------------------- seed 001, GPUs
+# The seed's open question: with torch.device(f"cuda:{rank}") memory grew by about one run
+# per loop. Each candidate cause runs in a fresh process (cudamem._seed001_runs), so that
+# contexts, cuBLAS handles and stream pools start empty; the checks read what cudamem said.
+
+
+@functools.lru_cache(maxsize=16)
+def _fresh_run(case: str, device: int) -> str:
+    """The JSON that ``python -m cudamem._seed001_runs CASE DEVICE`` printed (cached: two
+    experiments read the same run)."""
+    import subprocess
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "cudamem._seed001_runs", case, str(device)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"the {case} run failed: {proc.stderr.strip()[-800:]}")
+    return lines[-1]
+
+
+def _run(case: str, device: int) -> dict[str, Any]:
+    import json
+
+    out: dict[str, Any] = json.loads(_fresh_run(case, device))
+    return out
+
+
+def _needs(gpus: int) -> str | None:
+    """Why an experiment cannot run here (too few GPUs), or None."""
+    count = _backend.get().device_count()
+    if count >= gpus:
+        return None
+    if gpus == 1:
+        return "needs a CUDA GPU"
+    return f"needs two CUDA GPUs (this machine has {count}); the single-GPU variants run on cuda:0"
+
+
+def _levels(out: dict[str, Any]) -> list[int]:
+    return [int(r["allocated"]) for r in out["runs"]]
+
+
+def _run_rows(out: dict[str, Any]) -> tuple[tuple[str, ...], ...]:
+    rows = []
+    previous = None
+    for k, r in enumerate(out["runs"]):
+        delta = "" if previous is None else format_bytes(r["allocated"] - previous, signed=True)
+        rows.append((f"run {k}", format_bytes(r["allocated"]), delta, format_bytes(r["reserved"])))
+        previous = r["allocated"]
+    return tuple(rows)
+
+
+_RUN_HEADERS = ("run", "allocated after", "allocated Δ", "reserved after")
+
+
+def _lines(out: dict[str, Any], device: int, word: str) -> list[dict[str, Any]]:
+    """The ledger lines of ``device`` whose key or label contains ``word`` (any case)."""
+    ledger = out["ledgers"].get(str(device), {"lines": []})
+    w = word.lower()
+    return [ln for ln in ledger["lines"] if w in ln["key"].lower() or w in ln["label"].lower()]
+
+
+def _line_text(line: dict[str, Any]) -> str:
+    return f"{line['label']}: {format_bytes(line['bytes'])} ({line['note'] or line['frees']})"
+
+
+def _ledger_says(out: dict[str, Any], device: int, pattern: str, word: str = "") -> str | None:
+    """The first ledger text of ``device`` (lines with ``word``, or every line and note)
+    matching the regular expression ``pattern``, ignoring case."""
+    import re
+
+    ledger = out["ledgers"].get(str(device))
+    if ledger is None:
+        return None
+    texts = [
+        f"{ln['label']} {ln['note']} {ln['frees']}"
+        for ln in (_lines(out, device, word) if word else ledger["lines"])
+    ]
+    if not word:
+        texts += ledger["notes"]
+    for text in texts:
+        if re.search(pattern, text, re.IGNORECASE):
+            return text
+    return None
+
+
+def _flat(levels: Sequence[int], start: int = 0) -> bool:
+    tail = levels[start:]
+    return bool(tail) and max(tail) - min(tail) <= MiB
+
+
+def _first_lines(texts: Sequence[str]) -> str:
+    return "; ".join(t.splitlines()[0] for t in texts) or "none"
+
+
+def _workspace_checks(out: dict[str, Any], device: int) -> list[Check]:
+    """explain() puts the level in the cuBLAS workspace line; release() frees it."""
+    levels = _levels(out)
+    cublas = _lines(out, device, "cublas")
+    held = sum(int(ln["bytes"] or 0) for ln in cublas)
+    rel = out["release"]
+    return [
+        Check(
+            "explain(): what stays allocated after the runs is cuBLAS workspaces",
+            bool(cublas) and abs(held - levels[-1]) <= MiB,
+            "; ".join(_line_text(ln) for ln in cublas) or "no cuBLAS line",
+        ),
+        Check(
+            "release(clear_cublas=True) frees them: nothing stays allocated",
+            rel["still_allocated"] == 0 and rel["freed_allocated"] >= levels[-1] - MiB,
+            f"freed {format_bytes(rel['freed_allocated'])}, still allocated "
+            f"{format_bytes(rel['still_allocated'])}",
+        ),
+    ]
+
+
+def _seed001_stream(device: int, gpus: int, key: str) -> Experiment:
+    title = f"Seed 001: a new torch.cuda.Stream per run on cuda:{device}"
+    explanation = (
+        "cuBLAS keeps a workspace per handle and stream, and empty_cache() never frees it: "
+        "training on a new stream each run adds that run's workspaces (the forward thread's "
+        "and autograd's, 65 MiB on an H200) to allocated, for good — one run's worth per loop."
+    )
+    skip = _needs(gpus)
+    if skip is not None:
+        return Experiment(key, title, explanation, skipped=skip)
+    out = _run("stream", device)
+    levels = _levels(out)
+    rises = [levels[i + 1] - levels[i] for i in range(len(levels) - 1)]
+    per_stream = _ledger_says(out, device, r"per[^.;]{0,24}stream", "cublas")
+    checks = [
+        Check(
+            "allocated rises by the same amount every run",
+            bool(rises) and min(rises) >= MiB and max(rises) - min(rises) <= MiB,
+            ", ".join(format_bytes(r, signed=True) for r in rises),
+        ),
+        *_workspace_checks(out, device),
+        Check(
+            "explain() says the workspaces are kept per stream",
+            per_stream is not None,
+            per_stream or "no cuBLAS line mentions streams",
+        ),
+        Check(
+            "a LeakWarning names the cuBLAS workspaces",
+            any("cublas workspace" in w.lower() for w in out["leak_warnings"]),
+            _first_lines(out["leak_warnings"]),
+        ),
+    ]
+    notes = [_line_text(ln) for ln in _lines(out, device, "cublas") + _lines(out, device, "strand")]
+    notes += [f"LeakWarning: {w}" for w in out["leak_warnings"][:1]]
+    return Experiment(
+        key, title, explanation, _RUN_HEADERS, _run_rows(out), tuple(checks), notes=tuple(notes)
+    )
+
+
+def _seed001_thread(device: int, gpus: int, key: str) -> Experiment:
+    title = f"Seed 001: a new thread per run on cuda:{device}"
+    explanation = (
+        "Each new thread asks cuBLAS for a handle; handles are pooled and handed to the next "
+        "thread once one ends, so a thread per run adds a workspace (32 MiB on an H200) once, "
+        "then the level stays flat: not a leak, and no LeakWarning."
+    )
+    skip = _needs(gpus)
+    if skip is not None:
+        return Experiment(key, title, explanation, skipped=skip)
+    out = _run("thread", device)
+    levels = _levels(out)
+    checks = [
+        Check(
+            "the level stops rising: the last three runs are equal (±1 MiB)",
+            _flat(levels, len(levels) - 3),
+            ", ".join(format_bytes(v) for v in levels),
+        ),
+        Check(
+            "no LeakWarning: growth that stops is not a leak",
+            not out["leak_warnings"],
+            _first_lines(out["leak_warnings"]),
+        ),
+        *_workspace_checks(out, device),
+    ]
+    notes = [_line_text(ln) for ln in _lines(out, device, "cublas")]
+    return Experiment(
+        key, title, explanation, _RUN_HEADERS, _run_rows(out), tuple(checks), notes=tuple(notes)
+    )
+
+
+def seed001_stream_per_run() -> Experiment:
+    """Seed 001 on one GPU: a new stream per run grows allocated by cuBLAS workspaces."""
+    return _seed001_stream(0, 1, "seed001-stream-per-run")
+
+
+def seed001_thread_per_run() -> Experiment:
+    """Seed 001 on one GPU: a new thread per run adds one workspace once, then stays flat."""
+    return _seed001_thread(0, 1, "seed001-thread-per-run")
+
+
+def seed001_gpu1_stream_per_run() -> Experiment:
+    """Seed 001 on two GPUs: a new ``torch.cuda.Stream(device='cuda:1')`` per run."""
+    return _seed001_stream(1, 2, "seed001-gpu1-stream-per-run")
+
+
+def seed001_gpu1_thread_per_run() -> Experiment:
+    """Seed 001 on two GPUs: a new thread per run on cuda:1."""
+    return _seed001_thread(1, 2, "seed001-gpu1-thread-per-run")
+
+
+def seed001_gpu1_context_on_gpu0() -> Experiment:
+    """Seed 001 on two GPUs: work on cuda:1 while cuda:0 is current makes a context there."""
+    key = "seed001-gpu1-context-on-gpu0"
+    title = "Seed 001: work on cuda:1 from a thread whose current device is cuda:0"
+    explanation = (
+        "Every thread starts on cuda:0. Leaving `with torch.cuda.stream(s)` for a stream on "
+        "cuda:1 restores cuda:0's stream and makes cuda:0 current again, and CUDA creates a "
+        "context there (~0.5 GiB) that only the process exiting frees. "
+        "torch.cuda.set_device(1) first avoids it."
+    )
+    skip = _needs(2)
+    if skip is not None:
+        return Experiment(key, title, explanation, skipped=skip)
+    bad, good = _run("stream", 1), _run("stream-set-device", 1)
+    context = next(iter(_lines(bad, 0, "context")), None)
+    zero = bad["ledgers"].get("0", {})
+    never = _ledger_says(
+        bad, 0, r"never used|never allocated|did not use|never touched|untouched|unused device"
+    )
+    rows = []
+    for label, out in (("no set_device (current: cuda:0)", bad), ("set_device(1) first", good)):
+        ctx = next(iter(_lines(out, 0, "context")), None)
+        rows.append(
+            (
+                label,
+                ", ".join(f"cuda:{d}" for d in out["contexts"]),
+                format_bytes(None if ctx is None else ctx["bytes"]),
+                format_bytes(out["nvml_process"].get("0")),
+            )
+        )
+    checks = (
+        Check(
+            "without set_device, a CUDA context appears on cuda:0",
+            0 in bad["contexts"]
+            and context is not None
+            and context["bytes"] is not None
+            and 256 * MiB <= context["bytes"] <= 1536 * MiB,
+            "no context line" if context is None else _line_text(context),
+        ),
+        Check(
+            "nothing of PyTorch's is on cuda:0 (allocated and reserved 0)",
+            zero.get("allocated") == 0 and zero.get("reserved") == 0,
+            f"allocated {format_bytes(zero.get('allocated'))}, "
+            f"reserved {format_bytes(zero.get('reserved'))}",
+        ),
+        Check(
+            "explain() says this process never used cuda:0",
+            never is not None,
+            never or "no line of cuda:0's ledger says so",
+        ),
+        Check(
+            "nvidia-smi lists this process on GPU 0",
+            bad["nvml_process"].get("0") is not None,
+            format_bytes(bad["nvml_process"].get("0")),
+        ),
+        Check(
+            "the ledger says only exiting frees it (release() cannot)",
+            context is not None and "exit" in context["frees"],
+            "" if context is None else context["frees"],
+        ),
+        Check(
+            "torch.cuda.set_device(1) first: no context on cuda:0",
+            0 not in good["contexts"],
+            ", ".join(f"cuda:{d}" for d in good["contexts"]),
+        ),
+    )
+    notes = tuple(zero.get("text", "").splitlines())
+    return Experiment(
+        key,
+        title,
+        explanation,
+        ("run", "contexts", "cuda:0 context (explain)", "NVML on GPU 0"),
+        tuple(rows),
+        checks,
+        notes=notes,
+    )
+
+
+def _seed001_flat(case: str, key: str, title: str, explanation: str) -> Experiment:
+    skip = _needs(2)
+    if skip is not None:
+        return Experiment(key, title, explanation, skipped=skip)
+    out = _run(case, 1)
+    levels = _levels(out)
+    rel = out["release"]
+    checks = [
+        Check(
+            "allocated is the same after every run (±1 MiB)",
+            _flat(levels),
+            ", ".join(format_bytes(v) for v in levels),
+        ),
+        Check(
+            "no LeakWarning",
+            not out["leak_warnings"],
+            _first_lines(out["leak_warnings"]),
+        ),
+        Check(
+            "release(clear_cublas=True) leaves nothing allocated",
+            rel["still_allocated"] == 0,
+            f"freed {format_bytes(rel['freed_allocated'])}",
+        ),
+    ]
+    if case == "plain":
+        checks.append(
+            Check(
+                "naming cuda:1 creates no context on cuda:0",
+                0 not in out["contexts"],
+                ", ".join(f"cuda:{d}" for d in out["contexts"]),
+            )
+        )
+    notes = [f"contexts: {', '.join(f'cuda:{d}' for d in out['contexts'])}"]
+    notes += [_line_text(ln) for ln in _lines(out, 1, "cublas")]
+    return Experiment(
+        key, title, explanation, _RUN_HEADERS, _run_rows(out), tuple(checks), notes=tuple(notes)
+    )
+
+
+def seed001_gpu1_plain_loop() -> Experiment:
+    """Seed 001 on two GPUs: the plain loop on ``torch.device('cuda:1')`` stays flat."""
+    return _seed001_flat(
+        "plain",
+        "seed001-gpu1-plain-loop",
+        "Seed 001: the plain loop on torch.device('cuda:1')",
+        "The same stream and thread every run: the workspaces of the first run are reused, "
+        "so allocated stays flat.",
+    )
+
+
+def seed001_gpu1_pin_memory() -> Experiment:
+    """Seed 001 on two GPUs: a ``DataLoader(pin_memory=True)`` loop on cuda:1 stays flat."""
+    return _seed001_flat(
+        "pin-memory",
+        "seed001-gpu1-pin-memory",
+        "Seed 001: a pin-memory DataLoader feeding cuda:1",
+        "Pinned host buffers live in host memory (the CUDA host allocator caches them), not in "
+        "the device's allocator: allocated on cuda:1 stays flat.",
+    )
+
+
 def experiments() -> Sequence[tuple[str, Callable[[], Experiment]]]:
     """Every experiment of the demo, in order: (key, function)."""
     return (
@@ -580,6 +929,13 @@ def experiments() -> Sequence[tuple[str, Callable[[], Experiment]]]:
         ("seed000-losses", seed000_losses),
         ("seed001-context", seed001_context),
         ("seed001-sequential", seed001_sequential),
+        ("seed001-stream-per-run", seed001_stream_per_run),
+        ("seed001-thread-per-run", seed001_thread_per_run),
+        ("seed001-gpu1-stream-per-run", seed001_gpu1_stream_per_run),
+        ("seed001-gpu1-context-on-gpu0", seed001_gpu1_context_on_gpu0),
+        ("seed001-gpu1-thread-per-run", seed001_gpu1_thread_per_run),
+        ("seed001-gpu1-plain-loop", seed001_gpu1_plain_loop),
+        ("seed001-gpu1-pin-memory", seed001_gpu1_pin_memory),
         ("census", census_now),
     )
 

@@ -33,6 +33,7 @@ from . import _autograd, _heap, _search
 from ._autograd import StorageKey
 from ._naming import Seg, is_sub
 from ._search import RawHolder, Search, SearchLimits, own_frame
+from .culprits import container_of
 
 __all__ = [
     "GraphHolder",
@@ -623,28 +624,6 @@ class GraphHolders(Sequence[GraphHolder]):
         return render_graph_holders(self)
 
 
-def _container_of(path: str) -> str:
-    """``__main__.loss_history[3]`` → ``__main__.loss_history``; a path that does not end in
-    a subscript names a variable, which is its own container."""
-    if not path.endswith("]"):
-        return path
-    depth, quote = 0, ""
-    for i in range(len(path) - 1, -1, -1):
-        c = path[i]
-        if quote:
-            if c == quote and (i == 0 or path[i - 1] != "\\"):
-                quote = ""
-        elif c in "'\"":
-            quote = c
-        elif c == "]":
-            depth += 1
-        elif c == "[":
-            depth -= 1
-            if depth == 0:
-                return path[:i] or path
-    return path
-
-
 class _Group:
     __slots__ = ("example", "owners", "root_kind")
 
@@ -716,7 +695,7 @@ def find_graph_holders(
                 for h in found:
                     if h.via != "itself" or " → " in h.path:
                         continue  # an alias, or a tensor inside another graph
-                    name = _container_of(h.path)
+                    name = container_of(h.path)
                     group = groups.get(name)
                     if group is None:
                         group = groups[name] = _Group(h.root_kind, h.path)

@@ -19,15 +19,26 @@ Steady state costs a few comparisons per span exit. The census runs only on susp
 ``min_rises - 1`` calls of the window rose, the *next* call is captured (which storages exist
 at its entry and exit), and one call later the storages it created that are still alive
 (they survived a whole further call, so a step's return value kept until the next step does
-not count) are named through ``who_holds`` and grouped by holder. If growth is then
-sustained, one :class:`LeakWarning` (also sent to the ``cudamem.leaks`` logger) says how much
-each call retains and who holds it. It repeats only when the picture changes: other holders,
-or a per-call rate ``rate_change`` times higher or lower than the one last reported (a rate
-change starts a new window, so the new rate is measured on its own).
+not count) are its *survivors*. Storages are compared by identity (a weak reference to each
+StorageImpl, :mod:`cudamem._storages`), never by address: a gradient freed by
+``zero_grad(set_to_none=True)`` and re-created at the same address is a new storage.
+
+A :class:`LeakWarning` (also sent to the ``cudamem.leaks`` logger) needs both a sustained
+slope and survivors that explain it: their bytes must be at least ``min_explained`` (half)
+of the per-call growth. Growth that no surviving storage accounts for (the allocator's
+cache, workspaces, memory made outside the span) is not a leak of live tensors: cudamem
+looks at up to three consecutive calls (a leak every other call shows in one of them),
+then stays silent but for a ``logging.debug`` line, and captures nothing of that span for a
+window of calls, then two, four, ... up to 32 windows while such episodes repeat. The
+survivors are named through ``who_holds`` and grouped by container (:mod:`cudamem.culprits`).
+The warning repeats only when the picture changes: other holders, or a per-call rate
+``rate_change`` times higher or lower than the one last reported (a rate change starts a new
+window, so the new rate is measured on its own).
 
 **What a span left behind.** ``track(..., leaks=True)`` snapshots the live storages at entry
 and exit; ``span.leaks`` lists those created inside and alive at exit, with holders, and
-:func:`leaks` (``cudamem.leaks(since=span)``) lists those of them still alive now.
+:func:`leaks` (``cudamem.leaks(since=span)``) lists those of them still alive now (the same
+storages, not whatever the allocator has put at their addresses since).
 """
 
 from __future__ import annotations
@@ -35,16 +46,19 @@ from __future__ import annotations
 import logging
 import math
 import os
-import re
 import sys
 import threading
 import warnings
 from collections import deque
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
-from . import _backend, _storages
+from . import _backend, census
+from ._storages import StorageRef, matches_type
+from .census import LiveStorage
+from .culprits import NO_HOLDER, Culprit, group_culprits
+from .render.text import format_bytes
 from .span import MemorySpan, add_entry_hook, add_exit_hook
 
 if TYPE_CHECKING:
@@ -56,7 +70,6 @@ __all__ = [
     "LeakReport",
     "LeakSettings",
     "LeakWarning",
-    "LeakedStorage",
     "configure_leaks",
     "leak_settings",
     "leaks",
@@ -70,9 +83,11 @@ MAX_SERIES = 1000
 MAX_KEYS = 100_000
 #: Storages listed in a :class:`LeakReport` (the largest; totals count all of them).
 MAX_LISTED = 50
+#: Consecutive calls looked at for survivors before a slope they do not explain is let go.
+MAX_ATTEMPTS = 3
 
-_ARROW = re.compile(r"\s+(?:→|->)\s+")
-_TRAILING_INDEX = re.compile(r"(?:\[\d+\])+$")
+#: What a capture keeps: each storage's identity → ``(device, bytes)``.
+Refs = dict[StorageRef, tuple[str, int]]
 
 
 class LeakWarning(UserWarning):
@@ -103,6 +118,8 @@ class LeakSettings:
     min_bytes_per_call: int = 64 * 1024
     #: Warn again for the same holders when the rate changes by this factor.
     rate_change: float = 2.0
+    #: Share of the per-call growth the survivors of a call must hold for a warning.
+    min_explained: float = 0.5
     #: Holder groups named in a warning.
     max_culprits: int = 5
     #: Print an out-of-memory post-mortem when an OOM leaves a span (see ``cudamem.on_oom``).
@@ -113,8 +130,6 @@ class LeakSettings:
         return asdict(self)
 
     def __str__(self) -> str:
-        from .render.text import format_bytes
-
         return (
             f"growth detection {'on' if self.enabled else 'off'}: after {self.warmup} warm-up "
             f"call(s), {self.min_rises} of the last {self.window} calls rising by at least "
@@ -136,6 +151,11 @@ def _validate(s: LeakSettings) -> None:
         raise ValueError(f"min_rises ({s.min_rises}) cannot exceed window ({s.window})")
     if not isinstance(s.rate_change, (int, float)) or not s.rate_change > 1.0:
         raise ValueError(f"rate_change must be a number > 1, got {s.rate_change!r}")
+    explained = s.min_explained
+    if isinstance(explained, bool) or not isinstance(explained, (int, float)):
+        raise ValueError(f"min_explained must be a number in (0, 1], got {explained!r}")
+    if not 0.0 < explained <= 1.0:
+        raise ValueError(f"min_explained must be a number in (0, 1], got {explained!r}")
     for name in ("enabled", "span_oom_reports"):
         if not isinstance(getattr(s, name), bool):
             raise ValueError(f"{name} must be a bool, got {getattr(s, name)!r}")
@@ -172,65 +192,6 @@ def configure_leaks(**changes: Any) -> LeakSettings:
 
 
 @dataclass(frozen=True, slots=True)
-class LeakedStorage:
-    """One storage a span created that was still alive afterwards."""
-
-    nbytes: int
-    device: str
-    dtype: str | None
-    shape: tuple[int, ...] | None
-    #: Holder paths (``who_holds``); empty when nothing reachable from Python holds it.
-    holders: tuple[str, ...]
-
-    @property
-    def through_autograd(self) -> bool:
-        """Held only through another tensor's autograd graph."""
-        return bool(self.holders) and all(_through_graph(h) for h in self.holders)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready mapping."""
-        return {
-            "nbytes": self.nbytes,
-            "device": self.device,
-            "dtype": self.dtype,
-            "shape": None if self.shape is None else list(self.shape),
-            "holders": list(self.holders),
-            "through_autograd": self.through_autograd,
-        }
-
-    def __str__(self) -> str:
-        from .render.text import format_bytes
-
-        where = self.holders[0] if self.holders else "no holder reachable from Python"
-        return f"{format_bytes(self.nbytes)} on {self.device}: {where}"
-
-
-@dataclass(frozen=True, slots=True)
-class Culprit:
-    """Storages grouped by what holds them: a container, an attribute, a frame's local."""
-
-    #: The holder with list/tuple indices removed: ``__main__.loss_history``.
-    holder: str
-    #: Distinct items of the holder that keep memory (``loss_history[0]``, ``[1]``, ...).
-    tensors: int
-    storages: int
-    nbytes: int
-    #: Bytes of those held only through autograd graphs (saved tensors).
-    autograd_bytes: int
-    #: One full path, e.g. ``__main__.loss_history[3] → grad_fn MeanBackward0 → ...``.
-    example: str
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready mapping."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-    def __str__(self) -> str:
-        from .render.leaks import render_culprit
-
-        return render_culprit(self)
-
-
-@dataclass(frozen=True, slots=True)
 class LeakReport:
     """Storages created during a span that were still alive after it, with holders."""
 
@@ -240,7 +201,7 @@ class LeakReport:
     count: int
     nbytes: int
     #: The largest ones (at most ``MAX_LISTED``); ``count``/``nbytes`` cover all.
-    storages: tuple[LeakedStorage, ...]
+    storages: tuple[LiveStorage, ...]
     culprits: tuple[Culprit, ...]
     notes: tuple[str, ...] = ()
 
@@ -302,169 +263,94 @@ class Growth:
         return render_growth(self)
 
 
-# --------------------------------------------------------------------------- grouping
+# --------------------------------------------------------------------------- span capture
 
 
-def _through_graph(path: str) -> bool:
-    """Whether a holder path reaches the storage through an autograd graph."""
-    parts = _ARROW.split(path)
-    return len(parts) > 1 and any("grad_fn" in p or "saved" in p for p in parts[1:])
-
-
-def holder_group(path: str) -> tuple[str, str]:
-    """``(group, item)`` of a holder path.
-
-    The item is the path's first step (what Python holds: ``__main__.loss_history[3]``);
-    the group drops trailing list/tuple indices from it (``__main__.loss_history``) so that
-    a list of ten losses is one culprit. Dict keys stay: ``outputs['val']`` is a container.
-    """
-    item = _ARROW.split(path, maxsplit=1)[0].strip()
-    group = _TRAILING_INDEX.sub("", item) or item
-    return group, item
-
-
-def _in_container(path: str) -> bool:
-    """Whether the path's first step is an element (``x[3]``, ``d['k']``): on a tie, a
-    container that accumulates beats the loop variable that holds the latest item."""
-    return holder_group(path)[1].endswith("]")
-
-
-def _candidates(holders: tuple[str, ...]) -> tuple[str, ...]:
-    """The holders a storage is attributed to: direct ones if any, else all."""
-    direct = tuple(h for h in holders if not _through_graph(h))
-    return direct or holders
-
-
-def group_culprits(storages: Iterable[_storages.LiveStorage]) -> list[Culprit]:
-    """Group storages by holder; each storage counts once, largest group first.
-
-    A storage Python holds directly (not only through an autograd graph) belongs to one of
-    its direct holders: a parameter that every loss's graph reaches stays the model's. Among
-    the candidates, the holder group that holds the most of the storages given wins (a loss
-    history list rather than the loop's ``loss`` local that also holds the latest one).
-    """
-    items = list(storages)
-    votes: dict[str, int] = {}
-    for s in items:
-        for g in {holder_group(h)[0] for h in _candidates(s.holders)}:
-            votes[g] = votes.get(g, 0) + 1
-    acc: dict[str, dict[str, Any]] = {}
-    for s in items:
-        if s.holders:
-            path = max(
-                _candidates(s.holders),
-                key=lambda h: (votes.get(holder_group(h)[0], 0), _in_container(h), -len(h)),
-            )
-            group, item = holder_group(path)
-        else:
-            path = group = item = "(no holder reachable from Python)"
-        a = acc.setdefault(
-            group, {"items": set(), "storages": 0, "nbytes": 0, "autograd": 0, "example": path}
-        )
-        a["items"].add(item)
-        a["storages"] += 1
-        a["nbytes"] += s.nbytes
-        if s.holders and _through_graph(path):
-            a["autograd"] += s.nbytes
-    culprits = [
-        Culprit(g, len(a["items"]), a["storages"], a["nbytes"], a["autograd"], a["example"])
-        for g, a in acc.items()
-    ]
-    culprits.sort(key=lambda c: c.nbytes, reverse=True)
-    return culprits
-
-
-def _to_leaked(s: _storages.LiveStorage) -> LeakedStorage:
-    return LeakedStorage(s.nbytes, s.device, s.dtype, s.shape, s.holders)
-
-
-def _report(name: str, checked: str, keys: Mapping[Hashable, int], notes: list[str]) -> LeakReport:
-    """Holders for the storages in ``keys`` still alive now (any device)."""
-    found = _storages.live_storages(None, holders=True, keys=keys.keys())
-    if found is None:
-        notes.append("the census (cudamem.census) is unavailable: storages not enumerated")
-        found = []
+def _report(name: str, checked: str, refs: Iterable[StorageRef], notes: list[str]) -> LeakReport:
+    """Holders for the storages among ``refs`` still alive now (any device)."""
+    found = sorted(census.live_storages(None, holders=True, among=refs), key=census.listing_order)
     return LeakReport(
         span=name,
         checked=checked,
         count=len(found),
         nbytes=sum(s.nbytes for s in found),
-        storages=tuple(_to_leaked(s) for s in found[:MAX_LISTED]),
+        storages=tuple(found[:MAX_LISTED]),
         culprits=tuple(group_culprits(found)),
         notes=tuple(notes),
     )
 
 
-# --------------------------------------------------------------------------- span capture
-
-
 class _Capture:
-    """Storages a span created that were alive at its exit (keys only: nothing kept alive)."""
+    """Storages a span created that were alive at its exit (weak references: nothing kept
+    alive, and a storage freed since is not mistaken for whatever took its address)."""
 
-    __slots__ = ("keys", "name", "notes", "report")
+    __slots__ = ("name", "notes", "refs", "report")
 
-    def __init__(self, name: str, keys: dict[Hashable, int], notes: list[str]) -> None:
+    def __init__(self, name: str, refs: Refs, notes: list[str]) -> None:
         self.name = name
-        self.keys = keys
+        self.refs = refs
         self.notes = notes
         self.report: LeakReport | None = None
 
 
-def _largest(keys: dict[Hashable, int], notes: list[str]) -> dict[Hashable, int]:
-    if len(keys) <= MAX_KEYS:
-        return keys
-    notes.append(f"{len(keys)} new storages; only the largest {MAX_KEYS} are followed")
-    top = sorted(keys.items(), key=lambda kv: kv[1], reverse=True)[:MAX_KEYS]
+def _largest(refs: Refs, notes: list[str]) -> Refs:
+    if len(refs) <= MAX_KEYS:
+        return refs
+    notes.append(f"{len(refs)} new storages; only the largest {MAX_KEYS} are followed")
+    top = sorted(refs.items(), key=lambda kv: kv[1][1], reverse=True)[:MAX_KEYS]
     return dict(top)
 
 
-def begin(name: str) -> dict[Hashable, int] | None:
-    """Span entry (``leaks=True`` or a capture armed by the detector): live storage keys.
+def _failed(name: str, notes: list[str]) -> _Capture:
+    capture = _Capture(name, {}, notes)
+    capture.report = LeakReport(name, "at exit", 0, 0, (), (), tuple(notes))
+    return capture
+
+
+def begin(name: str) -> Refs | None:
+    """Span entry (``leaks=True`` or a capture armed by the detector): every live storage.
 
     Every device: a span's report names host storages too; the detector keeps only those
     of the allocator it watches.
     """
     try:
-        return _storages.live_keys(None)
+        return census.live_refs(None)
     except Exception as exc:  # the census must never break the user's step
         logger.debug("cudamem: storage snapshot at entry of %r failed: %r", name, exc)
         return None
 
 
-def end(name: str, start: dict[Hashable, int] | None, *, explicit: bool) -> _Capture | None:
-    """Span exit: the storages created inside and alive now; the report when ``explicit``."""
+def end(name: str, start: Refs | None, *, explicit: bool) -> _Capture | None:
+    """Span exit: the storages created inside and alive now; the report when ``explicit``.
+
+    Returns the capture only when ``explicit`` (``leaks=True``): the detector keeps its own.
+    """
     notes: list[str] = []
     try:
         if start is None:
             if not explicit:
                 return None
-            notes.append("the census (cudamem.census) is unavailable: storages not enumerated")
-            capture = _Capture(name, {}, notes)
-            capture.report = LeakReport(name, "at exit", 0, 0, (), (), tuple(notes))
-            return capture
-        now = _storages.live_keys(None) or {}
-        new = _largest({k: n for k, n in now.items() if k not in start}, notes)
-        capture = _Capture(name, new, notes)
+            notes.append(
+                "the census failed at entry (see the cudamem.leaks debug log): "
+                "storages not enumerated"
+            )
+            return _failed(name, notes)
+        now = census.live_refs(None)
+        new = _largest({r: v for r, v in now.items() if r not in start}, notes)
+        del now
         watched = _backend.get().storage_device_type()
-        _detector.captured(
-            name,
-            {
-                k: n
-                for k, n in new.items()
-                if _storages.matches_type(_storages.key_device(k), watched)
-            },
-        )
-        if explicit:
-            capture.report = _report(name, "at exit", new, list(notes))
+        _detector.captured(name, {r: v for r, v in new.items() if matches_type(v[0], watched)})
+        if not explicit:
+            return None
+        capture = _Capture(name, new, notes)
+        capture.report = _report(name, "at exit", new, list(notes))
         return capture
     except Exception as exc:
         logger.debug("cudamem: storage snapshot at exit of %r failed: %r", name, exc)
         if not explicit:
             return None
         notes.append(f"leak capture failed: {type(exc).__name__}: {exc}")
-        capture = _Capture(name, {}, notes)
-        capture.report = LeakReport(name, "at exit", 0, 0, (), (), tuple(notes))
-        return capture
+        return _failed(name, notes)
 
 
 def leaks(since: MemorySpan) -> LeakReport:
@@ -477,11 +363,14 @@ def leaks(since: MemorySpan) -> LeakReport:
             run_validation()
         ...
         print(cudamem.leaks(since=span))
+
+    The same storages, by identity: one freed since is gone from the answer even when the
+    allocator has put a new one at its address.
     """
     if not isinstance(since, MemorySpan):
         raise TypeError(f"since must be a MemorySpan, not {type(since).__name__}")
     capture = since._leak_capture()
-    return _report(capture.name, "now", capture.keys, list(capture.notes))
+    return _report(capture.name, "now", capture.refs, list(capture.notes))
 
 
 # --------------------------------------------------------------------------- detector
@@ -500,7 +389,7 @@ def theil_sen(levels: tuple[int, ...] | list[int]) -> float:
     return float(slopes[mid]) if len(slopes) % 2 else (slopes[mid - 1] + slopes[mid]) / 2
 
 
-_WATCH, _ARMED, _PENDING, _LEAKING = range(4)
+_WATCH, _ARMED, _PENDING, _CHECKING, _LEAKING = range(5)
 
 #: Span names whose next call the detector wants captured. Replaced, never mutated, so the
 #: entry hook reads it without a lock.
@@ -527,14 +416,17 @@ class _Series:
 
     __slots__ = (
         "armed_exits",
+        "attempts",
         "calls",
         "captured",
         "checked_rate",
         "cooldown",
+        "hold",
         "last",
         "levels",
         "pending",
         "phase",
+        "quiet",
         "rises",
         "warned",
     )
@@ -547,9 +439,18 @@ class _Series:
         self.phase = _WATCH
         self.armed_exits = 0
         self.cooldown = 0
-        self.captured: dict[Hashable, int] | None = None
-        self.pending: dict[Hashable, int] | None = None
+        #: The capture of the call that just ended (set by :func:`end` before exit hooks).
+        self.captured: Refs | None = None
+        #: The capture whose survivors are checked at the next exit.
+        self.pending: Refs | None = None
+        #: Captured calls already found not to explain the growth, this episode.
+        self.attempts = 0
         self.checked_rate = 0.0
+        #: Episodes in a row whose growth no survivors explained, and the calls left before
+        #: another capture may be armed (doubling each time: a slope that is the allocator's
+        #: cache must not keep the census running).
+        self.quiet = 0
+        self.hold = 0
         #: (holder groups, per-call rate) of the last warning.
         self.warned: tuple[frozenset[str], float] | None = None
 
@@ -571,21 +472,36 @@ class _Detector:
         global _armed
         s.phase = _ARMED
         s.armed_exits = 0
+        s.attempts = 0
         s.captured = None
         _armed = _armed | {name}
 
-    def _disarm(self, name: str) -> None:
+    def _disarm(self, name: str, s: _Series) -> None:
         global _armed
+        s.captured = None
         if name in _armed:
             _armed = _armed - {name}
 
-    def captured(self, name: str, keys: dict[Hashable, int]) -> None:
+    def _give_up(
+        self, name: str, s: _Series, settings: LeakSettings, *, unexplained: bool = False
+    ) -> None:
+        """Back to watching, after a window's rest: the episode is over without a finding.
+
+        ``unexplained``: the slope went on but nothing confirmed it; no capture for a while
+        (one window, then two, four, ... up to 32), whatever the slope does meanwhile.
+        """
+        self._disarm(name, s)
+        s.phase, s.pending, s.cooldown = _WATCH, None, settings.window
+        if unexplained:
+            s.hold = settings.window * 2 ** min(s.quiet, 5)
+            s.quiet += 1
+
+    def captured(self, name: str, refs: Refs) -> None:
         """A span of ``name`` finished a capture (called before the exit hooks run)."""
         with self.lock:
             s = self.series.get(name)
-            if s is not None and s.phase == _ARMED:
-                s.captured = keys
-                self._disarm(name)
+            if s is not None and s.phase in (_ARMED, _PENDING, _CHECKING):
+                s.captured = refs
 
     def on_exit(self, name: str, level: int, own: int) -> None:
         """A call of ``name`` ended at ``level`` allocated bytes, ``own`` of them its own
@@ -614,18 +530,26 @@ class _Detector:
             s.rises.append(rose)
             if s.cooldown:
                 s.cooldown -= 1
+            if s.hold:
+                s.hold -= 1
             if s.phase == _WATCH and True not in s.rises:
                 return  # the steady state: arming needs at least one rise in the window
             action = self._step(name, s, settings)
             if action is None:
                 return
             pending, levels, calls = s.pending, _trimmed(s), s.calls
-            s.pending = None
+            s.pending, s.phase = None, _CHECKING
         # The census runs outside the lock: other threads' spans keep going meanwhile.
-        self._investigate(name, pending, levels, calls, settings)
+        self._investigate(name, pending or {}, levels, calls, settings)
 
     def _step(self, name: str, s: _Series, settings: LeakSettings) -> str | None:
-        """Advance the series' state machine; ``'investigate'`` when culprits are due."""
+        """Advance the series' state machine; ``'investigate'`` when survivors are due.
+
+        While an investigation runs the name stays armed, so that every call is captured:
+        when one call's survivors do not explain the growth, the next call's are looked at.
+        """
+        if s.phase == _CHECKING:
+            return None  # another thread is looking at this series' survivors
         rises = sum(s.rises)
         sustained = rises >= settings.min_rises and _rate(s) >= settings.min_bytes_per_call
         if s.phase == _ARMED:
@@ -634,18 +558,14 @@ class _Detector:
                 s.pending, s.captured = s.captured, None
                 s.phase = _PENDING
             elif s.armed_exits >= 2:
-                # The call after arming was not captured (no census, or it failed): say what
-                # is known without culprits rather than wait for ever.
-                self._disarm(name)
-                s.pending = None
-                if sustained:
-                    return "investigate"
-                s.phase, s.cooldown = _WATCH, settings.window
+                # No call could be captured (the census failed): nothing can confirm it.
+                logger.debug("cudamem: %r could not be captured; growth not checked", name)
+                self._give_up(name, s, settings, unexplained=True)
             return None
         if s.phase == _PENDING:
             if sustained:
                 return "investigate"
-            s.phase, s.pending, s.cooldown = _WATCH, None, settings.window
+            self._give_up(name, s, settings)
             return None
         if s.phase == _LEAKING:
             if not sustained:
@@ -662,26 +582,63 @@ class _Detector:
                 s.phase = _WATCH
             return None
         # _WATCH: suspicion (one rise short of the rule) arms a capture of the next call.
-        if sustained or (s.cooldown == 0 and rises >= settings.min_rises - 1):
+        if s.hold == 0 and (sustained or (s.cooldown == 0 and rises >= settings.min_rises - 1)):
             self._arm(name, s)
         return None
+
+    def _unexplained(self, name: str, rate: float, retained: int, settings: LeakSettings) -> None:
+        """One captured call's survivors do not explain the slope: look at the next call,
+        or let it go. Never a warning: growth no live tensor holds is not this kind of leak."""
+        with self.lock:
+            s = self.series.get(name)
+            if s is None or s.phase != _CHECKING:
+                return
+            s.attempts += 1
+            if s.attempts < MAX_ATTEMPTS and s.captured is not None:
+                s.pending, s.captured, s.phase = s.captured, None, _PENDING
+                return
+            self._give_up(name, s, settings, unexplained=True)
+        logger.debug(
+            "cudamem: %r grows by %s per call, but the storages a call creates that outlive "
+            "the next call hold %s: not reported (the allocator's cache, workspaces, or memory "
+            "made outside the span; see cudamem.unaccounted())",
+            name,
+            format_bytes(round(rate)),
+            format_bytes(retained),
+        )
 
     def _investigate(
         self,
         name: str,
-        pending: dict[Hashable, int] | None,
+        pending: Refs,
         levels: tuple[int, ...],
         calls: int,
         settings: LeakSettings,
     ) -> None:
         rate = theil_sen(levels)
-        notes: list[str] = []
-        culprits: list[Culprit] = []
-        retained: int | None = None
         try:
-            culprits, retained = _name_culprits(pending, notes)
+            # The cheap test first: do the captured call's storages still exist?
+            retained = sum(v[1] for r, v in pending.items() if r.alive)
         except Exception as exc:  # never into the user's step
-            notes.append(f"naming the culprits failed: {type(exc).__name__}: {exc}")
+            logger.debug("cudamem: checking the survivors of %r failed: %r", name, exc)
+            retained = 0
+        notes: list[str] = []
+        if retained < settings.min_explained * rate:
+            # No tensor explains it; piling cuBLAS workspaces (held by no tensor) still can.
+            notes = _workspace_notes()
+            if not notes:
+                self._unexplained(name, rate, retained, settings)
+                return
+        with self.lock:
+            s = self.series.get(name)
+            if s is not None:
+                self._disarm(name, s)
+        culprits: list[Culprit] = []
+        if not notes:
+            try:
+                culprits = _name_culprits(pending)
+            except Exception as exc:  # never into the user's step
+                notes.append(f"naming the culprits failed: {type(exc).__name__}: {exc}")
         growth = Growth(
             name=name,
             per_call=round(rate),
@@ -696,7 +653,7 @@ class _Detector:
             s = self.series.get(name)
             if s is None:
                 return
-            s.phase, s.checked_rate = _LEAKING, rate
+            s.phase, s.checked_rate, s.pending, s.quiet = _LEAKING, rate, None, 0
             previous = s.warned
             if previous is not None and previous[0] == signature[0]:
                 ratio = rate / previous[1] if previous[1] > 0 else math.inf
@@ -707,41 +664,59 @@ class _Detector:
         _emit(growth)
 
 
-def _name_culprits(
-    pending: dict[Hashable, int] | None, notes: list[str]
-) -> tuple[list[Culprit], int | None]:
-    """Culprit groups for the storages a captured call left alive, with group totals."""
-    if pending is None:
-        if not _storages.available():
-            notes.append("culprits not named: the census (cudamem.census) is unavailable")
-        else:
-            notes.append("culprits not named: the call could not be captured")
-        return [], None
+def _name_culprits(pending: Refs) -> list[Culprit]:
+    """Culprits for the storages a captured call left alive, with container totals.
+
+    The containers are named from the survivors; each is then totalled over every live
+    storage it holds through the same paths: "loss_history: 10 tensors, 40 MiB" rather
+    than the one captured call's share.
+    """
     device_type = _backend.get().storage_device_type()
-    everything = _storages.live_storages(device_type, holders=True)
-    if everything is None:
-        notes.append("culprits not named: the census (cudamem.census) is unavailable")
-        return [], None
-    survivors = [s for s in everything if s.key in pending]
-    retained = sum(s.nbytes for s in survivors)
-    if not survivors:
-        notes.append(
-            "no storage the span created outlived the next call: the growth is memory no "
-            "live tensor accounts for (see cudamem.unaccounted()), or it is created "
-            "outside the span"
-        )
-        return [], retained
-    # Name the groups from the survivors, then total each group over every live storage it
-    # holds: "loss_history: 10 tensors, 40 MiB" rather than the one captured call's share.
+    everything = census.live_storages(device_type, holders=True)
+    survivors = [s for s in everything if s.ref is not None and s.ref in pending]
     named = group_culprits(survivors)
-    wanted = {c.holder for c in named}
-    members = [
-        s for s in everything if any(holder_group(h)[0] in wanted for h in _candidates(s.holders))
-    ]
-    totals = {c.holder: c for c in group_culprits(members) if c.holder in wanted}
-    culprits = [totals.get(c.holder, c) for c in named]
+    wanted = {p for c in named for p in c.patterns}
+    totals = {c.holder: c for c in group_culprits(everything, patterns=wanted)}
+    culprits = [c if c.holder == NO_HOLDER else totals.get(c.holder, c) for c in named]
     culprits.sort(key=lambda c: c.nbytes, reverse=True)
-    return culprits, retained
+    return culprits
+
+
+#: cuBLAS workspaces of a training step: one for the forward thread, one for autograd's.
+STEP_WORKSPACES = 2
+
+
+def _cublas_workspaces() -> list[tuple[int, int, int]]:
+    """``(device, bytes, count)`` of the cuBLAS workspaces on each device with a context (the
+    census's split of allocated memory: blocks of the workspace size no tensor lives in)."""
+    out = []
+    for device in _backend.get().initialized_devices():
+        try:
+            split = census.unaccounted(device)
+        except Exception:
+            continue
+        if split.cublas_workspaces:
+            out.append((device, int(split.cublas_workspaces), int(split.workspace_count)))
+    return out
+
+
+def _workspace_notes() -> list[str]:
+    """Growth no storage accounts for, when cuBLAS workspaces pile up: name them."""
+    try:
+        if _backend.get().storage_device_type() != "cuda":
+            return []
+        piles = _cublas_workspaces()
+    except Exception as exc:  # never into the user's step
+        logger.debug("cudamem: reading the cuBLAS workspaces failed: %r", exc)
+        return []
+    return [
+        f"{format_bytes(nbytes)} of the allocated memory on cuda:{device} is {count} cuBLAS "
+        "workspaces held by no tensor: cuBLAS keeps one per handle and stream (a training "
+        "step uses two), so a new torch.cuda.Stream per call adds more every call; reuse one "
+        "stream, or cudamem.release(clear_cublas=True) frees them"
+        for device, nbytes, count in piles
+        if count > STEP_WORKSPACES
+    ]
 
 
 _detector = _Detector()

@@ -32,11 +32,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from . import _backend, _storages
+from . import _backend, census
+from .census import LiveStorage
+from .culprits import NO_HOLDER, Culprit, group_culprits
 from .leaks import leak_settings
 from .render.text import format_bytes
 from .span import add_exit_hook
@@ -50,7 +52,6 @@ __all__ = [
     "OomEvent",
     "OomGuard",
     "OomReport",
-    "OomStorage",
     "on_oom",
     "oom_report",
     "parse_oom_message",
@@ -161,26 +162,6 @@ class OomEvent:
 
 
 @dataclass(frozen=True, slots=True)
-class OomStorage:
-    """One of the largest live storages at the time of the OOM."""
-
-    nbytes: int
-    device: str
-    dtype: str | None
-    shape: tuple[int, ...] | None
-    holders: tuple[str, ...]
-    #: ``file:line in function`` where it was allocated (only with history recording on).
-    allocated_at: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready mapping."""
-        out = {f.name: getattr(self, f.name) for f in fields(self)}
-        out["holders"] = list(self.holders)
-        out["shape"] = None if self.shape is None else list(self.shape)
-        return out
-
-
-@dataclass(frozen=True, slots=True)
 class StrandedCache:
     """Cache reserved on a stream that holds no live tensor."""
 
@@ -218,11 +199,14 @@ class OomReport:
     #: Memory of other processes on the device, per message (``total - free - this process``).
     other_processes: int | None
     stranded: tuple[StrandedCache, ...]
-    storages: tuple[OomStorage, ...]
+    #: The largest live storages on the device, with holders (``allocated_at`` with history).
+    storages: tuple[LiveStorage, ...]
     advice: tuple[str, ...]
     notes: tuple[str, ...] = ()
     #: The file the report was written to, if any.
     file: str | None = None
+    #: Those storages grouped by the container that holds them (:mod:`cudamem.culprits`).
+    culprits: tuple[Culprit, ...] = ()
 
     @property
     def cache(self) -> int | None:
@@ -236,7 +220,7 @@ class OomReport:
         out: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("stranded", "storages"):
+            if f.name in ("stranded", "storages", "culprits"):
                 value = [v.to_dict() for v in value]
             elif f.name in ("advice", "notes"):
                 value = list(value)
@@ -349,7 +333,7 @@ def _advice(
     cache: int | None,
     largest_free: int | None,
     stranded: Sequence[StrandedCache],
-    storages: Sequence[OomStorage],
+    culprits: Sequence[Culprit],
     others: int | None,
     non_pytorch: int | None,
 ) -> list[str]:
@@ -383,22 +367,26 @@ def _advice(
             "reuse one torch.cuda.Stream instead of creating one per run, or call "
             "torch.cuda.empty_cache() when a run ends."
         )
-    graph = [s for s in storages if s.holders and all(_via_graph(h) for h in s.holders)]
+    named = [c for c in culprits if c.holder != NO_HOLDER]
+    graph = [c for c in named if c.autograd_bytes * 2 >= c.nbytes]
     if graph:
-        holder = graph[0].holders[0].split(" → ")[0]
         out.append(
-            f"{holder} keeps autograd graphs alive "
-            f"({format_bytes(sum(s.nbytes for s in graph))} among "
+            f"{graph[0].holder} keeps autograd graphs alive "
+            f"({format_bytes(graph[0].autograd_bytes)} among "
             "the largest storages): store loss.item() or use cudamem.ScalarLogger instead of "
             "the tensor, and run evaluation under torch.no_grad()."
         )
-    held = [s for s in storages if s.holders and s not in graph]
+    held = [c for c in named if c not in graph]
     if held:
         top = held[0]
+        what = (
+            f"{top.items} items of {top.holder} hold {format_bytes(top.nbytes)}"
+            if top.items > 1
+            else f"{top.holder} holds {format_bytes(top.nbytes)}"
+        )
         out.append(
-            f"The largest live storage ({format_bytes(top.nbytes)}) is held by {top.holders[0]}: "
-            "del it (and every other holder) or move it to the CPU (cudamem.to_host) if it is "
-            "needed only later."
+            f"Among the largest live storages, {what}: del it (and every other holder) or "
+            "move it to the CPU (cudamem.to_host) if it is needed only later."
         )
     if others is not None and others >= 1024**3:
         out.append(
@@ -417,11 +405,6 @@ def _advice(
             "and optimizer.zero_grad(set_to_none=True)."
         )
     return out
-
-
-def _via_graph(path: str) -> bool:
-    parts = path.split(" → ")
-    return len(parts) > 1 and any("grad_fn" in p or "saved" in p for p in parts[1:])
 
 
 def build_report(
@@ -472,18 +455,22 @@ def build_report(
     except Exception as exc:
         notes.append(f"segment analysis failed: {exc!r}")
 
-    storages: list[OomStorage] = []
+    storages: list[LiveStorage] = []
+    culprits: list[Culprit] = []
     try:
         sites = _allocation_sites(backend, device)
-        found = _storages.live_storages(backend.storage_device_type(), holders=holders)
-        if found is None:
-            notes.append("live storages not listed: the census (cudamem.census) is unavailable")
-        else:
-            if backend.storage_device_type() == "cuda":
-                found = [s for s in found if s.device == f"cuda:{device}"]
-            for s in found[:top]:
-                site = sites.get(s.data_ptr) if s.data_ptr is not None else None
-                storages.append(OomStorage(s.nbytes, s.device, s.dtype, s.shape, s.holders, site))
+        device_type = backend.storage_device_type()
+        # Holders only for the storages listed: the search is the expensive part.
+        listed = [
+            s.ref
+            for s in census.live_storages(device_type)
+            if s.ref is not None and (device_type != "cuda" or s.device == f"cuda:{device}")
+        ][:top]
+        found = census.live_storages(device_type, holders=holders, among=listed)
+        for s in sorted(found, key=census.listing_order):
+            # An address is the right key here: the blocks of this very instant.
+            storages.append(replace(s, allocated_at=sites.get(s.data_ptr)))
+        culprits = group_culprits(storages) if holders else []
     except Exception as exc:
         notes.append(f"listing live storages failed: {type(exc).__name__}: {exc}")
 
@@ -501,7 +488,7 @@ def build_report(
         cache=cache,
         largest_free=largest,
         stranded=stranded,
-        storages=storages,
+        culprits=culprits,
         others=others,
         non_pytorch=non_pytorch,
     )
@@ -525,6 +512,7 @@ def build_report(
         storages=tuple(storages),
         advice=tuple(advice),
         notes=tuple(notes),
+        culprits=tuple(culprits),
     )
 
 
@@ -568,8 +556,6 @@ def _resolve_file(file: str | os.PathLike[str]) -> Path:
 
 
 def _write(report: OomReport, *, stderr: bool, file: str | os.PathLike[str] | None) -> OomReport:
-    from dataclasses import replace
-
     from .render.oom import render_oom
 
     path: Path | None = None

@@ -214,41 +214,12 @@ def _script_traceback(exc: BaseException) -> str:
 
 
 def _by_container(storages: Sequence[Any]) -> tuple[Any, ...]:
-    """The listed storages grouped by the container that holds them, largest first.
+    """The listed storages grouped by the container that holds them, largest first, by the
+    one culprit rule (:mod:`cudamem.culprits`: a list of ten losses is one holder; a storage
+    Python names directly belongs to that name, not to an autograd path through it)."""
+    from .culprits import group_culprits
 
-    The one grouping rule is growth detection's (a list of ten losses is one holder; a
-    storage Python names directly belongs to that name, not to an autograd path through it).
-    """
-    import importlib
-
-    try:  # the rule's own module, which takes census storages as they are
-        rule: Any = importlib.import_module(f"{__package__}.culprits")
-    except ImportError:
-        rule = None
-    if rule is not None:
-        return tuple(rule.group_culprits(storages))
-    from ._storages import LiveStorage
-    from .leaks import group_culprits
-
-    plain = [
-        LiveStorage(
-            key=s.key,
-            nbytes=s.nbytes,
-            device=s.device,
-            dtype=s.dtype,
-            shape=s.shape,
-            holders=tuple(s.holders.paths) if s.holders is not None else (),
-        )
-        for s in storages
-    ]
-    return tuple(group_culprits(plain))
-
-
-def _listing_order(storage: Any) -> tuple[int, str]:
-    """Largest first; among equal sizes by holder path, not by address (which differs from
-    run to run), so that the same program gives the same table."""
-    paths = storage.holders.paths if storage.holders is not None else ()
-    return (-storage.nbytes, min(paths, default="\uffff"))
+    return tuple(group_culprits(storages))
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,22 +232,23 @@ class _Collected:
 
 
 def _collect(top: int, with_ledger: bool, notes: list[str]) -> _Collected:
-    from .census import Census, live_tensors, storages_with_keys
+    from .census import Census, listing_order, live_storages, live_tensors
     from .span import max_allocated
 
     live = ledger = None
     groups: tuple[Any, ...] = ()
     unlisted = (0, 0)
     try:
-        # Holders only for the storages listed: the search is the expensive part.
+        # Holders only for the storages listed: the search is the expensive part. The second
+        # pass asks for the same storages (by identity), not for whatever is at their address.
         census = live_tensors()
-        keys = [s.key for s in census.storages[:top]]
-        listed = storages_with_keys(keys, holders=True) if keys else ()
+        refs = [s.ref for s in census.storages[:top] if s.ref is not None]
+        listed = live_storages(holders=True, among=refs) if refs else ()
         unlisted = (
             max(len(census) - top, 0),
             sum(s.nbytes for s in census.storages[top:]),
         )
-        live = Census(tuple(sorted(listed, key=_listing_order)), census.notes, census.elapsed)
+        live = Census(tuple(sorted(listed, key=listing_order)), census.notes, census.elapsed)
         groups = _by_container(live.storages)
     except Exception as exc:
         notes.append(f"census failed: {type(exc).__name__}: {exc}")

@@ -171,6 +171,7 @@ _VARYING = [
     (re.compile(r"\b\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?"), "<when>"),
     (re.compile(r"0x[0-9a-fA-F]+"), "0x<addr>"),
     (re.compile(r"\bpid \d+"), "pid <pid>"),
+    (re.compile(r"(pid <pid> on )[^\s,)]+"), r"\1<host>"),  # the distributed report's hosts
     (re.compile(r'"(data_ptr|started_at|duration|elapsed|thread)": [-\d.e]+'), r'"\1": <n>'),
     (re.compile(r"-{2,}"), "--"),  # table rules follow the widest cell, timings included
     (re.compile(r"[ \t]+"), " "),

@@ -89,3 +89,28 @@ class FakeAllocator(Backend):
         with self.lock:
             self.calls["reset_peak"] += 1
             self.peak[device] = self.allocated[device]
+
+
+class CpuStorageBackend(FakeAllocator):
+    """A stand-in GPU whose counters are this process's live CPU tensors, as the census sees
+    them: ``allocated`` is the bytes of every CPU storage alive at the read, so spans, growth
+    detection and culprits follow real tensors on a machine without a GPU.
+
+    Each read is a census (a heap walk): fine for a handful of spans, not for a hot loop.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(devices=1, contexts=(0,))
+
+    def storage_device_type(self) -> str:
+        return "cpu"
+
+    def read(self, device: int) -> AllocatorStats:
+        from cudamem.census import live_storage_keys
+
+        total = sum(live_storage_keys("cpu").values())
+        with self.lock:
+            self.allocated[device] = total
+            self.reserved[device] = max(self.reserved[device], total)
+            self.peak[device] = max(self.peak[device], total)
+        return super().read(device)

@@ -7,6 +7,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from .test_cli import cudamem, write
 
@@ -35,7 +36,12 @@ def test_demo_passes_every_check_on_gpu() -> None:
     out = cudamem("demo", "--json", timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     results = json.loads(out.stdout)
-    assert all(r["skipped"] is None for r in results)
+    # The two-GPU experiments of seed 001 skip, saying so, on a machine with one GPU.
+    two = torch.cuda.device_count() >= 2
+    for r in results:
+        assert r["skipped"] is None or (
+            not two and r["skipped"].startswith("needs two CUDA GPUs")
+        ), r
     failed = [c for r in results for c in r["checks"] if not c["passed"]]
     assert not failed, failed
     assert sum(len(r["checks"]) for r in results) >= 25

@@ -52,20 +52,6 @@ def test_find_graph_holders_keeps_nothing_alive() -> None:
     assert ref() is None
 
 
-@pytest.mark.parametrize(
-    ("path", "container"),
-    [
-        ("__main__.loss_history[3]", "__main__.loss_history"),
-        ("__main__.outs['val'][2]", "__main__.outs['val']"),
-        ("__main__.d['a]b']", "__main__.d"),
-        ("__main__.last", "__main__.last"),
-        ("train.py:42 in step(): local 'loss'", "train.py:42 in step(): local 'loss'"),
-    ],
-)
-def test_container_of(path: str, container: str) -> None:
-    assert _holders._container_of(path) == container
-
-
 def test_moved_beside_who_holds() -> None:
     for name in ("find_graph_holders", "GraphHolder", "GraphHolders"):
         assert name in cudamem.__all__

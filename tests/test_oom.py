@@ -171,14 +171,48 @@ def test_report_names_largest_holder_and_advice(fake: OomFake) -> None:
     assert report.allocated == 768 * MiB
     top = report.storages[0]
     assert top.nbytes == 16 * MiB
-    assert top.holders[0] == "tests.test_oom.big_holder[0]"
+    assert top.paths[0] == "tests.test_oom.big_holder[0]"
     assert "more than the GPU has" in report.advice[0]
     text = str(report)
     assert "tried to allocate 200.0 GiB" in text
     assert "tests.test_oom.big_holder[0]" in text
     data = report.to_dict()
-    assert data["storages"][0]["holders"] == ["tests.test_oom.big_holder[0]"]
+    assert [h["path"] for h in data["storages"][0]["holders"]["holders"]] == [
+        "tests.test_oom.big_holder[0]"
+    ]
+    assert data["storages"][0]["nbytes"] == 16 * MiB
+    assert data["culprits"][0]["holder"] == "tests.test_oom.big_holder"
     assert data["requested"] == 200 * GiB
+
+
+def test_report_groups_the_largest_storages_by_container(fake: OomFake) -> None:
+    for _ in range(3):
+        big_holder.append(torch.empty(24 * MiB, dtype=torch.uint8))  # pages never touched
+    fake.alloc(768 * MiB)
+    report = oom_report(make_oom(OLD_MESSAGE))  # a request that fits: advice on holders
+    top = report.culprits[0]
+    assert (top.holder, top.items, top.storages, top.nbytes) == (
+        "tests.test_oom.big_holder",
+        3,
+        3,
+        72 * MiB,
+    )
+    assert any("3 items of tests.test_oom.big_holder hold 72.0 MiB" in a for a in report.advice)
+    text = str(report)
+    assert "held by:\n  tests.test_oom.big_holder: 3 tensors, 72.0 MiB" in text
+
+
+def test_report_names_the_container_that_keeps_graphs(fake: OomFake) -> None:
+    w = torch.randn(2 * MiB, requires_grad=True)  # 8 MiB: each loss saves a sigmoid of it
+    for _ in range(3):
+        big_holder.append(torch.sigmoid(w * 2).sum())
+    fake.alloc(768 * MiB)
+    report = oom_report(make_oom(OLD_MESSAGE))
+    graph = [c for c in report.culprits if c.holder == "tests.test_oom.big_holder"]
+    assert graph and graph[0].autograd_bytes >= 3 * 8 * MiB
+    assert any(
+        a.startswith("tests.test_oom.big_holder keeps autograd graphs alive") for a in report.advice
+    )
 
 
 def test_fragmentation_and_stranded_streams(fake: OomFake) -> None:
@@ -206,7 +240,7 @@ def test_fragmentation_advice() -> None:
         cache=60 * MiB,
         largest_free=20 * MiB,
         stranded=(),
-        storages=(),
+        culprits=(),
         others=None,
         non_pytorch=None,
     )
@@ -228,9 +262,12 @@ def test_oom_report_refuses_other_errors(fake: OomFake) -> None:
 
 
 def test_report_without_census(fake: OomFake, monkeypatch: pytest.MonkeyPatch) -> None:
-    from cudamem import _storages
+    from cudamem import census
 
-    monkeypatch.setattr(_storages, "_census", lambda: None)
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("census exploded")
+
+    monkeypatch.setattr(census, "live_storages", broken)
     report = oom_report(make_oom())
     assert report.storages == ()
     assert any("census" in n for n in report.notes)

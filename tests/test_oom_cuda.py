@@ -53,9 +53,9 @@ def test_forced_oom_in_span_names_largest_holder(
     assert report.allocated is not None and report.allocated >= 3 * GiB
     top = report.storages[0]
     assert top.nbytes == 2 * GiB
-    assert top.holders[0] == "tests.test_oom_cuda.big_holder[1]"
+    assert top.paths[0] == "tests.test_oom_cuda.big_holder[1]"
     assert top.allocated_at is not None and "test_oom_cuda.py" in top.allocated_at
-    assert report.storages[1].holders[0] == "tests.test_oom_cuda.big_holder[0]"
+    assert report.storages[1].paths[0] == "tests.test_oom_cuda.big_holder[0]"
     assert "more than the GPU has" in report.advice[0]
     err = capsys.readouterr().err
     assert err.count("=== cudamem OOM post-mortem") == 1
@@ -76,7 +76,7 @@ def test_forced_oom_through_excepthook(capsys: pytest.CaptureFixture[str]) -> No
             sys.excepthook(type(exc), exc, exc.__traceback__)
         report = guard.last_report
         assert report is not None and report.source == "sys.excepthook"
-        assert report.storages[0].holders[0] == "tests.test_oom_cuda.big_holder[0]"
+        assert report.storages[0].paths[0] == "tests.test_oom_cuda.big_holder[0]"
         assert "tests.test_oom_cuda.big_holder[0]" in capsys.readouterr().err
         guard.uninstall()
     finally:

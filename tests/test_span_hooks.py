@@ -42,6 +42,30 @@ def fake() -> Iterator[FakeAllocator]:
     cudamem.configure_leaks()
 
 
+class KeepingFake(FakeAllocator):
+    """A fake GPU whose growth real CPU storages explain (a warning needs survivors)."""
+
+    def __init__(self) -> None:
+        super().__init__(devices=2, contexts=(0,))
+        self.kept: list[torch.Tensor] = []
+
+    def storage_device_type(self) -> str:
+        return "cpu"
+
+    def keep(self, nbytes: int) -> None:
+        self.alloc(nbytes)
+        self.kept.append(torch.empty(nbytes, dtype=torch.uint8))  # pages never touched
+
+
+@pytest.fixture
+def keeping() -> Iterator[KeepingFake]:
+    alloc = KeepingFake()
+    cudamem.configure_leaks()
+    with _backend.use(alloc):
+        yield alloc
+    cudamem.configure_leaks()
+
+
 @pytest.fixture
 def fresh_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
     """cudamem warns once per problem per process; let this test see its own."""
@@ -218,14 +242,15 @@ def test_propagated_warning_leaves_after_every_hook_ran(fake: FakeAllocator) -> 
 # --------------------------------------------------------------------------- -W error
 
 
-def test_leak_warning_as_error_reaches_the_user_as_itself(fake: FakeAllocator) -> None:
+def test_leak_warning_as_error_reaches_the_user_as_itself(keeping: KeepingFake) -> None:
+    fake = keeping
     caught: list[tuple[int, cudamem.LeakWarning]] = []
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for i in range(10):
             try:
                 with cudamem.track("leaky"):
-                    fake.alloc(4 * MiB)  # kept: +4 MiB per call
+                    fake.keep(4 * MiB)  # kept: +4 MiB per call
             except cudamem.LeakWarning as w:
                 caught.append((i, w))
                 break
@@ -241,10 +266,10 @@ def test_leak_warning_as_error_reaches_the_user_as_itself(fake: FakeAllocator) -
     assert cudamem.history().spans[-1].name == "after"
 
 
-def test_leak_warning_as_error_from_a_decorated_function(fake: FakeAllocator) -> None:
+def test_leak_warning_as_error_from_a_decorated_function(keeping: KeepingFake) -> None:
     @cudamem.track("step")
     def step() -> int:
-        fake.alloc(4 * MiB)
+        keeping.keep(4 * MiB)
         return 1
 
     with warnings.catch_warnings():

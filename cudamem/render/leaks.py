@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING
 from .text import format_bytes, render_table
 
 if TYPE_CHECKING:
-    from ..leaks import Culprit, Growth, LeakReport
+    from ..culprits import Culprit
+    from ..leaks import Growth, LeakReport
 
 __all__ = ["render_culprit", "render_growth", "render_leak_report"]
 
@@ -17,8 +18,15 @@ def _plural(n: int, word: str) -> str:
 
 
 def render_culprit(c: Culprit) -> str:
-    """``__main__.loss_history: 10 tensors, 40.0 MiB held through autograd graphs``."""
-    text = f"{c.holder}: {_plural(c.tensors, 'tensor')}, {format_bytes(c.nbytes)}"
+    """``__main__.loss_history: 10 tensors, 40.0 MiB held through autograd graphs``.
+
+    A container whose entries hold several tensors each says both:
+    ``model.step_outputs: 30 items, 60 tensors, 12.0 MiB``.
+    """
+    count = _plural(c.tensors, "tensor")
+    if c.items > 1 and c.items != c.tensors:
+        count = f"{_plural(c.items, 'item')}, {count}"
+    text = f"{c.holder}: {count}, {format_bytes(c.nbytes)}"
     if c.autograd_bytes and c.autograd_bytes * 2 >= c.nbytes:
         text += " held through autograd graphs"
     elif c.autograd_bytes:
@@ -43,6 +51,16 @@ def _hint(c: Culprit) -> str | None:
     )
 
 
+def _inner_patterns(c: Culprit, limit: int = 3) -> list[str]:
+    """The paths inside a container worth showing (``errors[*].__traceback__.tb_next``),
+    not the container itself or its plain entries (``loss_history[*]``)."""
+    plain = (c.holder, c.holder + "[*]")
+    inner = [p for p in c.patterns if p not in plain]
+    if len(inner) > limit:
+        inner = [*inner[:limit], f"... {len(inner) - limit} more"]
+    return inner
+
+
 def render_growth(g: Growth) -> str:
     """The text of a :class:`~cudamem.LeakWarning`: the rate, then one line per culprit."""
     lines = [
@@ -51,16 +69,14 @@ def render_growth(g: Growth) -> str:
     ]
     for c in g.culprits:
         lines.append(f"  {render_culprit(c)}")
+        inner = _inner_patterns(c)
+        if inner:
+            lines.append(f"    as {', '.join(inner)}")
         if c.example and c.example != c.holder:
             lines.append(f"    e.g. {c.example}")
         hint = _hint(c)
         if hint:
             lines.append(f"    fix: {hint}")
-    if g.retained is not None and g.culprits and g.retained * 2 < g.per_call:
-        lines.append(
-            f"  only {format_bytes(g.retained)} of each call's growth is held by storages it "
-            "created; the rest is memory no live tensor accounts for (cudamem.unaccounted())"
-        )
     lines.extend(f"  note: {n}" for n in g.notes)
     return "\n".join(lines)
 
@@ -81,13 +97,17 @@ def render_leak_report(r: LeakReport) -> str:
         f"{r.span}: {_plural(r.count, 'storage')} created inside, "
         f"{format_bytes(r.nbytes)}, alive {r.checked}"
     ]
-    lines.extend(f"  {render_culprit(c)}" for c in r.culprits)
+    for c in r.culprits:
+        lines.append(f"  {render_culprit(c)}")
+        inner = _inner_patterns(c)
+        if inner:
+            lines.append(f"    as {', '.join(inner)}")
     rows = [
         [
             format_bytes(s.nbytes),
             s.device,
             f"{s.dtype or '?'}[{'×'.join(map(str, s.shape or ())) or 'scalar'}]",
-            _holders_text(s.holders),
+            _holders_text(s.paths),
         ]
         for s in r.storages
     ]

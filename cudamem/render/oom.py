@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 from typing import TYPE_CHECKING
 
+from .leaks import render_culprit
 from .text import format_bytes, render_table
 
 if TYPE_CHECKING:
@@ -48,12 +49,16 @@ def render_oom(r: OomReport) -> str:
         rows = []
         for s in r.storages:
             shape = "×".join(map(str, s.shape or ())) or "scalar"
-            holder = s.holders[0] if s.holders else "no holder reachable from Python"
-            more = f" (+{len(s.holders) - 1} more)" if len(s.holders) > 1 else ""
+            paths = s.paths
+            holder = paths[0] if paths else "no holder reachable from Python"
+            more = f" (+{len(paths) - 1} more)" if len(paths) > 1 else ""
             where = f"  [allocated at {s.allocated_at}]" if s.allocated_at else ""
             rows.append([_b(s.nbytes), f"{s.dtype or '?'}[{shape}]", holder + more + where])
         table = render_table(["bytes", "tensor", "held by"], rows, align="rll")
         lines.extend("  " + line for line in table.splitlines())
+    if r.culprits:
+        lines.append("held by:")
+        lines.extend(f"  {render_culprit(c)}" for c in r.culprits)
     if r.advice:
         lines.append("what to do:")
         lines.extend(f"  - {a}" for a in r.advice)

@@ -1,0 +1,258 @@
+"""Analysis: the report from every rank's row (pure: no torch, no NVML)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+from ..render.text import format_bytes
+from ..stats import device_name
+from ._results import (
+    DistributedReport,
+    GpuHolding,
+    HostGpu,
+    Outlier,
+    RankDevice,
+    RankReport,
+    StrayMemory,
+)
+
+__all__ = ["build_report"]
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def _stray_cause(row: RankReport, device: RankDevice | None, gpu: int | None) -> str:
+    own = row.own_device
+    own_text = device_name(own) if own is not None else "unknown"
+    where = device_name(device.device) if device is not None else f"GPU {gpu}"
+    reasons: list[str] = []
+    if row.current_device is not None and own is not None and row.current_device != own:
+        reasons.append(
+            f"its current device is {device_name(row.current_device)}, not its own "
+            f"{own_text}: torch.cuda.set_device({own}) was not called, so every CUDA call that "
+            f"names no device (tensors on 'cuda', barrier() without device_ids, "
+            f"torch.cuda.synchronize()) goes to {device_name(row.current_device)}"
+        )
+    if device is None:
+        reasons.append(
+            "NVML lists the process there, but this rank's torch holds no context on it "
+            "(another library, or a device hidden by CUDA_VISIBLE_DEVICES)"
+        )
+    elif device.allocated or device.reserved:
+        reasons.append(
+            f"it has tensors there ({format_bytes(device.allocated)} allocated, "
+            f"{format_bytes(device.reserved)} reserved): a tensor created on {where} "
+            "(device='cuda' or .cuda() while that device is current, torch.load without "
+            "map_location, a checkpoint saved from that GPU)"
+        )
+    else:
+        reasons.append(
+            f"a CUDA context only, no tensors: a CUDA call made while {where} was current "
+            "(dist.barrier() without device_ids, torch.cuda.synchronize() or mem_get_info() "
+            f"with no device, a torch.cuda.stream() block for {own_text} entered on another "
+            "device), or a thread that worked without set_device (threads start on cuda:0)"
+        )
+    return "; ".join(reasons)
+
+
+def _host_gpus(rows: Sequence[RankReport]) -> dict[str, list[HostGpu]]:
+    """NVML's GPUs per host: the lowest rank's view, with any pid other ranks saw added."""
+    by_host: dict[str, dict[str, HostGpu]] = {}
+    for row in rows:
+        if row.host is None:
+            continue
+        table = by_host.setdefault(row.host, {})
+        for g in row.gpus:
+            key = g.uuid or f"index {g.gpu}"
+            known = table.get(key)
+            if known is None:
+                table[key] = g
+                continue
+            pids = {p.pid for p in known.processes}
+            extra = tuple(p for p in g.processes if p.pid not in pids)
+            if extra:
+                merged = tuple(sorted(known.processes + extra, key=lambda p: p.pid))
+                table[key] = HostGpu(known.gpu, known.uuid, known.name, merged)
+    return {
+        host: sorted(t.values(), key=lambda g: (g.gpu is None, g.gpu or 0))
+        for host, t in by_host.items()
+    }
+
+
+def _outlier(
+    measure: str, values: Mapping[int, float], describe: Mapping[int, str]
+) -> Outlier | None:
+    if not values:
+        return None
+    ordered = sorted(values.items(), key=lambda kv: (-kv[1], kv[0]))
+    rank, value = ordered[0]
+    runner_up = ordered[1][1] if len(ordered) > 1 else None
+    if runner_up is not None and runner_up >= value:
+        return None  # a tie: nobody stands out
+    return Outlier(measure, rank, value, runner_up, describe[rank])
+
+
+def build_report(
+    rows: Sequence[RankReport],
+    *,
+    world_size: int | None = None,
+    collector: int = 0,
+    seconds: float = 0.0,
+    notes: Iterable[str] = (),
+    min_growth: int | None = None,
+) -> DistributedReport:
+    """Assemble the report from every rank's row (pure: no torch, no NVML).
+
+    ``min_growth`` is the smallest growth per call that names a growth outlier (default: the
+    leak detector's ``min_bytes_per_call``, 64 KiB).
+    """
+    if min_growth is None:
+        from ..leaks import leak_settings
+
+        min_growth = leak_settings().min_bytes_per_call
+    ordered = tuple(rows)
+    size = world_size if world_size is not None else len(ordered)
+    out_notes = list(notes)
+    answered = [r for r in ordered if r.answered]
+
+    # -- the GPU map: NVML's processes, each matched to a rank by (host, pid)
+    by_pid = {(r.host, r.pid): r for r in answered}
+    holdings: list[GpuHolding] = []
+    matched = False
+    for host, gpus in _host_gpus(answered).items():
+        for g in gpus:
+            for p in g.processes:
+                owner = by_pid.get((host, p.pid))
+                own: bool | None = None
+                if owner is not None:
+                    matched = True
+                    if owner.own_uuid is not None and g.uuid is not None:
+                        own = owner.own_uuid == g.uuid
+                holdings.append(
+                    GpuHolding(
+                        host,
+                        g.gpu,
+                        g.uuid,
+                        p.pid,
+                        None if owner is None else owner.rank,
+                        p.used,
+                        own,
+                    )
+                )
+    if holdings and not matched and any(r.devices for r in answered):
+        out_notes.append(
+            "NVML lists none of the ranks' PIDs: inside containers NVML reports host PIDs, so "
+            "the rank ↔ GPU map below comes from each rank's own CUDA contexts"
+        )
+
+    # -- stray memory: a rank on a GPU other than its own
+    strays: list[StrayMemory] = []
+    for row in answered:
+        seen_uuids = set()
+        for d in row.devices:
+            if d.uuid is not None:
+                seen_uuids.add(d.uuid)
+            if row.own_device is None or d.device == row.own_device:
+                continue
+            strays.append(
+                StrayMemory(
+                    row.rank,
+                    row.pid,
+                    row.host,
+                    d.device,
+                    d.gpu,
+                    row.own_device,
+                    d.process_used,
+                    d.allocated,
+                    d.reserved,
+                    _stray_cause(row, d, d.gpu),
+                )
+            )
+        for h in holdings:
+            if h.rank != row.rank or h.own is not False or h.uuid in seen_uuids:
+                continue
+            strays.append(
+                StrayMemory(
+                    row.rank,
+                    row.pid,
+                    row.host,
+                    None,
+                    h.gpu,
+                    row.own_device,
+                    h.used,
+                    None,
+                    None,
+                    _stray_cause(row, None, h.gpu),
+                )
+            )
+    stray_gpus = {s.gpu for s in strays if s.gpu is not None}
+    for gpu in sorted(stray_gpus):
+        ranks = sorted({s.rank for s in strays if s.gpu == gpu})
+        out_notes.append(
+            f"GPU {gpu} holds memory of {_plural(len(ranks), 'rank')} not its own "
+            f"({', '.join(map(str, ranks))}): see the causes below"
+        )
+
+    # -- outliers
+    peaks = {r.rank: float(r.peak) for r in answered if r.peak is not None}
+    peak_text = {}
+    for r in answered:
+        if r.peak is None:
+            continue
+        top = max(r.devices, key=lambda d: d.peak)
+        peak_text[r.rank] = f"highest peak, {format_bytes(top.peak)} on {device_name(top.device)}"
+    peak_outlier = _outlier("peak", peaks, peak_text) if len(peaks) > 1 else None
+    if peak_outlier is not None and peak_outlier.runner_up is not None:
+        peak_outlier = Outlier(
+            peak_outlier.measure,
+            peak_outlier.rank,
+            peak_outlier.value,
+            peak_outlier.runner_up,
+            f"{peak_outlier.detail} (next: {format_bytes(round(peak_outlier.runner_up))})",
+        )
+    growths: dict[int, float] = {}
+    growth_text: dict[int, str] = {}
+    for r in answered:
+        fastest = r.fastest_growth
+        if fastest is not None and fastest[0] >= min_growth:
+            growths[r.rank] = fastest[0]
+            growth_text[r.rank] = (
+                f"highest growth, {format_bytes(round(fastest[0]), signed=True)} per call "
+                f"of {fastest[1]!r}"
+            )
+    growth_outlier = _outlier("growth", growths, growth_text)
+    if growth_outlier is not None:
+        row = next(r for r in answered if r.rank == growth_outlier.rank)
+        detail = growth_outlier.detail
+        named = [h for g in row.growth for h in g.holders]
+        if named:
+            detail += f"; held by {named[0]}"
+        runner_up = growth_outlier.runner_up
+        detail += (
+            f" (next: {format_bytes(round(runner_up), signed=True)} per call)"
+            if runner_up is not None
+            else " (no other rank grows)"
+        )
+        growth_outlier = Outlier("growth", row.rank, growth_outlier.value, runner_up, detail)
+    elif answered:
+        out_notes.append(
+            f"no rank grows by {format_bytes(min_growth)} or more per call"
+            if not growths
+            else "the fastest-growing ranks grow alike: no outlier"
+        )
+    missing = [r.rank for r in ordered if not r.answered]
+    if missing:
+        out_notes.append(f"no row from rank(s) {', '.join(map(str, missing))}")
+    return DistributedReport(
+        ranks=ordered,
+        world_size=size,
+        collector=collector,
+        seconds=seconds,
+        gpus=tuple(holdings),
+        strays=tuple(strays),
+        peak_outlier=peak_outlier,
+        growth_outlier=growth_outlier,
+        notes=tuple(out_notes),
+    )
