@@ -7,9 +7,12 @@ graphs; ``explain``/``release`` reconcile nvidia-smi with PyTorch.
 
 from __future__ import annotations
 
+from typing import Any
+
 from ._history import History, SpanStats, clear_history, history, set_history_size
 from .census import Census, LiveStorage, Unaccounted, live_tensors, unaccounted
 from .culprits import Culprit
+from .diff import DiffEntry, MemoryDiff, diff
 from .holders import GraphHolder, GraphHolders, Holder, Holders, find_graph_holders, who_holds
 from .host import HostCopy, to_host
 from .leaks import (
@@ -22,6 +25,7 @@ from .leaks import (
     leaks,
 )
 from .ledger import DeviceLedger, Explanation, LedgerLine, MachineStatus, explain, machine_status
+from .memviz import SnapshotDump, dump_snapshot
 from .oom import OomEvent, OomGuard, OomReport, on_oom, oom_report
 from .plot import plot
 from .release import DeviceRelease, ReleaseResult, RemainingStorage, release
@@ -45,6 +49,7 @@ __all__ = [
     "DeviceLedger",
     "DeviceRelease",
     "DeviceSpan",
+    "DiffEntry",
     "ExceptionInfo",
     "Explanation",
     "GraphHolder",
@@ -61,6 +66,7 @@ __all__ = [
     "LiveStorage",
     "LoggerStats",
     "MachineStatus",
+    "MemoryDiff",
     "MemorySpan",
     "OomEvent",
     "OomGuard",
@@ -70,6 +76,7 @@ __all__ = [
     "ScalarLogger",
     "Series",
     "SeriesSummary",
+    "SnapshotDump",
     "SpanRecord",
     "SpanStats",
     "StatsDelta",
@@ -78,6 +85,8 @@ __all__ = [
     "__version__",
     "clear_history",
     "configure_leaks",
+    "diff",
+    "dump_snapshot",
     "explain",
     "find_graph_holders",
     "history",
@@ -98,3 +107,10 @@ __all__ = [
     "unaccounted",
     "who_holds",
 ]
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """``%load_ext cudamem``: the notebook magics (:mod:`cudamem.integrations.notebook`)."""
+    from .integrations.notebook import load_ipython_extension as load
+
+    load(ipython)

@@ -250,6 +250,12 @@ def _is_oom_exception(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and "CUDA out of memory" in str(exc)
 
 
+#: How often :meth:`TorchBackend.initialized_devices` probes again the devices that had no
+#: CUDA context (a span that gives a device its first context within this time after the
+#: last probe does not see that device).
+REPROBE_NS = 20_000_000
+
+
 class TorchBackend(Backend):
     """The real allocator, through ``torch._C``'s raw entry points.
 
@@ -264,6 +270,9 @@ class TorchBackend(Backend):
         # A primary context, once created, lives until the process ends: remember the
         # devices that have one so the hot path does not probe them again.
         self._with_context: tuple[int, ...] = ()
+        # Every device has one (nothing left to probe), and when the others are probed next.
+        self._all_contexts = False
+        self._next_probe_ns = 0
         self.reader = reader if reader is not None else _fastread.FastReader()
         # Set once the C++ reader is validated; until then (and for good where it cannot be
         # built) the dict path answers. Plain attributes: the hot path takes no lock.
@@ -307,14 +316,23 @@ class TorchBackend(Backend):
         return int(torch.cuda.current_device())
 
     def initialized_devices(self) -> tuple[int, ...]:
+        """Devices with a CUDA context, probed without creating one. Spans ask at every
+        edge, so the answer is cached: a context, once created, stays; devices without one
+        are probed again at most every ``REPROBE_NS`` (until the first context appears,
+        at every call)."""
         known = self._with_context
+        if self._all_contexts:
+            return known
         if not self._compiled or (not known and not self._initialized()):
             return ()
-        count = self.device_count()
-        if len(known) == count:
+        now = time.perf_counter_ns()
+        if known and now < self._next_probe_ns:
             return known
+        count = self.device_count()
         found = tuple(i for i in range(count) if i in known or self.has_context(i))
         self._with_context = found
+        self._all_contexts = len(found) == count
+        self._next_probe_ns = now + REPROBE_NS
         return found
 
     def read(self, device: int) -> AllocatorStats:
@@ -634,6 +652,27 @@ def build_reader(*, validate: bool = True) -> _fastread.ReaderStatus:
         backend.counters(0)  # validates it: equal to the dict read, or dropped
         del probe
     return backend.reader.status()
+
+
+def expandable_segments() -> bool:
+    """Whether the allocator maps memory in expandable segments (``expandable_segments:True``
+    in ``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF``): reservations then grow in whole
+    pages (20 MiB in the large pool) rather than in segments of the request's size."""
+    import os
+
+    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        for part in os.environ.get(var, "").replace(";", ",").split(","):
+            key, _, value = part.partition(":")
+            if key.strip() == "expandable_segments":
+                return value.strip().lower() == "true"
+    return False
+
+
+def reserved_for(nbytes: int) -> int:
+    """What a large request of ``nbytes`` reserves in a fresh segment: the request itself
+    (rounded to 2 MiB) by default, whole 20 MiB pages under expandable segments."""
+    step = 20 * 1024**2 if expandable_segments() else 2 * 1024**2
+    return -(-nbytes // step) * step
 
 
 def get() -> Backend:

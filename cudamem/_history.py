@@ -32,14 +32,17 @@ OTHER = "<other>"
 #: Spans waiting in the inbox before the exiting thread drains it.
 DRAIN_AT = 256
 
-_EXCEPTION = attrgetter("exception")
-_ALLOC = attrgetter("alloc_delta")
-_RES = attrgetter("res_delta")
-_PEAK = attrgetter("peak_total")
-_PEAK_DELTA = attrgetter("peak_delta")
+_COLUMNS = attrgetter(
+    "exception",
+    "after",
+    "alloc_delta",
+    "res_delta",
+    "start_ns",
+    "end_ns",
+    "peak_total",
+    "peak_delta",
+)
 _NAME = attrgetter("name")
-_START = attrgetter("start_ns")
-_END = attrgetter("end_ns")
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +63,9 @@ class SpanStats:
     total_allocated_delta: int
     mean_duration: float
     max_duration: float
+    #: Calls that measured a CUDA device (the byte figures aggregate over all calls; with
+    #: none measured they are 0 and say nothing: renderers show ``n/a``).
+    measured: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready mapping."""
@@ -74,6 +80,7 @@ class _Aggregate:
         "dur_max",
         "dur_sum",
         "errors",
+        "measured",
         "peak_calls",
         "peak_max",
         "peak_sum",
@@ -84,7 +91,7 @@ class _Aggregate:
     )
 
     def __init__(self) -> None:
-        self.calls = self.errors = self.peak_calls = 0
+        self.calls = self.errors = self.peak_calls = self.measured = 0
         self.alloc_sum = self.res_sum = self.peak_sum = self.peakd_sum = 0
         self.alloc_max = self.res_max = self.peak_max = self.peakd_max = -(2**63)
         self.dur_sum = self.dur_max = 0.0
@@ -94,6 +101,8 @@ class _Aggregate:
         self.calls += 1
         if r.exception is not None:
             self.errors += 1
+        if r.after:
+            self.measured += 1
         a, res, dur = r.alloc_delta, r.res_delta, (r.end_ns - r.start_ns) / 1e9
         self.alloc_sum += a
         self.res_sum += res
@@ -122,21 +131,24 @@ class _Aggregate:
                 self.add_one(r)
             return
         n = len(spans)
+        # One C-level read of every column per span, then C-level sums over columns.
+        columns = zip(*map(_COLUMNS, spans), strict=True)
+        errs, afters, allocs, ress, starts, ends, peaks, peakds = columns
         self.calls += n
-        self.errors += n - list(map(_EXCEPTION, spans)).count(None)
-        allocs = list(map(_ALLOC, spans))
-        ress = list(map(_RES, spans))
-        durs = list(map(sub, map(_END, spans), map(_START, spans)))
+        self.errors += n - errs.count(None)
+        self.measured += n - afters.count(())
+        durs = list(map(sub, ends, starts))
         self.alloc_sum += sum(allocs)
         self.res_sum += sum(ress)
         self.dur_sum += sum(durs) / 1e9
         self.alloc_max = max(self.alloc_max, max(allocs))
         self.res_max = max(self.res_max, max(ress))
         self.dur_max = max(self.dur_max, max(durs) / 1e9)
-        peaks = list(map(_PEAK, spans))
-        if peaks.count(None) < n:
-            peaks = [p for p in peaks if p is not None]
-            peakds = [p for p in map(_PEAK_DELTA, spans) if p is not None]
+        missing = peaks.count(None)
+        if missing < n:
+            if missing:
+                peaks = tuple(p for p in peaks if p is not None)
+                peakds = tuple(p for p in peakds if p is not None)
             self.peak_calls += len(peaks)
             self.peak_sum += sum(peaks)
             self.peakd_sum += sum(peakds)
@@ -160,6 +172,7 @@ class _Aggregate:
             total_allocated_delta=self.alloc_sum,
             mean_duration=self.dur_sum / n,
             max_duration=self.dur_max,
+            measured=self.measured,
         )
 
 

@@ -88,9 +88,9 @@ SEARCH_LOCK = threading.RLock()
 
 
 def own_frame(frame: types.FrameType) -> bool:
-    """Whether ``frame`` runs cudamem's own code (never shown)."""
+    """Whether ``frame`` runs cudamem's own code, subpackages included (never shown)."""
     try:
-        return os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == _PKG_DIR
+        return os.path.abspath(frame.f_code.co_filename).startswith(_PKG_DIR + os.sep)
     except Exception:
         return False
 

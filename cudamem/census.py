@@ -272,18 +272,18 @@ class _Acc:
 
 
 def _gather(
-    device: str | None, refs: bool = False, scan: list[Any] | None = None
+    device: str | None, scan: list[Any] | None = None, refs: bool = False
 ) -> tuple[dict[StorageKey, _Acc], list[str]]:
     """Every live storage (of ``device``) once; ``refs``: with its :class:`StorageRef`;
     ``scan`` receives the tensor list and the graph walk, for a holder search to start from
     instead of scanning the heap again."""
     tensors = _autograd.all_tensors()
     with _heap.ignored(tensors):  # a search in another thread must not name our list
-        return _gather_from(tensors, device, refs, scan)
+        return _gather_from(tensors, device, scan, refs)
 
 
 def _gather_from(
-    tensors: list[Any], device: str | None, refs: bool, scan: list[Any] | None
+    tensors: list[Any], device: str | None, scan: list[Any] | None, refs: bool
 ) -> tuple[dict[StorageKey, _Acc], list[str]]:
     notes: list[str] = []
     acc: dict[StorageKey, _Acc] = {}
@@ -494,7 +494,7 @@ def _census(
 ) -> Census:
     t0 = time.perf_counter()
     scan: list[Any] = []
-    acc, notes = _gather(device, refs=True, scan=scan if holders else None)
+    acc, notes = _gather(device, scan if holders else None, refs=True)
     keys = sorted(acc, key=lambda k: (-acc[k].nbytes, k))
     if device_type is not None:
         keys = [k for k in keys if k[0] == device_type]

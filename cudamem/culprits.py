@@ -194,17 +194,23 @@ def _unrooted(path: str, root_kind: str | None) -> bool:
 # --------------------------------------------------------------------------- grouping
 
 
-def _holder_paths(s: LiveStorage) -> list[tuple[str, bool]]:
-    """``(path, rooted)`` of each holder of a storage, most direct first."""
+#: Roots that outlive any one call: a path from one of them names what keeps the memory,
+#: where a running frame's local (often a library's ``args`` tuple) only passes it along.
+_LASTING_ROOTS = ("global", "class", "ipython")
+
+
+def _holder_paths(s: LiveStorage) -> list[tuple[str, bool, bool]]:
+    """``(path, rooted, lasting)`` of each holder of a storage, most direct first."""
     found = s.holders
     if found is None:
         return []
-    out: list[tuple[str, bool]] = []
+    out: list[tuple[str, bool, bool]] = []
     for h in found:
         path = getattr(h, "path", h)
         if type(path) is not str:
             continue
-        out.append((path, not _unrooted(path, getattr(h, "root_kind", None))))
+        kind = getattr(h, "root_kind", None)
+        out.append((path, not _unrooted(path, kind), kind in _LASTING_ROOTS))
     return out
 
 
@@ -212,15 +218,19 @@ def _candidates(s: LiveStorage) -> tuple[tuple[str, ...], str | None]:
     """The paths a storage may be attributed to, and an unrooted example when none is.
 
     Rooted holders only (a view's base ``<Tensor object>`` is not a holder of its own);
+    lasting roots (module globals, classes, notebook history) before running frames;
     among those, direct ones (not only through an autograd graph) when there are any: a
     parameter that every loss's graph reaches stays the model's.
     """
     paths = _holder_paths(s)
-    rooted = [p for p, ok in paths if ok]
+    rooted = [(p, lasting) for p, ok, lasting in paths if ok]
     if not rooted:
         return (), (paths[0][0] if paths else None)
-    direct = tuple(p for p in rooted if not through_graph(p))
-    return (direct or tuple(rooted)), None
+    # A module global (or class, or notebook history) that holds it beats a frame's local.
+    lasting = [p for p, last in rooted if last]
+    pool = lasting or [p for p, _ in rooted]
+    direct = tuple(p for p in pool if not through_graph(p))
+    return (direct or tuple(pool)), None
 
 
 def _in_container(path: str) -> bool:
@@ -248,8 +258,8 @@ def group_culprits(
 ) -> list[Culprit]:
     """Group storages by container; each storage counts once; most bytes first.
 
-    Among a storage's candidate holders, the container that holds the most of the storages
-    given wins (a loss history list rather than the loop's ``loss`` local that also holds
+    Among a storage's candidate holders, the container with the most entries holding the
+    storages given wins (a loss history list rather than the loop's ``loss`` local that also holds
     the latest one). ``patterns``: only holders with those patterns count, and storages
     without one are left out (the totals of culprits already named).
     """
@@ -261,10 +271,14 @@ def group_culprits(
             paths = tuple(p for p in paths if pattern_of(p) in patterns)
             unrooted = None
         cands.append((paths, unrooted))
-    votes: dict[str, int] = {}
+    # A container's vote is the number of its entries that hold these storages: the list
+    # that accumulates (``outputs[0]``, ``[1]``, ...) beats a framework's ``args`` tuple or
+    # ``callbacks`` list that reaches them all through one entry, and the loop's ``loss``.
+    entries: dict[str, set[str]] = {}
     for paths, _ in cands:
-        for g in {container_of(p) for p in paths}:
-            votes[g] = votes.get(g, 0) + 1
+        for p in paths:
+            entries.setdefault(container_of(p), set()).add(item_of(p))
+    votes = {g: len(e) for g, e in entries.items()}
     acc: dict[str, _Acc] = {}
     for s, (paths, unrooted) in zip(items, cands, strict=True):
         if paths:

@@ -157,6 +157,11 @@ class Holders(Sequence[Holder]):
 
         return render_holders(self)
 
+    def _repr_html_(self) -> str:
+        from .render.notebook import holders_html
+
+        return holders_html(self)
+
 
 def who_holds(
     obj: Any,

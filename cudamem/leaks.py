@@ -50,7 +50,7 @@ import sys
 import threading
 import warnings
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
@@ -422,16 +422,24 @@ class _Series:
         "checked_rate",
         "cooldown",
         "hold",
+        "inbox",
         "last",
         "levels",
         "pending",
         "phase",
         "quiet",
         "rises",
+        "steady",
         "warned",
     )
 
     def __init__(self, window: int) -> None:
+        #: Watching with no rise in the window: a call that did not grow by the threshold
+        #: itself cannot change anything but the levels and the countdowns, so its exit only
+        #: appends its level to ``inbox`` (atomic, no lock); the next locked step folds the
+        #: inbox in first. Set and cleared under the detector's lock only.
+        self.steady = False
+        self.inbox: deque[int] = deque()
         self.calls = 0
         self.last = 0
         self.levels: deque[int] = deque(maxlen=window + 1)
@@ -453,6 +461,12 @@ class _Series:
         self.hold = 0
         #: (holder groups, per-call rate) of the last warning.
         self.warned: tuple[frozenset[str], float] | None = None
+
+
+#: Levels the lock-free path queues per series before the exiting thread drains them.
+_SERIES_DRAIN_AT = 64
+#: An investigation made due: (captured storages, levels, calls, settings).
+_Due = tuple["Refs", tuple[int, ...], int, LeakSettings]
 
 
 class _Detector:
@@ -503,44 +517,98 @@ class _Detector:
             if s is not None and s.phase in (_ARMED, _PENDING, _CHECKING):
                 s.captured = refs
 
+    def drain(self, name: str, s: _Series, due: list[_Due]) -> None:
+        """Fold the levels the lock-free path queued into the series, adding investigations
+        they made due to ``due``; caller holds ``lock``."""
+        inbox = s.inbox
+        n = len(inbox)
+        if not n:
+            return
+        settings = _settings
+        if s.steady:  # the common case: n flat calls at once
+            levels = [inbox.popleft() for _ in range(n)]
+            s.calls += n
+            s.levels.extend(levels[-(settings.window + 1) :])
+            s.rises.extend([False] * min(n, settings.window))
+            s.last = levels[-1]
+            s.cooldown = max(0, s.cooldown - n)
+            s.hold = max(0, s.hold - n)
+            return
+        # A lock-free exit raced with a locked step that ended the steady state: judge each
+        # queued call in full (own 0: it did not grow by the threshold itself).
+        for _ in range(n):
+            self._judge(name, s, inbox.popleft(), 0, settings, due)
+
+    def drain_soon(self, name: str, s: _Series) -> None:
+        """Drain ``s`` unless another thread holds the lock (its next step drains it); past
+        four batches, wait for the lock rather than let the inbox grow."""
+        due: list[_Due] = []
+        if self.lock.acquire(blocking=len(s.inbox) >= 4 * _SERIES_DRAIN_AT):
+            try:
+                self.drain(name, s, due)
+            finally:
+                self.lock.release()
+        for args in due:
+            self._investigate(name, *args)
+
     def on_exit(self, name: str, level: int, own: int) -> None:
         """A call of ``name`` ended at ``level`` allocated bytes, ``own`` of them its own
         (allocated at exit minus at entry), summed over the devices it measured."""
         settings = _settings
         if not settings.enabled:
             return
+        due: list[_Due] = []
         with self.lock:
             s = self.series.get(name)
             if s is None:
                 if len(self.series) >= MAX_SERIES:
                     return
                 s = self.series[name] = _Series(settings.window)
-            s.calls += 1
-            if s.calls < settings.warmup:
-                return
-            if not s.levels:
-                # The level at the end of the warm-up is the baseline of the series.
-                s.levels.append(level)
-                s.last = level
-                return
-            threshold = settings.min_bytes_per_call
-            rose = level - s.last >= threshold and own >= threshold
-            s.last = level
-            s.levels.append(level)
-            s.rises.append(rose)
-            if s.cooldown:
-                s.cooldown -= 1
-            if s.hold:
-                s.hold -= 1
-            if s.phase == _WATCH and True not in s.rises:
-                return  # the steady state: arming needs at least one rise in the window
-            action = self._step(name, s, settings)
-            if action is None:
-                return
-            pending, levels, calls = s.pending, _trimmed(s), s.calls
-            s.pending, s.phase = None, _CHECKING
+            self.drain(name, s, due)
+            self._judge(name, s, level, own, settings, due)
         # The census runs outside the lock: other threads' spans keep going meanwhile.
-        self._investigate(name, pending or {}, levels, calls, settings)
+        for args in due:
+            self._investigate(name, *args)
+
+    def _judge(
+        self,
+        name: str,
+        s: _Series,
+        level: int,
+        own: int,
+        settings: LeakSettings,
+        due: list[_Due],
+    ) -> None:
+        """One call of the series; caller holds ``lock``."""
+        try:
+            if self._count(name, s, level, own, settings):
+                due.append((s.pending or {}, _trimmed(s), s.calls, settings))
+                s.pending, s.phase = None, _CHECKING
+        finally:
+            s.steady = bool(s.levels) and s.phase == _WATCH and True not in s.rises
+
+    def _count(self, name: str, s: _Series, level: int, own: int, settings: LeakSettings) -> bool:
+        """Advance the series by one call; whether survivors are due."""
+        s.calls += 1
+        if s.calls < settings.warmup:
+            return False
+        if not s.levels:
+            # The level at the end of the warm-up is the baseline of the series.
+            s.levels.append(level)
+            s.last = level
+            return False
+        threshold = settings.min_bytes_per_call
+        rose = level - s.last >= threshold and own >= threshold
+        s.last = level
+        s.levels.append(level)
+        s.rises.append(rose)
+        if s.cooldown:
+            s.cooldown -= 1
+        if s.hold:
+            s.hold -= 1
+        if s.phase == _WATCH and True not in s.rises:
+            return False  # the steady state: arming needs at least one rise in the window
+        return self._step(name, s, settings) is not None
 
     def _step(self, name: str, s: _Series, settings: LeakSettings) -> str | None:
         """Advance the series' state machine; ``'investigate'`` when survivors are due.
@@ -678,6 +746,10 @@ def _name_culprits(pending: Refs) -> list[Culprit]:
     wanted = {p for c in named for p in c.patterns}
     totals = {c.holder: c for c in group_culprits(everything, patterns=wanted)}
     culprits = [c if c.holder == NO_HOLDER else totals.get(c.holder, c) for c in named]
+    # A group holding less in all than the smallest growth counted per call is not where the
+    # growth goes (a framework's latest logged scalar, say): name it only if nothing else is.
+    floor = _settings.min_bytes_per_call
+    culprits = [c for c in culprits if c.nbytes >= floor] or culprits
     culprits.sort(key=lambda c: c.nbytes, reverse=True)
     return culprits
 
@@ -720,6 +792,7 @@ def _workspace_notes() -> list[str]:
 
 
 _detector = _Detector()
+_series_get = _detector.series.get
 
 
 # --------------------------------------------------------------------------- output
@@ -742,10 +815,33 @@ def _stacklevel() -> int:
     return level
 
 
+#: Called with every :class:`Growth` about to be warned about (integrations count culprits
+#: and dump snapshots there). Replaced, never mutated.
+_growth_hooks: tuple[Callable[[Growth], None], ...] = ()
+
+
+def add_growth_hook(hook: Callable[[Growth], None]) -> None:
+    """Call ``hook(growth)`` before each :class:`LeakWarning` (errors are swallowed)."""
+    global _growth_hooks
+    if hook not in _growth_hooks:
+        _growth_hooks = (*_growth_hooks, hook)
+
+
+def remove_growth_hook(hook: Callable[[Growth], None]) -> None:
+    """Undo :func:`add_growth_hook`."""
+    global _growth_hooks
+    _growth_hooks = tuple(h for h in _growth_hooks if h is not hook)
+
+
 def _emit(growth: Growth) -> None:
     """One warning, and the same text to logging when anyone listens."""
     from .render.leaks import render_growth
 
+    for hook in _growth_hooks:
+        try:
+            hook(growth)
+        except Exception as exc:  # an integration's hook must not stop the warning
+            logger.debug("cudamem: growth hook %r failed: %r", hook, exc)
     text = render_growth(growth)
     warnings.warn(LeakWarning(text, growth), stacklevel=_stacklevel())
     # Only when logging is configured: Python's last-resort handler would otherwise print
@@ -773,8 +869,19 @@ def _on_span_exit(span: RawSpan) -> None:
     extras = span.extras
     if extras is not None and _START in extras:
         extras[_CAPTURE] = end(span.name, extras.pop(_START), explicit=span.leaks)
-    if span.exception is None and span.after and _settings.enabled:
-        _detector.on_exit(span.name, span.level, span.alloc_delta)
+    if span.exception is None and span.after:
+        settings = _settings
+        if settings.enabled:
+            s = _series_get(span.name)
+            if s is not None and s.steady and span.alloc_delta < settings.min_bytes_per_call:
+                # The steady state, lock-free: a call that did not grow by the threshold
+                # cannot be a rise, so only its level is queued (see _Series.steady).
+                inbox = s.inbox
+                inbox.append(span.level)
+                if len(inbox) >= _SERIES_DRAIN_AT:
+                    _detector.drain_soon(span.name, s)
+                return
+            _detector.on_exit(span.name, span.level, span.alloc_delta)
 
 
 add_entry_hook(_on_span_enter)

@@ -257,6 +257,11 @@ class DeviceLedger:
 
         return render_ledger(self)
 
+    def _repr_html_(self) -> str:
+        from .render.notebook import ledger_html
+
+        return ledger_html(self)
+
 
 @dataclass(frozen=True, slots=True)
 class Explanation:
@@ -284,6 +289,11 @@ class Explanation:
         from .render.ledger import render_explanation
 
         return render_explanation(self)
+
+    def _repr_html_(self) -> str:
+        from .render.notebook import explanation_html
+
+        return explanation_html(self)
 
 
 # --------------------------------------------------------------------------- the arithmetic

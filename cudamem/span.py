@@ -268,6 +268,11 @@ class SpanRecord:
             "unmeasured": self.unmeasured,
         }
 
+    def _repr_html_(self) -> str:
+        from .render.notebook import record_html
+
+        return record_html(self)
+
     def __str__(self) -> str:
         body = "; ".join(str(d) for d in self.devices) or f"n/a ({self.unmeasured or 'no data'})"
         text = f"{self.name}: {body}, {format_duration(self.duration)}"
@@ -325,6 +330,25 @@ class RawSpan:
         "xfold",
     )
 
+    # Set by the span's entry and exit before anything reads them (the hot path stores
+    # each once): devices and counters of both edges, times, totals, the closing thread.
+    #: Devices read at entry and ``(allocated, reserved, peak counter)`` of each.
+    devs: tuple[int, ...]
+    before: tuple[tuple[int, int, int], ...]
+    #: Devices read at exit and their counters.
+    exit_devs: tuple[int, ...]
+    after: tuple[tuple[int, int, int], ...]
+    start_ns: int
+    end_ns: int
+    thread: str
+    level: int
+    alloc_delta: int
+    res_delta: int
+    #: Only for spans with ``peak=True`` (set before the span is announced to other threads).
+    owner: int
+    armed: bool
+    solo: bool
+
     def __init__(self, name: str, device: int | None, sync: bool, peak: bool, leaks: bool) -> None:
         self.name = name
         self.device = device
@@ -332,12 +356,6 @@ class RawSpan:
         self.peak = peak
         #: The span was asked to record which storages it leaves behind (``leaks=True``).
         self.leaks = leaks
-        #: Devices read at entry and ``(allocated, reserved, peak counter)`` of each.
-        self.devs: tuple[int, ...] = ()
-        self.before: tuple[tuple[int, int, int], ...] = ()
-        #: Devices read at exit and their counters.
-        self.exit_devs: tuple[int, ...] = ()
-        self.after: tuple[tuple[int, int, int], ...] = ()
         #: The span's own peak per exit device (``None`` with ``peak=False``).
         self.peaks: tuple[int, ...] | None = None
         #: Peaks folded in by later spans of the opening thread (written without a lock)
@@ -345,9 +363,6 @@ class RawSpan:
         #: write can lose another. Created by the first fold.
         self.fold: dict[int, int] | None = None
         self.xfold: dict[int, int] | None = None
-        self.armed = False
-        self.solo = True
-        self.owner = 0
         self.parent: RawSpan | None = None
         self.children: list[RawSpan] | None = None
         self.dropped = 0
@@ -357,11 +372,7 @@ class RawSpan:
         self.notes: list[str] | None = None
         #: Per-span data of the features' hooks (``leaks`` keeps its capture under ``'leaks'``).
         self.extras: dict[str, Any] | None = None
-        self.thread = ""
         self.unmeasured: str | None = None
-        self.start_ns = 0
-        self.end_ns = 0
-        self.level = self.alloc_delta = self.res_delta = 0
         self.peak_total: int | None = None
         self.peak_delta: int | None = None
         self._record: SpanRecord | None = None
@@ -428,15 +439,6 @@ class RawSpan:
             self.unmeasured,
         )
 
-    def _add_child(self, child: RawSpan) -> None:
-        children = self.children
-        if children is None:
-            children = self.children = []
-        if len(children) < MAX_CHILDREN:
-            children.append(child)
-        else:
-            self.dropped += 1
-
 
 EntryHook = Callable[[RawSpan], None]
 ExitHook = Callable[[RawSpan], None]
@@ -454,6 +456,8 @@ _process_peak: dict[int, int] = {}
 _peak_inbox: deque[tuple[int, int]] = deque()
 _entry_hooks: tuple[EntryHook, ...] = ()
 _exit_hooks: tuple[tuple[ExitHook, tuple[type[BaseException], ...]], ...] = ()
+#: The exit hooks alone, what every close iterates (rebuilt on each registration).
+_exit_calls: tuple[ExitHook, ...] = ()
 _warned: set[str] = set()
 #: The innermost span opened in this thread or task (its ``parent`` chain is the stack).
 _top: ContextVar[RawSpan | None] = ContextVar("cudamem_span", default=None)
@@ -511,17 +515,33 @@ def add_exit_hook(hook: ExitHook, *, propagate: tuple[type[BaseException], ...] 
     warning class that the user may turn into an error (``-W error``). After every hook has
     run, the first of those is raised from the span's exit, unless the block itself raised.
     """
-    global _exit_hooks
+    global _exit_hooks, _exit_calls
     with _hooks_lock:
         if all(h is not hook for h, _ in _exit_hooks):
             _exit_hooks = (*_exit_hooks, (hook, tuple(propagate)))
+            _exit_calls = tuple(h for h, _ in _exit_hooks)
 
 
 def remove_exit_hook(hook: ExitHook) -> None:
     """Undo :func:`add_exit_hook`."""
-    global _exit_hooks
+    global _exit_hooks, _exit_calls
     with _hooks_lock:
         _exit_hooks = tuple((h, p) for h, p in _exit_hooks if h is not hook)
+        _exit_calls = tuple(h for h, _ in _exit_hooks)
+
+
+def _exit_hook_failed(
+    hook: ExitHook, err: Exception, exc: BaseException | None, pending: BaseException | None
+) -> BaseException | None:
+    """An exit hook raised: the error to raise from the span's exit (the first warning a
+    hook may propagate, unless the block itself raised), or a once-only warning."""
+    for h, propagate in _exit_hooks:
+        if h is hook:
+            if propagate and isinstance(err, propagate):
+                return pending or (err if exc is None else None)
+            break
+    _warn_once(f"exit-hook{id(hook)}", f"cudamem: span exit hook failed: {err!r}")
+    return pending
 
 
 # -- peaks ------------------------------------------------------------------------------
@@ -654,9 +674,12 @@ def _open(
     leaks: bool,
     nest: bool = True,
     push: bool = True,
+    *,
+    hooks: bool = True,
 ) -> RawSpan:
     """Open a span: read the counters, join this thread's (or task's) stack, run the entry
-    hooks. Never raises."""
+    hooks (``hooks=False``: a measurement of cudamem's own, which no feature sees, e.g. the
+    pytest plugin's per-test peak). Never raises."""
     span = RawSpan(name, device, sync, peak, leaks)
     try:
         backend = _backend._active
@@ -664,35 +687,39 @@ def _open(
         if sync:
             for d in devs:
                 backend.synchronize(d)
-        if not peak:
-            if len(devs) == 1:
-                span.before = (backend.counters(devs[0]),)
-            else:
-                span.before = tuple([backend.counters(d) for d in devs])
-        else:
+        if peak:
             me = span.owner = _get_ident()
+            span.solo = True
+            span.armed = False
             _open_peak[span] = me  # announce (see _enter_peak)
-            nested = len(_open_peak) > 1
-            if len(devs) == 1 and (not nested or _only(me)):  # one device, one thread
-                d = devs[0]
-                values = backend.counters_reset_peak(d)
-                span.before = (values,)
-                span.armed = True
-                discarded = values[2]
-                if nested:  # fold into this thread's open spans
-                    for other in tuple(_open_peak):
-                        if other is not span and other.owner == me:
-                            fold = other.fold
-                            if fold is None:
-                                other.fold = {d: discarded}
-                            elif discarded > fold.get(d, -1):
-                                fold[d] = discarded
-                if discarded > _process_peak.get(d, -1):  # else it cannot raise the max
-                    _peak_inbox.append((d, discarded))
-                    if len(_peak_inbox) > _PEAK_INBOX:
-                        _merge_peaks_soon()
+            if len(devs) == 1:
+                alone = len(_open_peak) == 1
+                if alone or _only(me):  # one device, one thread
+                    d = devs[0]
+                    values = backend.counters_reset_peak(d)
+                    span.before = (values,)
+                    span.armed = True
+                    discarded = values[2]
+                    if not alone:  # fold into this thread's open spans
+                        for other in tuple(_open_peak):
+                            if other is not span and other.owner == me:
+                                fold = other.fold
+                                if fold is None:
+                                    other.fold = {d: discarded}
+                                elif discarded > fold.get(d, -1):
+                                    fold[d] = discarded
+                    if discarded > _process_peak.get(d, -1):  # else it cannot raise the max
+                        _peak_inbox.append((d, discarded))
+                        if len(_peak_inbox) > _PEAK_INBOX:
+                            _merge_peaks_soon()
+                else:
+                    _enter_peak(span, backend, devs)
             else:
                 _enter_peak(span, backend, devs)
+        elif len(devs) == 1:
+            span.before = (backend.counters(devs[0]),)
+        else:
+            span.before = tuple([backend.counters(d) for d in devs])
     except Exception as exc:  # cudamem's bookkeeping must never break the user's code
         _open_peak.pop(span, None)
         span.armed, span.before, span.devs = True, (), ()
@@ -705,7 +732,7 @@ def _open(
         span.parent = parent
         if push:
             _top.set(span)
-    if _entry_hooks:
+    if hooks:
         for hook in _entry_hooks:
             try:
                 hook(span)
@@ -715,7 +742,13 @@ def _open(
     return span
 
 
-def _close(span: RawSpan, exc: BaseException | None, keeper: MemorySpan | None = None) -> None:
+def _close(
+    span: RawSpan,
+    exc: BaseException | None,
+    keeper: MemorySpan | None = None,
+    *,
+    hooks: bool = True,
+) -> None:
     """Close a span: read the counters, leave the stack, hand the span to its parent or
     to the exit hooks. The hooks' per-span data moves to ``keeper`` (or is dropped), so
     the history never keeps it. Raises only a warning an exit hook may propagate
@@ -724,43 +757,66 @@ def _close(span: RawSpan, exc: BaseException | None, keeper: MemorySpan | None =
         return
     pending: BaseException | None = None
     try:
-        if not span.sync:
-            span.end_ns = _now_ns()
+        backend = _backend._active
+        span.end_ns = _now_ns()
+        after: tuple[tuple[int, int, int], ...]
         try:
-            _read_exit(span, _backend._active)
+            devs = span.devs
+            if span.device is None:
+                now = backend.initialized_devices()
+                if now is not devs and now != devs:
+                    # A device appeared during the span (or none was in use at entry).
+                    devs = tuple(sorted(set(now) | set(devs))) if devs else now
+            elif not devs:  # the entry measurement failed
+                devs = (span.device,)
+            if span.sync:
+                try:
+                    for d in devs:
+                        if span.device is not None or backend.has_context(d):
+                            backend.synchronize(d)
+                finally:
+                    span.end_ns = _now_ns()
+            span.exit_devs = devs
+            if len(devs) == 1:
+                after = span.after = (backend.counters(devs[0]),)
+            elif devs:
+                after = span.after = tuple([backend.counters(d) for d in devs])
+            else:
+                after = span.after = ()
+                span.unmeasured = (
+                    "no CUDA device" if backend.device_count() == 0 else "no CUDA device in use"
+                )
         except Exception as err:
-            if not span.end_ns:
-                span.end_ns = _now_ns()
-            span.exit_devs, span.after = (), ()
+            span.exit_devs = after = span.after = ()
             span.unmeasured = "measurement failed"
             span.note(f"exit measurement failed: {type(err).__name__}: {err}")
             _warn_once("exit", f"cudamem: span exit measurement failed: {err!r}")
-        if span.peak:
+        peak = span.peak
+        if peak:
             _open_peak.pop(span, None)
             if _open_peak and not _only(_get_ident()):
                 with _lock:  # a fold of another thread may still be writing into this span
                     pass
-        after = span.after
         if len(after) == 1 and span.exit_devs is span.devs:  # one device at both edges
             a0, r0, _ = span.before[0]
             a1, r1, p1 = after[0]
             span.level = a1
             span.alloc_delta = a1 - a0
             span.res_delta = r1 - r0
-            if span.peak:
-                peak = p1 if p1 > a0 else a0
+            if peak:
+                top = p1 if p1 > a0 else a0
                 if span.fold is not None or span.xfold is not None:
                     d = span.devs[0]
-                    peak = max(peak, (span.fold or {}).get(d, 0), (span.xfold or {}).get(d, 0))
+                    top = max(top, (span.fold or {}).get(d, 0), (span.xfold or {}).get(d, 0))
                     span.fold = span.xfold = None
-                span.peaks = (peak,)
-                span.peak_total = peak
-                span.peak_delta = peak - a0
+                span.peaks = (top,)
+                span.peak_total = top
+                span.peak_delta = top - a0
         else:
             _tally(span)
             span.fold = span.xfold = None
         if exc is not None:
-            span.exception = ExceptionInfo.from_exception(exc, is_oom=_backend._active.is_oom(exc))
+            span.exception = ExceptionInfo.from_exception(exc, is_oom=backend.is_oom(exc))
         try:
             span.thread = _tls.name
         except AttributeError:
@@ -772,28 +828,47 @@ def _close(span: RawSpan, exc: BaseException | None, keeper: MemorySpan | None =
         if _top.get() is span:
             _top.set(parent)
         if parent is not None:
-            parent._add_child(span)
+            children = parent.children
+            if children is None:
+                parent.children = [span]
+            elif len(children) < MAX_CHILDREN:
+                children.append(span)
+            else:
+                parent.dropped += 1
         else:
             span.top_level = True
-            _unlink(span)
-        for hook, propagate in _exit_hooks:
+            if span.parent is not None or span.children:
+                _unlink(span)
+        for hook in _exit_calls if hooks else ():
             try:
                 hook(span)
             except Exception as err:
-                if propagate and isinstance(err, propagate):
-                    if exc is None:  # the block's own exception always wins
-                        pending = pending or err
-                else:
-                    _warn_once(f"exit-hook{id(hook)}", f"cudamem: span exit hook failed: {err!r}")
+                pending = _exit_hook_failed(hook, err, exc, pending)
     except Exception as err:  # pragma: no cover - last line of defence
         span.closed = True
         _open_peak.pop(span, None)
+        for field, empty in _EXIT_FIELDS:
+            if not hasattr(span, field):
+                setattr(span, field, empty)
         _warn_once("exit-outer", f"cudamem: span bookkeeping failed: {err!r}")
-    if keeper is not None:
-        keeper._extras = span.extras
-    span.extras = None
+    extras = span.extras
+    if extras is not None:
+        if keeper is not None:
+            keeper._extras = extras
+        span.extras = None
     if pending is not None:
         raise pending
+
+
+#: What a close sets, with the value a close that failed half-way leaves.
+_EXIT_FIELDS: tuple[tuple[str, Any], ...] = (
+    ("exit_devs", ()),
+    ("after", ()),
+    ("level", 0),
+    ("alloc_delta", 0),
+    ("res_delta", 0),
+    ("thread", ""),
+)
 
 
 def _unlink(top: RawSpan) -> None:
@@ -815,34 +890,6 @@ def _live(span: RawSpan | None) -> RawSpan | None:
     while span is not None and span.closed:
         span = span.parent
     return span
-
-
-def _read_exit(span: RawSpan, backend: _backend.Backend) -> None:
-    if span.device is not None:
-        devs: tuple[int, ...] = span.devs or (span.device,)
-    else:
-        devs = backend.initialized_devices()
-        if devs is not span.devs:
-            if devs == span.devs:
-                devs = span.devs  # the same object lets _close take its one-device path
-            elif span.devs:  # a device appeared during the span
-                devs = tuple(sorted(set(devs) | set(span.devs)))
-    if span.sync:
-        try:
-            for d in devs:
-                if span.device is not None or backend.has_context(d):
-                    backend.synchronize(d)
-        finally:
-            span.end_ns = _now_ns()
-    span.exit_devs = devs
-    if len(devs) == 1:
-        span.after = (backend.counters(devs[0]),)
-    elif devs:
-        span.after = tuple([backend.counters(d) for d in devs])
-    elif backend.device_count() == 0:
-        span.unmeasured = "no CUDA device"
-    else:
-        span.unmeasured = "no CUDA device in use"
 
 
 # --------------------------------------------------------------------------- public API
@@ -895,32 +942,37 @@ class MemorySpan:
     # -- context manager ------------------------------------------------------------
 
     def __enter__(self) -> MemorySpan:
-        raw = self._raw
-        if raw is not None:
-            if not raw.closed:
-                raise RuntimeError(
-                    f"span {self.name!r} is already open; spans cannot be re-entered"
-                )
-            raise RuntimeError(
-                f"span {self.name!r} has already measured a block; create a new span "
-                "(or decorate a function to record one span per call)"
+        if self._raw is not None:
+            self._refuse_reentry()
+        if self._detached:
+            self._raw = _open(
+                self._name or "span",
+                self._device,
+                self._sync,
+                self._peak,
+                self._leaks,
+                False,
+                False,
             )
-        detached = self._detached
-        self._raw = _open(
-            self._name or "span",
-            self._device,
-            self._sync,
-            self._peak,
-            self._leaks,
-            not detached,
-            not detached,
-        )
+        else:
+            self._raw = _open(
+                self._name or "span", self._device, self._sync, self._peak, self._leaks
+            )
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         raw = self._raw
+        if raw is not None:
+            _close(raw, exc, self)  # a span closed already (elsewhere) is left alone
+
+    def _refuse_reentry(self) -> None:
+        raw = self._raw
         if raw is not None and not raw.closed:
-            _close(raw, exc, self)
+            raise RuntimeError(f"span {self.name!r} is already open; spans cannot be re-entered")
+        raise RuntimeError(
+            f"span {self.name!r} has already measured a block; create a new span "
+            "(or decorate a function to record one span per call)"
+        )
 
     def _detach(self) -> None:
         """Open without joining the span stack: a top-level span that never becomes anyone's
@@ -1072,8 +1124,14 @@ class MemorySpan:
     def __repr__(self) -> str:
         return f"<MemorySpan {self}>"
 
+    def _repr_html_(self) -> str:
+        from .render.notebook import span_html
+
+        return span_html(self)
+
 
 _Opts = tuple[str, "int | None", bool, bool, bool]
+_new_span = object.__new__
 
 
 def _wrap_coroutine(func: Callable[..., Awaitable[Any]], opts: _Opts) -> Callable[..., Any]:
@@ -1240,9 +1298,14 @@ def track(
             f"not {type(name).__name__}"
         )
     if device is None:  # the hot form, ``with track("step"):``, skips re-validation
-        span = object.__new__(MemorySpan)
-        span._name, span._device, span._detached = name, None, False
-        span._sync, span._peak, span._leaks = bool(sync), bool(peak), bool(leaks)
-        span._raw = span._extras = None
+        span = _new_span(MemorySpan)
+        span._name = name
+        span._device = span._raw = span._extras = None
+        span._detached = False
+        if sync is False and peak is True and leaks is False:  # the defaults
+            span._sync = span._leaks = False
+            span._peak = True
+        else:
+            span._sync, span._peak, span._leaks = bool(sync), bool(peak), bool(leaks)
         return span
     return MemorySpan(name, device=device, sync=sync, peak=peak, leaks=leaks)

@@ -331,6 +331,32 @@ def test_history_is_bounded_and_aggregates(fake: FakeAllocator) -> None:
         cudamem.set_history_size(1000)
 
 
+@pytest.mark.parametrize("count", [3, 40])  # below and above the batch aggregation size
+def test_history_table_says_n_a_for_spans_that_measured_no_device(count: int) -> None:
+    from .fakes import FakeAllocator as Fake
+
+    cudamem.clear_history()
+    idle = Fake(devices=1, contexts=())  # no CUDA device in use: nothing to measure
+    with _backend.use(idle):
+        for _ in range(count):
+            with cudamem.track("cpu step"):
+                pass
+    busy = Fake(devices=1, contexts=(0,))
+    with _backend.use(busy):
+        for _ in range(count):
+            with cudamem.track("gpu step"):
+                busy.alloc(3 * MiB)
+    hist = cudamem.history()
+    cpu, gpu = hist.by_name("cpu step"), hist.by_name("gpu step")
+    assert (cpu.calls, cpu.measured) == (count, 0)
+    assert (gpu.calls, gpu.measured) == (count, count)
+    assert gpu.mean_allocated_delta == 3 * MiB
+    rows = {line.split("  ")[0]: line for line in str(hist).splitlines()}
+    assert "+0 B" not in rows["cpu step"]
+    assert rows["cpu step"].split()[3:8] == ["n/a"] * 5  # "cpu", "step", calls, ...
+    assert "+3.0 MiB" in rows["gpu step"]
+
+
 def test_history_name_cap(fake: FakeAllocator) -> None:
     from cudamem import _history
 

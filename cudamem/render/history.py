@@ -20,20 +20,23 @@ def render_history(history: History) -> str:
     """One row per span name: calls, mean/max allocated delta, reserved delta, peak, time."""
     if not history.stats:
         return "no finished spans"
-    rows = [
-        [
-            s.name,
-            str(s.calls),
-            _mib(s.mean_allocated_delta, signed=True),
-            _mib(s.max_allocated_delta, signed=True),
-            _mib(s.mean_reserved_delta, signed=True),
-            _mib(s.max_peak),
-            _mib(s.max_peak_delta, signed=True),
-            format_duration(s.mean_duration),
-            str(s.errors),
-        ]
-        for s in history.stats
-    ]
+    rows = []
+    for s in history.stats:
+        # Calls that measured no CUDA device (CPU only) have no byte figures: n/a, not +0 B.
+        measured = s.measured > 0
+        rows.append(
+            [
+                s.name,
+                str(s.calls),
+                _mib(s.mean_allocated_delta if measured else None, signed=True),
+                _mib(s.max_allocated_delta if measured else None, signed=True),
+                _mib(s.mean_reserved_delta if measured else None, signed=True),
+                _mib(s.max_peak),
+                _mib(s.max_peak_delta, signed=True),
+                format_duration(s.mean_duration),
+                str(s.errors),
+            ]
+        )
     headers = [
         "span",
         "calls",

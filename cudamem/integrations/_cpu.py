@@ -1,0 +1,59 @@
+"""The CPU as the allocator: a backend whose counters are the bytes of live CPU storages.
+
+PyTorch keeps no allocation counters for the CPU. The integrations' CPU mode (for CPU-only
+runs and for testing them in CI) swaps this backend in at the ``_backend`` seam, so spans,
+growth detection and culprit naming run unchanged on CPU tensors: "allocated" is the sum of
+``untyped_storage().nbytes()`` over every live CPU storage, counted by the census.
+
+What it cannot measure it does not pretend to: there is no CPU cache, so ``reserved`` equals
+``allocated``, and no peak counter, so ``peak_allocated`` is the highest value cudamem itself
+read. The callbacks therefore log neither reserved nor peak in CPU mode. Each read is one
+census pass (a heap scan plus an autograd walk): for small runs and tests, not for every step
+of a large CPU job.
+"""
+
+from __future__ import annotations
+
+import time
+
+from .._backend import Backend
+from ..stats import AllocatorStats
+
+__all__ = ["CpuStorageBackend"]
+
+
+class CpuStorageBackend(Backend):
+    """Device 0 is the CPU; its ``allocated`` is the bytes of live CPU storages."""
+
+    def __init__(self) -> None:
+        self._peak = 0
+
+    def device_count(self) -> int:
+        return 1
+
+    def initialized_devices(self) -> tuple[int, ...]:
+        return (0,)
+
+    def has_context(self, device: int) -> bool:
+        return device == 0
+
+    def read(self, device: int) -> AllocatorStats:
+        from ..census import live_storage_keys
+
+        now = time.perf_counter_ns()
+        if device != 0:
+            return AllocatorStats.zero(device, now)
+        total = sum(live_storage_keys("cpu").values())
+        self._peak = max(self._peak, total)
+        return AllocatorStats(
+            0, total, total, total, total, self._peak, self._peak, 0, 0, 0, 0, 0, 0, now
+        )
+
+    def synchronize(self, device: int) -> None:
+        """CPU work is synchronous: nothing to wait for."""
+
+    def reset_peak(self, device: int) -> None:
+        self._peak = 0
+
+    def storage_device_type(self) -> str:
+        return "cpu"

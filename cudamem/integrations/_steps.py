@@ -1,0 +1,233 @@
+"""Per-step spans and the metric set shared by the Lightning and Transformers callbacks.
+
+Each measured step is one cudamem span (``sync=False``: the allocator's counters are exact
+without waiting for the GPU), opened and closed by the framework's hooks and *detached*
+(it never becomes the parent of the user's own spans, which stay top-level in
+``cudamem.history()``). The span's name repeats every step, so cudamem's growth detector
+watches it and issues a :class:`~cudamem.LeakWarning` naming the culprits when the level
+keeps rising.
+
+The metric set, per measured step (bytes shown in MiB, ``1 MiB = 1024**2`` bytes):
+
+========================  ==================================================================
+``allocated_mib``         allocated at the end of the step
+``reserved_mib``          reserved (allocated + the caching allocator's cache) at the end
+``peak_mib``              the highest allocated during the step
+``retained_mib``          allocated at the end minus at the start: what the step kept
+``leak_culprits``         holder groups named by the latest LeakWarning for this span name
+                          (0 until one is issued; not logged when growth detection is off)
+========================  ==================================================================
+
+Modes: ``cuda`` reads the model's GPU; ``cpu`` counts live CPU storages instead (see
+:mod:`cudamem.integrations._cpu`: ``allocated_mib``, ``retained_mib`` and ``leak_culprits``
+only, since the CPU has no cache and no peak counter); ``auto`` is ``cuda`` for a model on a
+GPU and measures nothing on the CPU (no metric is logged rather than a made-up zero).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .. import _backend
+from ..leaks import add_growth_hook, leak_settings, remove_growth_hook
+from ..span import MemorySpan
+
+if TYPE_CHECKING:
+    from ..leaks import Growth
+
+__all__ = ["METRICS", "MODES", "StepMeter"]
+
+MODES = ("auto", "cuda", "cpu")
+#: Metric names (without prefix and stage) in the order they are logged.
+METRICS = ("allocated_mib", "reserved_mib", "peak_mib", "retained_mib", "leak_culprits")
+MiB = 1024**2
+
+
+@dataclass(frozen=True, slots=True)
+class _Open:
+    stage: str
+    span: MemorySpan
+
+
+class StepMeter:
+    """Opens a span at each step's start, closes it at its end, turns it into metrics."""
+
+    def __init__(
+        self,
+        *,
+        device: str = "auto",
+        prefix: str = "cudamem/",
+        every_n_steps: int = 1,
+        peak: bool = True,
+        span_names: dict[str, str],
+        stage_prefixes: dict[str, str],
+    ) -> None:
+        if not isinstance(device, str) or device not in MODES:
+            raise ValueError(f"device must be one of {MODES}, got {device!r}")
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix must be a str, not {type(prefix).__name__}")
+        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int):
+            raise TypeError(f"every_n_steps must be an int, not {type(every_n_steps).__name__}")
+        if every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
+        if not isinstance(peak, bool):
+            raise TypeError(f"peak must be a bool, not {type(peak).__name__}")
+        self.requested = device
+        self.prefix = prefix
+        self.every_n_steps = every_n_steps
+        self.peak = peak
+        self.span_names = dict(span_names)
+        self.stage_prefixes = dict(stage_prefixes)
+        #: ``cuda``, ``cpu`` or ``off`` once a run started.
+        self.mode = "off"
+        self.device_index: int | None = None
+        #: Why nothing is measured (``auto`` on a CPU model), for the log and the docs.
+        self.note: str | None = None
+        #: Growth findings for this meter's spans, the latest last.
+        self.findings: deque[Growth] = deque(maxlen=20)
+        self._culprits: dict[str, int] = {}
+        self._open: _Open | None = None
+        self._calls: dict[str, int] = {}
+        self._stack: contextlib.ExitStack | None = None
+
+    # -- run ----------------------------------------------------------------------------
+
+    def begin_run(self, device_type: str, index: int | None) -> None:
+        """A fit/train starts on ``device_type`` (``'cuda'``, ``'cpu'``, ...)."""
+        self.end_run()
+        self._culprits.clear()
+        self._calls.clear()
+        mode = self.requested
+        if mode == "auto":
+            mode = "cuda" if device_type == "cuda" else "off"
+            if mode == "off":
+                self.note = (
+                    f"cudamem: the model is on {device_type!r}, not a CUDA device: no memory "
+                    "metrics are logged (pass device='cpu' to count CPU storages instead)"
+                )
+        elif mode == "cuda" and device_type != "cuda":
+            self.note = f"cudamem: device='cuda' but the model is on {device_type!r}"
+        self.mode = mode
+        self.device_index = index if mode == "cuda" else None
+        self._stack = contextlib.ExitStack()
+        if mode == "cpu":
+            from ._cpu import CpuStorageBackend
+
+            self._stack.enter_context(_backend.use(CpuStorageBackend()))
+        if mode != "off":
+            add_growth_hook(self._on_growth)
+            self._stack.callback(remove_growth_hook, self._on_growth)
+
+    def end_run(self) -> None:
+        """The run ended (or failed): close what is open, restore the backend."""
+        self.abort(None)
+        if self._stack is not None:
+            stack, self._stack = self._stack, None
+            stack.close()
+
+    # -- steps --------------------------------------------------------------------------
+
+    def start(self, stage: str) -> None:
+        """A step of ``stage`` (``'train'``, ``'val'``) begins."""
+        if self.mode == "off":
+            return
+        if self._open is not None:
+            self.abort(None)  # the previous step never ended (an exception in between)
+        n = self._calls.get(stage, 0)
+        self._calls[stage] = n + 1
+        if n % self.every_n_steps:
+            return
+        try:
+            span = MemorySpan(
+                self.span_names[stage], device=self.device_index, sync=False, peak=self.peak
+            )
+            span._detach()
+            span.__enter__()
+            self._open = _Open(stage, span)
+        except Exception as exc:  # bookkeeping never breaks the training step
+            warnings.warn(f"cudamem: could not open the step span: {exc!r}", RuntimeWarning, 2)
+
+    def end(self, stage: str) -> dict[str, float] | None:
+        """The step of ``stage`` ended: its metrics, or ``None`` when it was not measured."""
+        current = self._open
+        if current is None or current.stage != stage:
+            return None
+        self._open = None
+        try:
+            current.span.__exit__(None, None, None)
+            return self._metrics(stage, current.span)
+        except Exception as exc:
+            warnings.warn(f"cudamem: could not close the step span: {exc!r}", RuntimeWarning, 2)
+            return None
+
+    def abort(self, exc: BaseException | None) -> bool:
+        """Close the open span with ``exc`` (an OOM then gets cudamem's post-mortem from the
+        span's exit, as any ``track()`` block does); whether a span was open."""
+        current, self._open = self._open, None
+        if current is None:
+            return False
+        with contextlib.suppress(Exception):
+            tb = exc.__traceback__ if exc is not None else None
+            current.span.__exit__(type(exc) if exc is not None else None, exc, tb)
+        return True
+
+    # -- metrics ------------------------------------------------------------------------
+
+    def name(self, stage: str, metric: str) -> str:
+        """The logged name of ``metric`` for ``stage``: ``cudamem/val_peak_mib``."""
+        return f"{self.prefix}{self.stage_prefixes.get(stage, '')}{metric}"
+
+    def _metrics(self, stage: str, span: MemorySpan) -> dict[str, float] | None:
+        record = span.record
+        if not record.devices:
+            return None
+        values: dict[str, float] = {}
+        allocated = sum(d.after.allocated for d in record.devices)
+        values["allocated_mib"] = allocated / MiB
+        if self.mode == "cuda":
+            values["reserved_mib"] = sum(d.after.reserved for d in record.devices) / MiB
+            if record.peak is not None:
+                values["peak_mib"] = record.peak / MiB
+        values["retained_mib"] = record.allocated_delta / MiB
+        if leak_settings().enabled:
+            values["leak_culprits"] = float(self._culprits.get(stage, 0))
+        return {self.name(stage, k): values[k] for k in METRICS if k in values}
+
+    def summarize(self, stage: str, steps: list[dict[str, float]]) -> dict[str, float]:
+        """Several steps as one set: the last step's levels (allocated, reserved, culprits),
+        the highest peak, the mean retained per step."""
+        if not steps:
+            return {}
+        out = dict(steps[-1])
+        peak = self.name(stage, "peak_mib")
+        if peak in out:
+            out[peak] = max(s.get(peak, 0.0) for s in steps)
+        retained = self.name(stage, "retained_mib")
+        if retained in out:
+            out[retained] = sum(s.get(retained, 0.0) for s in steps) / len(steps)
+        return out
+
+    def _on_growth(self, growth: Growth) -> None:
+        for stage, span_name in self.span_names.items():
+            if growth.name == span_name:
+                self._culprits[stage] = len(growth.culprits)
+                self.findings.append(growth)
+
+    @property
+    def measuring(self) -> bool:
+        """Whether a run is measured (``cuda`` or ``cpu`` mode)."""
+        return self.mode != "off"
+
+    def describe(self) -> dict[str, Any]:
+        """Mode and settings, for logs and tests."""
+        return {
+            "mode": self.mode,
+            "device": self.device_index,
+            "every_n_steps": self.every_n_steps,
+            "peak": self.peak,
+            "note": self.note,
+        }

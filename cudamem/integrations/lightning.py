@@ -1,0 +1,234 @@
+"""PyTorch Lightning: ``CudamemCallback``, per-batch memory metrics through the trainer's logger.
+
+::
+
+    from cudamem.integrations.lightning import CudamemCallback
+
+    trainer = L.Trainer(callbacks=[CudamemCallback()], logger=TensorBoardLogger("logs"))
+
+Every training (and validation) batch runs inside a cudamem span opened in
+``on_train_batch_start`` and closed in ``on_train_batch_end``. Its figures go to every logger
+the trainer has (TensorBoard, W&B, CSV, MLflow, ...: ``logger.log_metrics``) at the trainer's
+``log_every_n_steps`` and logging step, like the module's own ``self.log`` values:
+
+========================  ==================================================================
+``cudamem/allocated_mib``  allocated at the end of the batch
+``cudamem/reserved_mib``   reserved at the end (allocated + the allocator's cache)
+``cudamem/peak_mib``       the highest allocated during the batch
+``cudamem/retained_mib``   allocated at the end minus at the start: what the batch kept
+``cudamem/leak_culprits``  holder groups named by the latest LeakWarning (0 until one)
+========================  ==================================================================
+
+Each validation run logs one row of the same under ``cudamem/val_…`` (the last batch's
+levels, the highest peak, the mean retained per batch). A batch span that keeps growing
+gets cudamem's :class:`~cudamem.LeakWarning` naming who holds the growth (``callback.leaks``
+keeps the findings); an out-of-memory error gets cudamem's post-mortem from ``on_exception``
+(``callback.oom_report``). On a CPU model nothing is logged unless ``device='cpu'``, which
+counts live CPU storages instead (``allocated``, ``retained`` and ``leak_culprits`` only).
+
+Needs ``lightning`` (``pip install 'cudamem[lightning]'``); falls back to ``pytorch_lightning``.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from ..leaks import leak_settings
+from ._steps import StepMeter
+
+try:
+    from lightning.pytorch import Callback
+except ImportError:  # pragma: no cover - the older package name
+    from pytorch_lightning import Callback  # type: ignore[assignment,no-redef,unused-ignore]
+
+if TYPE_CHECKING:
+    from ..leaks import Growth
+    from ..oom import OomReport
+
+__all__ = ["CudamemCallback"]
+
+_SPANS = {"train": "train_batch", "val": "validation_batch"}
+_STAGES = {"train": "", "val": "val_"}
+
+
+def _device_of(pl_module: Any) -> tuple[str, int | None]:
+    device = getattr(pl_module, "device", None)
+    kind = str(getattr(device, "type", "cpu"))
+    index = getattr(device, "index", None)
+    return kind, index if isinstance(index, int) else None
+
+
+class CudamemCallback(Callback):  # type: ignore[misc,unused-ignore]
+    """Memory metrics per batch, leak warnings with culprits, and OOM post-mortems.
+
+    Args:
+        device: ``'auto'`` (the model's GPU; nothing on a CPU model), ``'cuda'``, or
+            ``'cpu'`` (count live CPU storages: for CPU-only runs and tests).
+        every_n_steps: measure one batch in this many (each measured batch costs two
+            counter reads, ~0.1 ms; in CPU mode two census passes).
+        validation: also measure validation batches (logged as ``cudamem/val_…``).
+        prefix: prepended to every metric name.
+        peak: track each batch's peak (resets PyTorch's peak counter per batch; use
+            ``cudamem.max_allocated()`` for the process-wide peak).
+        oom_report: build and print cudamem's post-mortem when an OOM ends the fit.
+    """
+
+    def __init__(
+        self,
+        *,
+        device: str = "auto",
+        every_n_steps: int = 1,
+        validation: bool = True,
+        prefix: str = "cudamem/",
+        peak: bool = True,
+        oom_report: bool = True,
+    ) -> None:
+        super().__init__()
+        self.meter = StepMeter(
+            device=device,
+            prefix=prefix,
+            every_n_steps=every_n_steps,
+            peak=peak,
+            span_names=_SPANS,
+            stage_prefixes=_STAGES,
+        )
+        self.validation = bool(validation)
+        self.report_oom = bool(oom_report)
+        #: The post-mortem of the OOM that ended the last fit, if one did.
+        self.oom_report: OomReport | None = None
+        #: Metrics of the last measured batch of each stage (``'train'``, ``'val'``).
+        self.last_metrics: dict[str, dict[str, float]] = {}
+        self._val: list[dict[str, float]] = []
+
+    @property
+    def leaks(self) -> tuple[Growth, ...]:
+        """Growth findings (the content of each LeakWarning) for this callback's spans."""
+        return tuple(self.meter.findings)
+
+    # -- run ----------------------------------------------------------------------------
+
+    def _begin(self, pl_module: Any) -> None:
+        kind, index = _device_of(pl_module)
+        self.meter.begin_run(kind, index)
+        if self.meter.note is not None:
+            warnings.warn(self.meter.note, UserWarning, stacklevel=2)
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        self.oom_report = None
+        self._begin(pl_module)
+
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        self.meter.end_run()
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.meter._stack is None:  # trainer.validate(): no fit around it
+            self._begin(pl_module)
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self.meter.end_run()
+
+    # -- batches ------------------------------------------------------------------------
+
+    def _log(self, trainer: Any, stage: str, metrics: Mapping[str, float] | None) -> None:
+        """Hand ``metrics`` to every logger of the trainer, at the trainer's logging step.
+
+        Straight to ``logger.log_metrics`` rather than through ``pl_module.log``, which would
+        turn each float into a tensor on the model's device (a GPU allocation per metric and
+        step, kept in the result collection) inside the very steps being measured.
+        """
+        if not metrics:
+            return
+        self.last_metrics[stage] = dict(metrics)
+        loggers = getattr(trainer, "loggers", None) or ()
+        if not loggers:
+            return
+        step = getattr(getattr(trainer.fit_loop, "epoch_loop", None), "_batches_that_stepped", None)
+        if not isinstance(step, int):
+            step = int(trainer.global_step)
+        for logger in loggers:
+            try:
+                logger.log_metrics(dict(metrics), step=step)
+            except Exception as exc:  # a logger's failure must not stop the training step
+                name = type(logger).__name__
+                warnings.warn(
+                    f"cudamem: {name} refused the metrics: {exc!r}", RuntimeWarning, stacklevel=2
+                )
+
+    @staticmethod
+    def _log_now(trainer: Any) -> bool:
+        """Lightning's own rule: every ``log_every_n_steps`` batches, and when stopping."""
+        connector = getattr(trainer, "_logger_connector", None)
+        should = getattr(connector, "should_update_logs", None)
+        if isinstance(should, bool):
+            return should
+        n = max(1, int(getattr(trainer, "log_every_n_steps", 1) or 1))
+        return (int(trainer.global_step) + 1) % n == 0
+
+    def on_train_batch_start(
+        self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.meter.start("train")
+
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        metrics = self.meter.end("train")
+        if metrics and self._log_now(trainer):
+            self._log(trainer, "train", metrics)
+        elif metrics:
+            self.last_metrics["train"] = metrics
+
+    def on_validation_batch_start(
+        self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        if self.validation and not trainer.sanity_checking:
+            self.meter.start("val")
+
+    def on_validation_batch_end(
+        self,
+        trainer: Any,
+        pl_module: Any,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        if self.validation and not trainer.sanity_checking:
+            metrics = self.meter.end("val")
+            if metrics:
+                self._val.append(metrics)
+
+    def on_validation_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        """One row per validation run: last levels, highest peak, mean retained per batch."""
+        steps, self._val = self._val, []
+        if steps and not trainer.sanity_checking:
+            self._log(trainer, "val", self.meter.summarize("val", steps))
+
+    # -- failure ------------------------------------------------------------------------
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        from .. import _backend, oom
+
+        span_was_open = self.meter.abort(exception)
+        try:
+            is_oom = _backend.get().is_oom(exception)
+        except Exception:
+            is_oom = False
+        self.meter.end_run()
+        if not (is_oom and self.report_oom):
+            return
+        try:
+            self.oom_report = oom.oom_report(exception)
+        except Exception as exc:  # a post-mortem never adds a second failure
+            sys.stderr.write(f"cudamem: OOM post-mortem failed: {exc!r}\n")
+            return
+        # The span's exit already printed it unless span reports are off.
+        if not (span_was_open and leak_settings().span_oom_reports):
+            sys.stderr.write(str(self.oom_report) + "\n")
+
+    def state_dict(self) -> dict[str, Any]:
+        """Nothing to checkpoint: the metrics are measured afresh after a resume."""
+        return {}

@@ -1,0 +1,449 @@
+"""The measuring half of cudamem's pytest plugin (the hooks live in ``pytest_cudamem``).
+
+A checked test is judged the way PyTorch's own ``CudaMemoryLeakCheck`` judges its tests, with
+holders named instead of a byte count:
+
+1. before the call: ``gc.collect()``, cuBLAS workspaces cleared, ``empty_cache()``; the live
+   storages (keys only) and each device's allocated bytes are noted, and the peak counter is
+   folded and reset (as spans do, so no span loses its peak);
+2. the test runs (after ``warmup`` unjudged calls, which let lazy caches fill);
+3. a test that raised is not judged; otherwise, settle again and look up to three times (a
+   finalizer or a second ``gc`` pass may free more) for storages created by the call that are
+   still alive; the holders of those that remain are named with :func:`cudamem.who_holds`.
+
+A test fails when those storages hold more than the ``limit_gpu_leaks`` limit, when a
+device's allocated bytes grew by more than the limit with no live tensor to show for it, or
+when its peak passes the ``limit_gpu_memory`` limit. Nothing here creates a CUDA context.
+
+CPU mode (``device='cpu'``) counts CPU storages instead; PyTorch has no CPU peak counter, so
+the peak is read from ``torch.profiler``'s memory events (``profile_memory=True``), which costs
+time per operator: it is for CPU-only projects and for testing this plugin in CI.
+"""
+
+from __future__ import annotations
+
+import gc
+import re
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import pytest
+
+from .. import _backend
+from .._storages import StorageRef
+from ..census import LiveStorage, live_refs, live_storages
+from ..span import RawSpan, _close, _open
+
+__all__ = [
+    "MemoryCheck",
+    "TestMemory",
+    "finish",
+    "parse_size",
+    "start",
+]
+
+#: Looks after the call: each one collects garbage and clears the caches first.
+RECHECKS = 3
+_UNITS = {
+    "b": 1,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_size(value: Any, name: str = "limit") -> int:
+    """``'512 MiB'`` → 536870912. Binary units (KiB, MiB, GiB, TiB) are powers of 1024,
+    decimal ones (KB, MB, GB, TB) powers of 1000; a plain int is bytes."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be a size like '512 MiB' or an int, not bool")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+        return value
+    if not isinstance(value, str):
+        raise TypeError(
+            f"{name} must be a size like '512 MiB' or an int, not {type(value).__name__}"
+        )
+    m = _SIZE.match(value)
+    unit = (m.group(2) if m else "").lower() or "b"
+    if m is None or unit not in _UNITS:
+        raise ValueError(
+            f"{name}={value!r} is not a size: use a number and one of B, KiB, MiB, GiB, TiB "
+            "(or KB, MB, GB, TB), e.g. '512 MiB'"
+        )
+    return round(float(m.group(1)) * _UNITS[unit])
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryCheck:
+    """What one test left behind and how high it went. Bytes are ints."""
+
+    test: str
+    #: ``cuda`` or ``cpu``: which storages were counted.
+    device: str
+    #: Storages created by the test and alive after it (the largest first), with holders.
+    leaked: tuple[LiveStorage, ...]
+    leaked_bytes: int
+    #: The ``limit_gpu_leaks`` limit, ``None`` when leaks were not checked.
+    leak_limit: int | None
+    #: ``(device, bytes)``: allocated growth no live storage accounts for (CUDA only).
+    unexplained: tuple[tuple[str, int], ...]
+    #: ``(device, bytes)``: the most allocated at once beyond the start, ``()`` if unknown.
+    peaks: tuple[tuple[str, int], ...]
+    #: The ``limit_gpu_memory`` limit, ``None`` when the peak was not checked.
+    memory_limit: int | None
+    notes: tuple[str, ...] = ()
+
+    @property
+    def failed(self) -> bool:
+        """Whether a limit was passed."""
+        if self.leak_limit is not None:
+            if self.leaked_bytes > self.leak_limit:
+                return True
+            if any(b > self.leak_limit for _, b in self.unexplained):
+                return True
+        if self.memory_limit is not None:
+            return any(b > self.memory_limit for _, b in self.peaks)
+        return False
+
+    @property
+    def peak(self) -> int | None:
+        """The highest per-device peak, ``None`` when not measured."""
+        return max((b for _, b in self.peaks), default=None)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready mapping."""
+        return {
+            "test": self.test,
+            "device": self.device,
+            "failed": self.failed,
+            "leaked": [s.to_dict() for s in self.leaked],
+            "leaked_bytes": self.leaked_bytes,
+            "leak_limit": self.leak_limit,
+            "unexplained": [list(u) for u in self.unexplained],
+            "peaks": [list(p) for p in self.peaks],
+            "memory_limit": self.memory_limit,
+            "notes": list(self.notes),
+        }
+
+    def __str__(self) -> str:
+        from ..render.integrations import render_memory_check
+        from ..render.text import format_bytes
+
+        text = render_memory_check(self)
+        if text:
+            return text
+        peak = "" if self.peak is None else f", peak {format_bytes(self.peak)}"
+        return f"cudamem: {self.test}: no {self.device} storage outlived the test{peak}"
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+def _settle(device: str) -> None:
+    gc.collect()
+    if device == "cuda":
+        backend = _backend.get()
+        backend.clear_cublas_workspaces()  # empty_cache() never frees them
+        backend.empty_cache()
+
+
+class _CpuPeak:
+    """The peak of CPU allocations made while open, from the profiler's memory events."""
+
+    def __init__(self) -> None:
+        self.prof: Any = None
+        self.peak: int | None = None
+        self.note: str | None = None
+
+    def start(self) -> None:
+        try:
+            from torch.profiler import ProfilerActivity, profile
+
+            self.prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self.prof.__enter__()
+        except Exception as exc:  # another profiler is running, or none is available
+            self.prof = None
+            self.note = f"CPU peak not measured: the profiler could not start ({exc})"
+
+    def stop(self) -> None:
+        prof, self.prof = self.prof, None
+        if prof is None:
+            return
+        try:
+            prof.__exit__(None, None, None)
+            events = prof.profiler.kineto_results.events()
+            moves = sorted(
+                (e.start_ns(), int(e.nbytes()))
+                for e in events
+                if e.name() == "[memory]" and "CPU" in str(e.device_type())
+            )
+        except Exception as exc:
+            self.note = f"CPU peak not measured: {type(exc).__name__}: {exc}"
+            return
+        level = peak = 0
+        for _, nbytes in moves:
+            level += nbytes
+            peak = max(peak, level)
+        self.peak = peak
+
+
+@dataclass
+class _Baseline:
+    device: str
+    #: Every storage alive at the start: identity (a weak reference) -> (device, bytes).
+    keys: dict[StorageRef, tuple[str, int]]
+    allocated: dict[int, int]
+    cpu_peak: _CpuPeak | None = None
+    #: The CUDA peak: a span of cudamem's own (no history, no growth detection), so that
+    #: spans the test opens fold their peaks into it as into any enclosing span.
+    span: RawSpan | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def _baseline(device: str, *, peak: bool) -> _Baseline:
+    _settle(device)
+    backend = _backend.get()
+    allocated: dict[int, int] = {}
+    if device == "cuda":
+        for d in backend.initialized_devices():
+            allocated[d] = backend.read(d).allocated
+    base = _Baseline(device, live_refs(device), allocated)
+    if peak and device == "cuda":
+        base.span = _open("cudamem test", None, False, True, False, False, False, hooks=False)
+    elif peak:
+        base.cpu_peak = _CpuPeak()
+        base.cpu_peak.start()
+    return base
+
+
+def _cuda_peaks(base: _Baseline) -> list[tuple[str, int]]:
+    """Per device, the most allocated at once beyond the test's start (closes its span)."""
+    span, base.span = base.span, None
+    if span is None:
+        return []
+    _close(span, None, hooks=False)
+    record = span.record()
+    return [
+        (f"cuda:{d.device}", max(0, (d.peak or 0) - base.allocated.get(d.device, 0)))
+        for d in record.devices
+    ]
+
+
+def _survivors(base: _Baseline) -> dict[StorageRef, tuple[str, int]]:
+    """Storages created since ``base`` that stay alive through a few settle rounds."""
+    new: dict[StorageRef, tuple[str, int]] = {}
+    for _ in range(RECHECKS):
+        _settle(base.device)
+        now = live_refs(base.device)
+        new = {k: n for k, n in now.items() if k not in base.keys}
+        if not new:
+            break
+    return new
+
+
+def _judge(
+    name: str,
+    base: _Baseline,
+    *,
+    leak_limit: int | None,
+    memory_limit: int | None,
+) -> MemoryCheck:
+    backend = _backend.get()
+    notes = list(base.notes)
+    peaks: list[tuple[str, int]] = []
+    if base.cpu_peak is not None:
+        base.cpu_peak.stop()
+        if base.cpu_peak.peak is not None:
+            peaks.append(("cpu", base.cpu_peak.peak))
+        elif base.cpu_peak.note:
+            notes.append(base.cpu_peak.note)
+    elif base.span is not None:
+        peaks.extend(_cuda_peaks(base))
+    leaked: tuple[LiveStorage, ...] = ()
+    unexplained: list[tuple[str, int]] = []
+    total = 0
+    if leak_limit is not None:
+        new = _survivors(base)
+        leaked = live_storages(base.device, holders=True, among=new.keys()) if new else ()
+        del new
+        total = sum(s.nbytes for s in leaked)
+        if base.device == "cuda":
+            per_device: dict[str, int] = {}
+            for s in leaked:
+                per_device[s.device] = per_device.get(s.device, 0) + s.nbytes
+            for d in backend.initialized_devices():
+                grown = backend.read(d).allocated - base.allocated.get(d, 0)
+                rest = grown - per_device.get(f"cuda:{d}", 0)
+                if rest > leak_limit:
+                    unexplained.append((f"cuda:{d}", rest))
+    return MemoryCheck(
+        test=name,
+        device=base.device,
+        leaked=leaked,
+        leaked_bytes=total,
+        leak_limit=leak_limit,
+        unexplained=tuple(unexplained),
+        peaks=tuple(peaks),
+        memory_limit=memory_limit,
+        notes=tuple(notes),
+    )
+
+
+# --------------------------------------------------------------------------- the hooks
+
+
+@dataclass(frozen=True, slots=True)
+class _Spec:
+    leak_limit: int | None
+    memory_limit: int | None
+    warmup: int
+    device: str
+
+
+def _device_arg(value: Any, where: str) -> str | None:
+    if value is None:
+        return None
+    if value not in ("cuda", "cpu"):
+        raise pytest.UsageError(f"{where}: device must be 'cuda' or 'cpu', got {value!r}")
+    return str(value)
+
+
+def _spec(item: pytest.Item) -> _Spec:
+    leak_limit: int | None = None
+    memory_limit: int | None = None
+    warmup = 0
+    device: str | None = None
+    leaks_marker = item.get_closest_marker("limit_gpu_leaks")
+    memory_marker = item.get_closest_marker("limit_gpu_memory")
+    if leaks_marker is None and memory_marker is None:
+        leak_limit = 0  # --cudamem: every test
+    for marker in (leaks_marker, memory_marker):
+        if marker is None:
+            continue
+        where = f"@pytest.mark.{marker.name} on {item.nodeid}"
+        kwargs = dict(marker.kwargs)
+        args = list(marker.args)
+        if "limit" in kwargs:
+            args.insert(0, kwargs.pop("limit"))
+        unknown = sorted(set(kwargs) - {"warmup", "device"})
+        if unknown or len(args) > 1:
+            raise pytest.UsageError(
+                f"{where}: takes (limit, *, warmup=0, device=None); got args {marker.args!r} "
+                f"and keywords {sorted(marker.kwargs)!r}"
+            )
+        try:
+            if marker.name == "limit_gpu_leaks":
+                leak_limit = parse_size(args[0] if args else 0)
+            else:
+                if not args:
+                    raise ValueError("a limit is required, e.g. limit_gpu_memory('512 MiB')")
+                memory_limit = parse_size(args[0])
+        except (TypeError, ValueError) as exc:
+            raise pytest.UsageError(f"{where}: {exc}") from None
+        w = kwargs.get("warmup", 0)
+        if isinstance(w, bool) or not isinstance(w, int) or w < 0:
+            raise pytest.UsageError(f"{where}: warmup must be an int >= 0, got {w!r}")
+        warmup = max(warmup, w)
+        d = _device_arg(kwargs.get("device"), where)
+        if d is not None and device is not None and d != device:
+            raise pytest.UsageError(f"{where}: both markers must name the same device")
+        device = d or device
+    default = item.config.getoption("cudamem_device") or "cuda"
+    return _Spec(leak_limit, memory_limit, warmup, device or default)
+
+
+@dataclass
+class Run:
+    """A checked test between its start and its judgement."""
+
+    name: str
+    spec: _Spec
+    base: _Baseline
+
+
+def start(item: pytest.Item) -> Run | None:
+    """Before the call: parse the markers, run the warm-up calls, take the baseline.
+
+    Bad marker arguments raise ``pytest.UsageError``, and an exception of a warm-up call
+    fails the test like one of the call itself; ``None`` (no judgement, a warning) when
+    cudamem cannot take the baseline.
+    """
+    spec = _spec(item)
+    for _ in range(spec.warmup):
+        item.runtest()
+    try:
+        base = _baseline(spec.device, peak=spec.memory_limit is not None)
+    except Exception as exc:
+        import warnings
+
+        warnings.warn(f"cudamem could not measure {item.nodeid}: {exc!r}", stacklevel=2)
+        return None
+    return Run(item.nodeid, spec, base)
+
+
+def finish(run: Run, *, failed: bool) -> BaseException | None:
+    """After the call: the failure to report, or ``None``. A test that raised is not judged."""
+    if failed:
+        if run.base.cpu_peak is not None:
+            run.base.cpu_peak.stop()
+        _cuda_peaks(run.base)  # close the peak span
+        return None
+    check = _judge(
+        run.name,
+        run.base,
+        leak_limit=run.spec.leak_limit,
+        memory_limit=run.spec.memory_limit,
+    )
+    if not check.failed:
+        return None
+    return pytest.fail.Exception(str(check), pytrace=False)
+
+
+class TestMemory:
+    """The ``gpu_memory`` fixture: a baseline taken when the fixture was set up.
+
+    ``check(leak_limit=0, memory_limit=None)`` settles and returns a :class:`MemoryCheck`
+    of the storages created since then that are still alive (the test's own variables
+    included: ``del`` them first), and the peak since then.
+    """
+
+    __test__ = False  # not a test class, whatever its name
+
+    def __init__(self, name: str, device: str = "cuda") -> None:
+        if device not in ("cuda", "cpu"):
+            raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
+        self.name = name
+        self.device = device
+        self._base = _baseline(device, peak=device == "cuda")
+        self._peaks: dict[str, int] = {}
+
+    def check(
+        self, leak_limit: int | str = 0, memory_limit: int | str | None = None
+    ) -> MemoryCheck:
+        """What the test created that is alive now, with holders, and its peak so far."""
+        leak = parse_size(leak_limit, "leak_limit")
+        memory = None if memory_limit is None else parse_size(memory_limit, "memory_limit")
+        was_measuring = self._base.span is not None
+        check = _judge(self.name, self._base, leak_limit=leak, memory_limit=memory)
+        for device, peak in check.peaks:
+            self._peaks[device] = max(peak, self._peaks.get(device, 0))
+        if was_measuring:  # keep measuring the peak for a later check
+            self._base.span = _open(
+                "cudamem test", None, False, True, False, False, False, hooks=False
+            )
+        return replace(check, peaks=tuple(sorted(self._peaks.items())))
+
+    def close(self) -> None:
+        """Stop measuring (the fixture's teardown)."""
+        _cuda_peaks(self._base)

@@ -1,0 +1,362 @@
+"""Hugging Face Transformers: per-step memory in the Trainer's logs, and freeing a Trainer.
+
+::
+
+    from cudamem.integrations.transformers import CudamemTrainerCallback, release_trainer
+
+    trainer = Trainer(model=model, args=args, train_dataset=ds,
+                      callbacks=[CudamemTrainerCallback()])
+    trainer.train()
+    print(release_trainer(trainer))      # drop what the Trainer holds, say what is left
+
+**The callback** opens a cudamem span in ``on_step_begin`` and closes it in ``on_step_end``
+(one optimizer step, gradient accumulation included), and adds the figures to the logs in
+``on_log`` (so they are in ``trainer.state.log_history`` and reach every reporter that runs
+after it). Between two logs (``logging_steps``) the values are: ``allocated_mib`` and
+``reserved_mib`` at the last step's end, ``peak_mib`` the highest of those steps,
+``retained_mib`` what a step kept on average, ``leak_culprits`` the holder groups of the latest
+:class:`~cudamem.LeakWarning` for the step span (see :mod:`cudamem.integrations._steps`).
+Reporters that run before it (``report_to="tensorboard"``, ``"wandb"`` are registered before
+user callbacks) see the values only when it goes first: ``attach(trainer)`` puts it there.
+OOM errors: ``TrainerCallback`` has no exception hook, so use ``cudamem.on_oom()``.
+
+**release_trainer(trainer)** is the recipe for "memory does not come back after
+``trainer.train()``": the Trainer, its Accelerator and its callback handler keep the model,
+the wrapped model, the optimizer (whose state is twice the model for Adam), the scheduler and
+the dataloaders. It drops those references, runs ``gc.collect()`` and :func:`cudamem.release`
+(cuBLAS workspaces, ``empty_cache``), then checks every storage of the model and optimizer
+state: those still alive are listed with the paths that hold them (typically your own
+``model`` variable: ``del model`` and call it again).
+
+Needs ``transformers`` and ``accelerate`` (``pip install 'cudamem[transformers]'``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import re
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from transformers import TrainerCallback
+
+from .._storages import StorageRef, ref_of
+from ._steps import StepMeter
+
+if TYPE_CHECKING:
+    from ..culprits import Culprit
+    from ..leaks import Growth
+    from ..release import ReleaseResult
+
+__all__ = ["CudamemTrainerCallback", "TrainerRelease", "attach", "release_trainer"]
+
+_SPANS = {"train": "train_step"}
+_STAGES = {"train": ""}
+MiB = 1024**2
+
+
+class CudamemTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
+    """Memory per optimizer step, added to the Trainer's logs.
+
+    Args:
+        device: ``'auto'`` (the Trainer's GPU; nothing on the CPU), ``'cuda'``, or ``'cpu'``
+            (count live CPU storages, for CPU runs and tests: ``allocated``, ``retained``
+            and ``leak_culprits`` only).
+        every_n_steps: measure one optimizer step in this many.
+        prefix: prepended to every key (``cudamem/peak_mib``).
+        peak: track each step's peak (resets PyTorch's peak counter per step).
+    """
+
+    def __init__(
+        self,
+        *,
+        device: str = "auto",
+        every_n_steps: int = 1,
+        prefix: str = "cudamem/",
+        peak: bool = True,
+    ) -> None:
+        self.meter = StepMeter(
+            device=device,
+            prefix=prefix,
+            every_n_steps=every_n_steps,
+            peak=peak,
+            span_names=_SPANS,
+            stage_prefixes=_STAGES,
+        )
+        self._pending: list[dict[str, float]] = []
+        #: The values added to the last log.
+        self.last_values: dict[str, float] = {}
+
+    @property
+    def leaks(self) -> tuple[Growth, ...]:
+        """Growth findings (the content of each LeakWarning) for the step span."""
+        return tuple(self.meter.findings)
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        device = getattr(args, "device", None)
+        kind = str(getattr(device, "type", "cpu"))
+        index = getattr(device, "index", None)
+        if kind == "cuda" and not isinstance(index, int):
+            from .. import _backend
+
+            index = _backend.get().current_device()
+        self._pending.clear()
+        self.meter.begin_run(kind, index if isinstance(index, int) else None)
+        if self.meter.note is not None:
+            import warnings
+
+            warnings.warn(self.meter.note, UserWarning, stacklevel=2)
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.meter.start("train")
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        values = self.meter.end("train")
+        if values:
+            self._pending.append(values)
+
+    def on_log(
+        self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any
+    ) -> None:
+        if logs is None or not self._pending:
+            return
+        values = self.meter.summarize("train", self._pending)
+        self._pending.clear()
+        self.last_values = values
+        logs.update(values)
+        history = getattr(state, "log_history", None)
+        # Trainer.log appended a copy of ``logs`` just before calling on_log.
+        if isinstance(history, list) and history and isinstance(history[-1], dict):
+            history[-1].update(values)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.meter.end_run()
+
+
+def attach(trainer: Any, **kwargs: Any) -> CudamemTrainerCallback:
+    """Create a :class:`CudamemTrainerCallback` and make it the Trainer's first callback, so
+    that reporters (TensorBoard, W&B, ...) see its values in the same log."""
+    handler = getattr(trainer, "callback_handler", None)
+    callbacks = getattr(handler, "callbacks", None)
+    if not isinstance(callbacks, list):
+        raise TypeError(f"trainer must be a transformers.Trainer, not {type(trainer).__name__}")
+    cb = CudamemTrainerCallback(**kwargs)
+    callbacks.insert(0, cb)
+    return cb
+
+
+# --------------------------------------------------------------------------- release
+
+
+@dataclass(frozen=True, slots=True)
+class TrainerRelease:
+    """What :func:`release_trainer` dropped, freed, and could not free. Bytes are ints."""
+
+    #: The references it set to ``None`` or cleared (``trainer.optimizer``, ...).
+    dropped: tuple[str, ...]
+    #: Storages of the model, its gradients and the optimizer state before the release.
+    tracked: int
+    tracked_bytes: int
+    #: Those of them that are gone now.
+    freed: int
+    freed_bytes: int
+    #: Those still alive, grouped by what holds them.
+    remaining: tuple[Culprit, ...]
+    #: :func:`cudamem.release` (per GPU: cache returned to CUDA, still allocated).
+    release: ReleaseResult | None
+    notes: tuple[str, ...] = ()
+
+    @property
+    def remaining_bytes(self) -> int:
+        """Bytes of tracked storages still alive."""
+        return self.tracked_bytes - self.freed_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready mapping."""
+        return {
+            "dropped": list(self.dropped),
+            "tracked": self.tracked,
+            "tracked_bytes": self.tracked_bytes,
+            "freed": self.freed,
+            "freed_bytes": self.freed_bytes,
+            "remaining_bytes": self.remaining_bytes,
+            "remaining": [c.to_dict() for c in self.remaining],
+            "release": None if self.release is None else self.release.to_dict(),
+            "notes": list(self.notes),
+        }
+
+    def __str__(self) -> str:
+        from ..render.integrations import render_trainer_release
+
+        return render_trainer_release(self)
+
+
+def _tensors(model: Any, optimizer: Any) -> Iterator[Any]:
+    """Parameters, buffers and gradients of ``model``, tensors of ``optimizer``'s state."""
+    import torch
+
+    if isinstance(model, torch.nn.Module):
+        for p in model.parameters():
+            yield p
+            if p.grad is not None:
+                yield p.grad
+        yield from model.buffers()
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the optimizer
+    state = getattr(inner, "state", None)
+    if isinstance(state, dict):
+        for per_param in list(state.values()):
+            if isinstance(per_param, dict):
+                for value in list(per_param.values()):
+                    if isinstance(value, torch.Tensor):
+                        yield value
+
+
+def _track(model: Any, optimizer: Any) -> tuple[dict[StorageRef, int], list[str]]:
+    """Each storage's identity (a weak reference) -> bytes: keeps nothing alive."""
+    from .._autograd import storage_of
+
+    tracked: dict[StorageRef, int] = {}
+    notes: list[str] = []
+    try:
+        for t in _tensors(model, optimizer):
+            info = storage_of(t)
+            ref = ref_of(t) if info is not None else None
+            if info is not None and ref is not None and ref not in tracked:
+                tracked[ref] = info[1]
+    except Exception as exc:
+        notes.append(f"could not list every storage: {type(exc).__name__}: {exc}")
+    return tracked, notes
+
+
+def _drop(trainer: Any, name: str, dropped: list[str], *, keep: bool = False) -> None:
+    if keep or getattr(trainer, name, None) is None:
+        return
+    setattr(trainer, name, None)
+    dropped.append(f"trainer.{name}")
+
+
+#: Per Trainer (weakly): storages a release found still alive, checked again next time.
+_earlier: weakref.WeakKeyDictionary[Any, dict[StorageRef, int]] = weakref.WeakKeyDictionary()
+
+
+def release_trainer(trainer: Any, *, keep_model: bool = False) -> TrainerRelease:
+    """Free what a finished ``transformers.Trainer`` holds, and name what is still held.
+
+    Args:
+        trainer: the Trainer, after ``train()`` (or after it failed).
+        keep_model: keep ``trainer.model`` (to save or evaluate it later); the optimizer,
+            scheduler, gradients and the Accelerator's references are dropped all the same.
+
+    Returns:
+        :class:`TrainerRelease`. The Trainer cannot train again afterwards (build a new one).
+        Storages found still alive are checked again by the next call on the same Trainer,
+        so ``del model; release_trainer(trainer)`` confirms they are gone.
+    """
+    handler = getattr(trainer, "callback_handler", None)
+    if handler is None or not hasattr(trainer, "args"):
+        raise TypeError(f"trainer must be a transformers.Trainer, not {type(trainer).__name__}")
+    from ..release import release
+
+    model = getattr(trainer, "model", None)
+    tracked, notes = _track(None if keep_model else model, getattr(trainer, "optimizer", None))
+    # Storages an earlier call found still alive are checked again (after `del model`).
+    with contextlib.suppress(TypeError):
+        for key, value in _earlier.pop(trainer, {}).items():
+            tracked.setdefault(key, value)
+    if keep_model and model is not None:
+        # Gradients are not needed to save or evaluate the model.
+        import torch
+
+        if isinstance(model, torch.nn.Module):
+            model.zero_grad(set_to_none=True)
+    del model
+    dropped: list[str] = []
+    for name in ("optimizer", "lr_scheduler"):
+        _drop(trainer, name, dropped)
+    _drop(trainer, "model_wrapped", dropped, keep=keep_model)
+    _drop(trainer, "model", dropped, keep=keep_model)
+    _drop(trainer, "deepspeed", dropped)
+    accelerator = getattr(trainer, "accelerator", None)
+    if accelerator is not None and callable(getattr(accelerator, "free_memory", None)):
+        try:
+            accelerator.free_memory()
+            dropped.append("trainer.accelerator (free_memory)")
+        except Exception as exc:
+            notes.append(f"accelerator.free_memory() failed: {type(exc).__name__}: {exc}")
+    for name in ("optimizer", "lr_scheduler", "train_dataloader", "eval_dataloader"):
+        if getattr(handler, name, None) is not None:
+            setattr(handler, name, None)
+            dropped.append(f"trainer.callback_handler.{name}")
+    if not keep_model and getattr(handler, "model", None) is not None:
+        handler.model = None
+        dropped.append("trainer.callback_handler.model")
+    gc.collect()
+    result: ReleaseResult | None = None
+    try:
+        result = release(holders=False)
+    except Exception as exc:
+        notes.append(f"cudamem.release() failed: {type(exc).__name__}: {exc}")
+    alive = {r: n for r, n in tracked.items() if r.alive}
+    count, tracked_bytes = len(tracked), sum(tracked.values())
+    if alive:
+        with contextlib.suppress(TypeError):  # a Trainer that takes no weak reference
+            _earlier[trainer] = {k: v for k, v in tracked.items() if k in alive}
+    tracked.clear()
+    remaining: tuple[Culprit, ...] = ()
+    if alive:
+        remaining = _holders_of(alive, notes)
+    return TrainerRelease(
+        dropped=tuple(dropped),
+        tracked=count,
+        tracked_bytes=tracked_bytes,
+        freed=count - len(alive),
+        freed_bytes=tracked_bytes - sum(alive.values()),
+        remaining=remaining,
+        release=result,
+        notes=tuple(notes),
+    )
+
+
+_FIRST_STEP = re.compile(r"^(?:\.|: )(?:local '[^']*'|[A-Za-z_][A-Za-z0-9_]*)")
+
+
+def _owner(holder: Any) -> str:
+    """The variable a path starts from: ``__main__.model`` for ``__main__.model.lm_head.weight``,
+    ``train.py:12 in main(): model`` for a local. A model's hundreds of parameters are one
+    line, named by what keeps them all."""
+    path, root = str(holder.path), str(holder.root)
+    if path.startswith(root):
+        m = _FIRST_STEP.match(path[len(root) :])
+        if m is not None:
+            return root + m.group(0)
+    from ..culprits import container_of
+
+    return container_of(path)
+
+
+def _holders_of(alive: dict[StorageRef, int], notes: list[str]) -> tuple[Culprit, ...]:
+    """Still-alive storages grouped by the variable that holds them, the largest first."""
+    from ..census import live_storages
+    from ..culprits import Culprit
+
+    try:
+        found = live_storages(None, holders=True, among=alive.keys())
+    except Exception as exc:
+        notes.append(f"holders not found: {type(exc).__name__}: {exc}")
+        return ()
+    groups: dict[str, dict[str, Any]] = {}
+    for s in found:
+        holders = [h for h in (s.holders or ()) if not h.caller]
+        name = _owner(holders[0]) if holders else "(no holder reachable from Python)"
+        g = groups.setdefault(name, {"n": 0, "bytes": 0, "example": ""})
+        g["n"] += 1
+        g["bytes"] += s.nbytes
+        g["example"] = g["example"] or (holders[0].path if holders else name)
+    culprits = [
+        Culprit(name, g["n"], g["n"], g["bytes"], 0, g["example"]) for name, g in groups.items()
+    ]
+    culprits.sort(key=lambda c: c.nbytes, reverse=True)
+    return tuple(culprits)

@@ -1,0 +1,52 @@
+"""Text rendering of :class:`~cudamem.diff.MemoryDiff`."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .text import format_bytes, render_table
+
+if TYPE_CHECKING:
+    from ..diff import MemoryDiff
+
+__all__ = ["render_diff"]
+
+_WHAT = {
+    "census": "live storages",
+    "snapshot": "live allocator blocks",
+    "span": "allocated at span exit",
+}
+
+
+def render_diff(d: MemoryDiff, *, limit: int = 20) -> str:
+    """A header with both totals, one row per changed holder group (largest growth first),
+    then the example path of each group that grew, and notes."""
+    what = _WHAT.get(d.kind, d.kind)
+    lines = [
+        f"{what}: {format_bytes(d.before_total)} → {format_bytes(d.after_total)} "
+        f"({format_bytes(d.delta, signed=True)})"
+    ]
+    if d.entries:
+        rows = [
+            [
+                e.holder,
+                format_bytes(e.before),
+                format_bytes(e.after),
+                format_bytes(e.delta, signed=True),
+                f"{e.count_before} → {e.count_after}",
+            ]
+            for e in d.entries[:limit]
+        ]
+        lines.append(render_table(["held by", "before", "after", "change", "items"], rows))
+        if len(d.entries) > limit:
+            lines.append(f"... {len(d.entries) - limit} more groups changed")
+        examples = [e for e in d.grew[:5] if e.example != e.holder]
+        if examples:
+            lines.append("grew, for example:")
+            lines.extend(f"  {e.example}" for e in examples)
+    else:
+        lines.append("no holder group changed")
+    if d.unchanged:
+        lines.append(f"{d.unchanged} group(s) unchanged")
+    lines.extend(f"note: {n}" for n in d.notes)
+    return "\n".join(lines)

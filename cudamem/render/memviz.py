@@ -1,0 +1,27 @@
+"""Text rendering of snapshot dumps."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .text import format_bytes
+
+if TYPE_CHECKING:
+    from ..memviz import SnapshotDump
+
+__all__ = ["render_dump"]
+
+
+def render_dump(dump: SnapshotDump) -> str:
+    """``wrote snap.pickle (oom): 12 live blocks, 40.0 MiB; 10 named by holder (39.0 MiB)``,
+    then notes and where to open it."""
+    text = (
+        f"wrote {dump.path} ({dump.reason}): {dump.blocks} live block"
+        f"{'' if dump.blocks == 1 else 's'}, {format_bytes(dump.nbytes)}; "
+        f"{dump.named} named by holder ({format_bytes(dump.named_bytes)})"
+    )
+    if dump.trace_entries:
+        text += f", {dump.trace_entries} history events"
+    lines = [text, "  open it at https://pytorch.org/memory_viz"]
+    lines.extend(f"  note: {n}" for n in dump.notes)
+    return "\n".join(lines)

@@ -1,0 +1,170 @@
+"""HTML fragments for notebooks: the ``_repr_html_`` of spans, holders and the ledger.
+
+Fragments, not documents: Jupyter puts them into the page as they are. Every string that
+came from the user's program (span names, holder paths, exception messages, device names)
+is escaped with :func:`html.escape`; no script, style sheet or font is loaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from html import escape
+from typing import TYPE_CHECKING, Any
+
+from .text import format_bytes, format_duration
+
+if TYPE_CHECKING:
+    from ..holders import Holders
+    from ..integrations.notebook import NotebookHolders
+    from ..ledger import DeviceLedger, Explanation
+    from ..span import MemorySpan, SpanRecord
+
+__all__ = [
+    "explanation_html",
+    "holders_html",
+    "ledger_html",
+    "notebook_holders_html",
+    "pre_html",
+    "record_html",
+    "render_notebook_holders",
+    "span_html",
+]
+
+_TABLE = 'style="border-collapse:collapse;font-size:0.9em"'
+_NUM = 'style="text-align:right;font-variant-numeric:tabular-nums;padding:0 0.6em"'
+_CELL = 'style="text-align:left;padding:0 0.6em"'
+
+
+def _e(value: Any) -> str:
+    return escape(str(value), quote=True)
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], numeric: Sequence[bool]) -> str:
+    head = "".join(
+        f"<th {_NUM if n else _CELL}>{_e(h)}</th>" for h, n in zip(headers, numeric, strict=True)
+    )
+    body = "".join(
+        "<tr>"
+        + "".join(
+            f"<td {_NUM if n else _CELL}>{_e(c)}</td>" for c, n in zip(row, numeric, strict=True)
+        )
+        + "</tr>"
+        for row in rows
+    )
+    return f"<table {_TABLE}><tr>{head}</tr>{body}</table>"
+
+
+def pre_html(text: str) -> str:
+    """Preformatted text, escaped."""
+    return f"<pre>{_e(text)}</pre>"
+
+
+def _notes(notes: Sequence[str]) -> str:
+    return "".join(f"<div><small>note: {_e(n)}</small></div>" for n in notes)
+
+
+def record_html(record: SpanRecord) -> str:
+    """A span's devices as a table (allocated and reserved change, peak), its duration and
+    exception."""
+    title = (
+        f"<div><b>{_e(record.name)}</b>: {_e(format_duration(record.duration))}"
+        + (f", raised {_e(record.exception)}" if record.exception is not None else "")
+        + "</div>"
+    )
+    if not record.devices:
+        why = record.unmeasured or "no data"
+        return f"<div>{title}<div>n/a ({_e(why)})</div>{_notes(record.notes)}</div>"
+    rows = [
+        [
+            f"cuda:{d.device}",
+            format_bytes(d.allocated_delta, signed=True),
+            format_bytes(d.reserved_delta, signed=True),
+            format_bytes(d.peak),
+            format_bytes(d.peak_delta, signed=True) if d.peak_delta is not None else "n/a",
+            format_bytes(d.after.allocated),
+        ]
+        for d in record.devices
+    ]
+    table = _table(
+        ["device", "allocated", "reserved", "peak", "peak above start", "allocated now"],
+        rows,
+        [False, True, True, True, True, True],
+    )
+    return f"<div>{title}{table}{_notes(record.notes)}</div>"
+
+
+def span_html(span: MemorySpan) -> str:
+    """:func:`record_html` of a closed span; one line while it is open or unused."""
+    if not span.closed:
+        return f"<div><b>{_e(span.name)}</b>: {_e(str(span).split(': ', 1)[-1])}</div>"
+    return record_html(span.record)
+
+
+def holders_html(holders: Holders) -> str:
+    """The target, its bytes, one row per holder path (how it holds it), then notes."""
+    size = "" if holders.nbytes is None else f", {format_bytes(holders.nbytes)}"
+    title = f"<div><b>{_e(holders.target)}</b>{_e(size)}: {len(holders)} holder(s)</div>"
+    from .holders import render_holder
+
+    items = "".join(f"<li><code>{_e(render_holder(h))}</code></li>" for h in holders)
+    if not holders.holders:
+        items = "<li>nothing found: only the caller's temporaries hold it</li>"
+    return f"<div>{title}<ul>{items}</ul>{_notes(holders.notes)}</div>"
+
+
+def ledger_html(ledger: DeviceLedger) -> str:
+    """One device's ledger lines (bytes, measured or inferred, what frees them)."""
+    from .ledger import _title
+
+    rows = [
+        [line.label, format_bytes(line.nbytes), line.basis, line.frees] for line in ledger.lines
+    ]
+    rows.append(["total of the lines", format_bytes(ledger.accounted), "", ""])
+    table = _table(["line", "bytes", "basis", "freed by"], rows, [False, True, False, False])
+    return f"<div><b>{_e(_title(ledger))}</b>{table}{_notes(ledger.notes)}</div>"
+
+
+def explanation_html(explanation: Explanation) -> str:
+    """Every device's ledger, then the notes."""
+    parts = [ledger_html(d) for d in explanation.devices]
+    if not explanation.nvml.available:
+        parts.append(f"<div>NVML unavailable: {_e(explanation.nvml.reason)}</div>")
+    return "<div>" + "".join(parts) + _notes(explanation.notes) + "</div>"
+
+
+def notebook_holders_html(found: NotebookHolders) -> str:
+    """``%who_holds``: your holders first, then what IPython keeps, each with its fix."""
+    h = found.holders
+    size = "" if h.nbytes is None else f", {format_bytes(h.nbytes)}"
+    parts = [f"<div><b>{_e(h.target)}</b>{_e(size)}</div>"]
+    if found.user:
+        items = "".join(f"<li><code>{_e(p)}</code></li>" for p in found.user)
+        parts.append(f"<div>held by:</div><ul>{items}</ul>")
+    for kind in found.ipython:
+        paths = ", ".join(f"<code>{_e(p)}</code>" for p in kind.paths[:3])
+        more = f" (+{len(kind.paths) - 3} more)" if len(kind.paths) > 3 else ""
+        parts.append(
+            f"<div>{_e(kind.what)}: {paths}{_e(more)}<br>fix: <code>{_e(kind.fix)}</code></div>"
+        )
+    if not found.user and not found.ipython:
+        parts.append("<div>nothing holds it but your own reference</div>")
+    parts.append(_notes(h.notes))
+    return "<div>" + "".join(parts) + "</div>"
+
+
+def render_notebook_holders(found: NotebookHolders) -> str:
+    """The text of ``%who_holds``: your holders, then each IPython holder with its fix."""
+    h = found.holders
+    size = "" if h.nbytes is None else f", {format_bytes(h.nbytes)}"
+    lines = [f"{h.target}{size}"]
+    if found.user:
+        lines.append("held by:")
+        lines.extend(f"  {p}" for p in found.user)
+    for kind in found.ipython:
+        more = f" (+{len(kind.paths) - 3} more)" if len(kind.paths) > 3 else ""
+        lines.append(f"{kind.what}: {', '.join(kind.paths[:3])}{more}")
+        lines.append(f"  fix: {kind.fix}")
+    if not found.user and not found.ipython:
+        lines.append("nothing holds it but your own reference")
+    lines.extend(f"note: {n}" for n in h.notes)
+    return "\n".join(lines)
