@@ -458,6 +458,8 @@ def _census(
         )
         for k in keys
     )
+    if found:  # the same program lists the same table: by size, then path, not address
+        storages = tuple(sorted(storages, key=listing_order))
     for a in acc.values():
         a.first = a.ref = None
     return Census(storages, tuple(notes), time.perf_counter() - t0)

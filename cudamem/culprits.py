@@ -58,7 +58,7 @@ _INT = re.compile(r"-?\d+")
 _FRAME_LABEL = re.compile(r"^.*?:\d+ in [^\s]*\(\)(?: \(suspended \w+\))?: ")
 #: ``<Tensor object>``: the label of an object no root explains.
 _UNROOTED = re.compile(r"^<[^<>\s]+ object>")
-_UNROOTED_KINDS = ("unknown", "cycle")
+_UNROOTED_KINDS = ("unknown", "cycle", "partial")
 
 
 @dataclass(frozen=True, slots=True)
