@@ -206,11 +206,13 @@ def _candidates(s: LiveStorage) -> tuple[tuple[str, ...], str | None]:
     rooted = [(p, lasting) for p, ok, lasting in paths if ok]
     if not rooted:
         return (), (paths[0][0] if paths else None)
-    # A module global (or class, or notebook history) that holds it beats a frame's local.
-    lasting = [p for p, last in rooted if last]
-    pool = lasting or [p for p, _ in rooted]
-    direct = tuple(p for p in pool if not through_graph(p))
-    return (direct or tuple(pool)), None
+    # Direct holders first (a parameter that every loss's graph reaches stays the model's,
+    # a leaf that a test's frame holds stays that frame's); among those, a module global (or
+    # class, or notebook history) beats a running frame's local.
+    direct = [(p, last) for p, last in rooted if not through_graph(p)]
+    pool = direct or rooted
+    lasting = tuple(p for p, last in pool if last)
+    return (lasting or tuple(p for p, _ in pool)), None
 
 
 def _in_container(path: str) -> bool:
