@@ -353,8 +353,9 @@ class RawSpan:
 
     @property
     def started_at(self) -> float:
-        """``time.time()`` at entry (from the monotonic clock, anchored at import)."""
-        return _EPOCH + self.start_ns / 1e9
+        """``time.time()`` at entry: the wall clock now, less the monotonic time since entry
+        (anchoring once at import would drift with the wall clock in a long process)."""
+        return time.time() - (_now_ns() - self.start_ns) / 1e9
 
     def note(self, text: str) -> None:
         """Record a bookkeeping problem in the span's result."""
@@ -429,9 +430,6 @@ _top: ContextVar[RawSpan | None] = ContextVar("cudamem_span", default=None)
 _tls = threading.local()
 _get_ident = threading.get_ident
 _now_ns = time.perf_counter_ns
-#: ``time.time()`` at ``perf_counter_ns() == 0``: wall-clock start times without a second
-#: clock read per span (and without jumps when the wall clock is adjusted).
-_EPOCH = time.time() - time.perf_counter_ns() / 1e9
 
 
 def _reset_state() -> None:
