@@ -63,7 +63,7 @@ __all__ = [
 
 
 def load_ipython_extension(ipython: Any) -> None:
-    """``%load_ext cudamem``: the notebook magics (:mod:`cudamem.integrations.notebook`)."""
+    """``%load_ext cudamem``: the notebook magics (``cudamem.integrations.notebook``)."""
     from .integrations.notebook import load_ipython_extension as load
 
     load(ipython)

@@ -402,7 +402,7 @@ def walk_graphs(
     """Walk every graph reachable from ``owners``' ``grad_fn`` once (multi-source BFS).
 
     A node shared by several owners is named through the first owner that reaches it.
-    ``refs``: also keep a :class:`~cudamem._storages.StorageRef` per storage found.
+    ``refs``: also keep a ``cudamem._storages.StorageRef`` per storage found.
     """
     walk = GraphWalk(known=known, refs={} if refs else None)
     queue: deque[tuple[Any, Any, str]] = deque()

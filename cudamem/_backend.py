@@ -6,11 +6,11 @@ public accessors (``torch.cuda.memory_allocated()`` flattens the whole stats dic
 and it never creates a CUDA context as a side effect: only devices that already have a primary
 context are read or synchronized, unless the caller names a device explicitly.
 
-Spans read three numbers per device per edge through :meth:`Backend.counters`; the real
-backend answers them from the C++ reader of :mod:`cudamem._fastread` (~0.2 µs) once it is
+Spans read three numbers per device per edge through ``Backend.counters``; the real
+backend answers them from the C++ reader of ``cudamem._fastread`` (~0.2 µs) once it is
 built and validated, and from the raw dict until then or wherever it cannot be built.
 
-Tests swap the active backend with :func:`use` to drive span logic through a fake allocator.
+Tests swap the active backend with ``use`` to drive span logic through a fake allocator.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def _raw_get(raw: dict[str, Any], key: str, metric: str = "current") -> int:
 
 
 def stats_from_raw(device: int, raw: dict[str, Any], timestamp_ns: int) -> AllocatorStats:
-    """Build :class:`AllocatorStats` from the nested dict of ``_cuda_memoryStats``.
+    """Build ``AllocatorStats`` from the nested dict of ``_cuda_memoryStats``.
 
     Direct indexing first (~1.5 µs; spans call this twice per device per block), then a
     tolerant slow path for allocator backends that leave keys out (cudaMallocAsync).
@@ -117,7 +117,7 @@ def stats_from_raw(device: int, raw: dict[str, Any], timestamp_ns: int) -> Alloc
 
 
 class Backend:
-    """What cudamem needs from the allocator. :class:`TorchBackend` is the real one."""
+    """What cudamem needs from the allocator. ``TorchBackend`` is the real one."""
 
     def device_count(self) -> int:
         """Number of CUDA devices visible to torch (0 without CUDA)."""
@@ -148,13 +148,13 @@ class Backend:
         raise NotImplementedError
 
     def counters(self, device: int) -> Counters:
-        """``(allocated, reserved, peak_allocated)`` of ``device`` as :meth:`read` gives
+        """``(allocated, reserved, peak_allocated)`` of ``device`` as ``read`` gives
         them (zeros when CUDA is not initialised): the spans' hot path."""
         stats = self.read(device)
         return (stats.allocated, stats.reserved, stats.peak_allocated)
 
     def counters_reset_peak(self, device: int) -> Counters:
-        """:meth:`counters`, then :meth:`reset_peak`; returns the values read before the
+        """``counters``, then ``reset_peak``; returns the values read before the
         reset."""
         values = self.counters(device)
         self.reset_peak(device)
@@ -250,7 +250,7 @@ def _is_oom_exception(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and "CUDA out of memory" in str(exc)
 
 
-#: How often :meth:`TorchBackend.initialized_devices` probes again the devices that had no
+#: How often ``TorchBackend.initialized_devices`` probes again the devices that had no
 #: CUDA context (a span that gives a device its first context within this time after the
 #: last probe does not see that device).
 REPROBE_NS = 20_000_000

@@ -5,7 +5,7 @@
 It is compiled once per (torch, CUDA, C++ ABI, Python, source) into a per-user cache and
 loaded from there by every later process.
 
-Life of the reader in one process (:class:`FastReader`, driven by the backend):
+Life of the reader in one process (``FastReader``, driven by the backend):
 
 * ``idle``: nothing happens at import, and nothing while CUDA is not initialised.
 * The first counter read after CUDA starts hands the work to a daemon thread: it loads the
@@ -15,7 +15,7 @@ Life of the reader in one process (:class:`FastReader`, driven by the backend):
   nothing allocated in between. Then ``active``; otherwise ``dropped`` with the reason.
 * Wherever it cannot be built or used (``CUDAMEM_FAST_READER=0``, a torch without CUDA,
   ROCm, no compiler, ninja or CUDA headers, a compile error, values that disagree), the dict
-  path serves and :meth:`FastReader.status` says why.
+  path serves and ``FastReader.status`` says why.
 
 A failed build and a disagreeing reader leave a marker in the cache so that later processes
 do not pay for the same failure again; ``python -m cudamem build-reader`` ignores the
@@ -395,7 +395,7 @@ def _build_main(argv: list[str]) -> int:
 
 def build_in_subprocess(spec: BuildSpec, paths: _Paths) -> float:
     """Compile the reader into ``paths.library``; the build's seconds. Raises
-    :class:`ReaderUnavailable` (``failed``) with the compiler's error and writes the log."""
+    ``ReaderUnavailable`` (``failed``) with the compiler's error and writes the log."""
     os.makedirs(paths.directory, exist_ok=True)
     source_copy = os.path.join(paths.directory, spec.module_name + ".cpp")
     with open(source_copy, "w", encoding="utf-8") as fh:
@@ -509,11 +509,11 @@ class FastReader:
     it is or is not in use. Never raises into its caller.
 
     Args:
-        provide: returns a loaded :class:`Reader`, or raises :class:`ReaderUnavailable`
+        provide: returns a loaded ``Reader``, or raises ``ReaderUnavailable``
             (default: load the cached build, compiling it first if needed). Runs on a daemon
-            thread, except in :meth:`build_now`.
+            thread, except in ``build_now``.
         spec: the build spec, or why none applies (default: from torch).
-        root: the cache root (default :func:`cache_root` at first use).
+        root: the cache root (default ``cache_root`` at first use).
     """
 
     def __init__(
@@ -543,7 +543,7 @@ class FastReader:
 
     @property
     def pending(self) -> bool:
-        """Whether a later :meth:`poll` may still make the reader active."""
+        """Whether a later ``poll`` may still make the reader active."""
         return self._state not in _FINAL
 
     def poll(self, device: int, dict_read: Callable[[int], Counters]) -> Reader | None:
@@ -657,7 +657,7 @@ class FastReader:
 
     def build_now(self, *, force: bool = True) -> None:
         """Build (or load) it on this thread, ignoring failure markers when ``force``; the
-        next :meth:`poll` validates it. For ``python -m cudamem build-reader``."""
+        next ``poll`` validates it. For ``python -m cudamem build-reader``."""
         with self._lock:
             if self._state == ACTIVE:
                 return

@@ -10,7 +10,7 @@ object whatever the number of wanted objects.
 
 A pass may grow its set of wanted ids while it runs (the holder search adds each referrer it
 finds), so one pass can climb several levels when parents lie further along the pass than
-their children: passes run from the newest objects to the oldest (:func:`snapshot` orders
+their children: passes run from the newest objects to the oldest (``snapshot`` orders
 the heap by age), and parents are usually older than what they hold. The next pass then
 only needs the newer part of the heap, up to where the last new object was found.
 
@@ -111,7 +111,7 @@ def chunked_pass(
     """Call ``on_hit(o)`` for every ``o`` in ``objs`` that refers to an object whose id is in
     ``wanted``; ``on_hit`` may grow ``wanted`` and returns whether it did.
 
-    The pass runs newest objects first (``objs`` is a :func:`snapshot`, oldest first):
+    The pass runs newest objects first (``objs`` is a ``snapshot``, oldest first):
     parents usually predate their children, so a child found early lets its parent, further
     along, be found in the same pass. An id added while the pass is at batch ``c`` has been
     tested against batches ``c`` onwards only; the next pass must cover batches ``0..c``.
@@ -170,7 +170,7 @@ def referrers(
     deadline: float | None = None,
 ) -> list[Any]:
     """Every gc-tracked object that refers to one of ``objs``: one ``gc.get_referrers`` scan
-    for a few, one chunked pass over ``heap`` (a :func:`snapshot`, taken if not given) for
+    for a few, one chunked pass over ``heap`` (a ``snapshot``, taken if not given) for
     more. The caller filters out its own containers."""
     if len(objs) <= SMALL:
         return gc.get_referrers(*objs)

@@ -4,11 +4,11 @@ A decorated function called a million times must not grow memory: the ring keeps
 ``maxlen`` spans and the aggregates are a fixed handful of numbers per distinct name (at
 most ``MAX_NAMES`` names; the rest are pooled under ``'<other>'``).
 
-The history is an exit hook of :mod:`cudamem.span`. On the span's exit it only appends the
+The history is an exit hook of ``cudamem.span``. On the span's exit it only appends the
 raw span to an inbox (a ``deque``: atomic, no lock); every ``DRAIN_AT`` spans, and whenever
 the history is read, the inbox is drained under the lock into the ring and the aggregates
 (O(1) per span, from the span's raw integers). ``SpanRecord`` objects are built only when
-:func:`history` is read.
+``history`` is read.
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ class _Aggregate:
 
     def add(self, spans: list[RawSpan]) -> None:
         """Fold a batch of spans of one name in: C-level ``sum``/``max`` over columns
-        (cheaper per span than :meth:`add_one` from a dozen spans up)."""
+        (cheaper per span than ``add_one`` from a dozen spans up)."""
         if len(spans) < 12:
             for r in spans:
                 self.add_one(r)

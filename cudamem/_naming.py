@@ -320,7 +320,7 @@ def name_children(
     module_types: tuple[type, ...] = (),
     odd_keys: dict[int, Any] | None = None,
 ) -> dict[int, Ref]:
-    """How ``ref`` refers to each of ``kids`` (ids): one :class:`Ref` per child it refers to.
+    """How ``ref`` refers to each of ``kids`` (ids): one ``Ref`` per child it refers to.
 
     One pass over the referrer whatever the number of children asked about: a list holding
     one tensor 20,000 times, or 60,000 dicts, costs one walk of the list. Dict keys with no

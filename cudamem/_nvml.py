@@ -10,7 +10,7 @@ without a versioned call (``NVMLError_FunctionNotFound``), MIG or vGPU devices a
 (per-process memory not reported), missing permissions, and containers, where NVML lists host
 PIDs so this process's PID is not among them.
 
-Tests swap the module with :func:`use_module` (a fake ``pynvml``) to drive every failure mode.
+Tests swap the module with ``use_module`` (a fake ``pynvml``) to drive every failure mode.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class DeviceMemory:
     ``used`` is ``total - free``: everything not free, *including* the driver's reserve
     (NVML v1 semantics). ``reserved`` is that reserve as ``nvmlDeviceGetMemoryInfo_v2``
     reports it, or ``None`` when only the v1 call exists. nvidia-smi on recent drivers shows
-    :attr:`used_excluding_reserve`, which is why it reads 0 MiB on an idle GPU.
+    ``used_excluding_reserve``, which is why it reads 0 MiB on an idle GPU.
     """
 
     json_properties: ClassVar[tuple[str, ...]] = ("used_excluding_reserve",)
@@ -569,7 +569,7 @@ def _read_device(
 
 
 def query_device(torch_index: int, torch_uuid: str | None = None) -> NvmlDevice | NvmlStatus:
-    """NVML's view of torch's device ``torch_index``, or an unavailable :class:`NvmlStatus`.
+    """NVML's view of torch's device ``torch_index``, or an unavailable ``NvmlStatus``.
 
     Never raises: every failure becomes a reason beside the value it concerns.
     """
@@ -596,7 +596,7 @@ def query_device(torch_index: int, torch_uuid: str | None = None) -> NvmlDevice 
 
 def query_all() -> tuple[NvmlDevice, ...] | NvmlStatus:
     """Every device NVML sees on this machine (``CUDA_VISIBLE_DEVICES`` ignored), in NVML
-    order, or an unavailable :class:`NvmlStatus`. Creates no CUDA context. Never raises."""
+    order, or an unavailable ``NvmlStatus``. Creates no CUDA context. Never raises."""
     try:
         module, reason = _ensure_init()
         if module is None:

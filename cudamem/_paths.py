@@ -1,6 +1,6 @@
 """Reading paths off the graph a holder search recorded, grouped by shape.
 
-The search (:mod:`cudamem._search`) records, for every object it reached, which objects it
+The search (``cudamem._search``) records, for every object it reached, which objects it
 refers to and how (``parent id -> child id -> Ref``). Reading walks down from each root, BFS,
 to the objects that hold a target storage. Paths are *grouped*: a step that holds one object
 many times (``[t] * 3000``) and sibling paths that differ only in list indices or int dict
@@ -24,7 +24,7 @@ __all__ = ["Group", "Path", "PathReader", "RawHolder"]
 @dataclass
 class RawHolder:
     """One group of root-to-target paths, before it is frozen into a
-    :class:`~cudamem.holders.Holder`."""
+    ``cudamem.holders.Holder``."""
 
     target: int  # index of the target storage
     root_kind: str
@@ -232,7 +232,7 @@ class PathReader:
 
     def walk_down(self, oid: int) -> list[Path]:
         """Shortest paths down from ``oid`` to the objects holding a target storage (BFS over
-        the recorded edges): for each such object, one :class:`Path` per shape of the last
+        the recorded edges): for each such object, one ``Path`` per shape of the last
         step's container (``log[i]``, ``rows[i]['t']``), sibling paths of that shape (60,000
         dicts in one list that each hold the object) counted into it."""
         prev: dict[int, tuple[int, Ref] | None] = {oid: None}

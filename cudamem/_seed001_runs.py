@@ -20,7 +20,7 @@ Cases:
 ``pin-memory``
     each run fed by a ``DataLoader(pin_memory=True)``.
 
-:mod:`cudamem.demo` turns the JSON into experiments with PASS/FAIL checks.
+``cudamem.demo`` turns the JSON into experiments with PASS/FAIL checks.
 """
 
 from __future__ import annotations

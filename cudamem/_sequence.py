@@ -11,7 +11,7 @@ T = TypeVar("T")
 
 
 class ItemSequence(Sequence[T]):
-    """``len()``, indexing and iteration over :meth:`_items` (a result's main tuple: a census's
+    """``len()``, indexing and iteration over ``_items`` (a result's main tuple: a census's
     storages, a search's holders), so the result reads as a read-only list of them."""
 
     __slots__ = ()

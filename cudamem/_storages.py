@@ -5,7 +5,7 @@ same address to the next block of that size: the gradient ``zero_grad(set_to_non
 dropped and ``backward()`` re-creates lands where the old one was, and a before/after
 comparison by address calls it a survivor. What identifies a storage is its ``StorageImpl``.
 
-A :class:`StorageRef` holds a *weak* reference to the StorageImpl
+A ``StorageRef`` holds a *weak* reference to the StorageImpl
 (``UntypedStorage._weak_ref()``, the call behind
 ``torch.multiprocessing.reductions.StorageWeakRef``; PyTorch 2.0 through 2.13 offer the same
 three calls: ``_weak_ref``, ``_expired``, ``_free_weak_ref``). A weak reference keeps only the
@@ -13,7 +13,7 @@ StorageImpl's small C++ header allocated, never the memory: the data is freed wh
 strong reference goes (``StorageImpl::release_resources``). Because the header stays, no new
 StorageImpl can be created at that address while the reference lives, so two refs compare
 equal exactly when they name the same storage, at whatever times they were taken, and
-:attr:`StorageRef.alive` says whether it still exists. The reference is released when the
+``StorageRef.alive`` says whether it still exists. The reference is released when the
 ``StorageRef`` is garbage collected.
 
 This module imports only torch: the census, the autograd walk and the reports build on it.
@@ -93,7 +93,7 @@ class StorageRef:
 
 
 def ref_of(t: Any) -> StorageRef | None:
-    """A :class:`StorageRef` to a tensor's storage, or ``None`` (no real storage).
+    """A ``StorageRef`` to a tensor's storage, or ``None`` (no real storage).
 
     Read through torch's own descriptor with ``__torch_function__`` off; a tensor without a
     real storage (fake, meta, functional wrappers raise or have no data) gives ``None``.

@@ -50,7 +50,7 @@ __all__ = [
 @dataclass(frozen=True, slots=True)
 class LiveStorage:
     """One live storage: the value every report uses (census, leaks, OOM post-mortems,
-    ``release()``). Plain data but for :attr:`ref`, a weak reference that keeps nothing
+    ``release()``). Plain data but for ``ref``, a weak reference that keeps nothing
     alive."""
 
     json_properties: ClassVar[tuple[str, ...]] = ("through_autograd",)
@@ -79,7 +79,7 @@ class LiveStorage:
 
     @property
     def key(self) -> tuple[str, int]:
-        """``(device, data_ptr)``: where it is. Compare :attr:`ref` to ask "the same one?"."""
+        """``(device, data_ptr)``: where it is. Compare ``ref`` to ask "the same one?"."""
         return (self.device, self.data_ptr)
 
     @property
@@ -203,7 +203,7 @@ class _Acc:
 def _gather(
     device: str | None, scan: list[Any] | None = None, refs: bool = False
 ) -> tuple[dict[StorageKey, _Acc], list[str]]:
-    """Every live storage (of ``device``) once; ``refs``: with its :class:`StorageRef`;
+    """Every live storage (of ``device``) once; ``refs``: with its ``StorageRef``;
     ``scan`` receives the tensor list and the graph walk, for a holder search to start from
     instead of scanning the heap again."""
     tensors = _autograd.all_tensors()
@@ -279,7 +279,7 @@ def _discount_preserved(
     "Python tensor" that nothing in Python refers to: the memory is held by the graph, and the
     census should say so. Such an object has no referrer but cudamem's own lists and is no
     running frame's local: one referrer pass over the candidates (tensors whose storage a
-    graph saved; see :func:`cudamem._heap.referrers`) and a walk of every thread's frames
+    graph saved; see ``cudamem._heap.referrers``) and a walk of every thread's frames
     tell them apart.
     """
     import gc
@@ -355,7 +355,7 @@ def _device_filter(device: DeviceLike | None) -> str | None:
 def live_storage_keys(device_type: str | None = None) -> dict[tuple[str, int], int]:
     """``(device, data_ptr) → bytes`` of every live storage on devices of ``device_type``
     (``'cuda'``, ``'cpu'``, ``None`` for all): addresses at one instant, for totals. To
-    compare two instants, use :func:`live_refs`."""
+    compare two instants, use ``live_refs``."""
     acc, _ = _gather(None)
     out: dict[tuple[str, int], int] = {}
     for key, a in acc.items():
@@ -367,7 +367,7 @@ def live_storage_keys(device_type: str | None = None) -> dict[tuple[str, int], i
 
 def live_refs(device_type: str | None = None) -> dict[StorageRef, tuple[str, int]]:
     """Every live storage on devices of ``device_type`` (``'cuda'``, ``'cpu'``, ``None``):
-    its :class:`~cudamem._storages.StorageRef` → ``(device, bytes)``.
+    its ``cudamem._storages.StorageRef`` → ``(device, bytes)``.
 
     The cheap pass (no holders) that before/after comparisons use: a storage of one pass is
     in another exactly when it is the same storage, wherever the allocator put the others.
@@ -402,8 +402,8 @@ def live_storages(
     """Live storages on devices of ``device_type`` (``'cuda'``, ``'cpu'``, ``None``), largest
     first; the holder search covers only these.
 
-    ``among``: only the storages of these refs (from :func:`live_refs` or
-    :attr:`LiveStorage.ref`, taken at any earlier time) that are still alive.
+    ``among``: only the storages of these refs (from ``live_refs`` or
+    ``LiveStorage.ref``, taken at any earlier time) that are still alive.
     """
     only = None if among is None else set(among)
     return _census(None, holders, only, sys._getframe(1), device_type).storages
@@ -480,7 +480,7 @@ def ledger_view(
     segments: Sequence[Any] | None = None,
     allocated: int | None = None,
 ) -> tuple[Unaccounted, frozenset[int]]:
-    """:func:`unaccounted` and the ``data_ptr`` of every live storage on ``device``, from one
+    """``unaccounted`` and the ``data_ptr`` of every live storage on ``device``, from one
     heap scan (``explain()`` needs both).
 
     ``segments`` are snapshot segments to attribute instead of reading them now (the ledger
@@ -538,7 +538,7 @@ def _classify_blocks(
     workspace when (1) the allocator recorded its allocation stack (memory history on) and a
     frame names the workspace functions, or (2) no storage lives in it and its requested size
     is exactly the workspace size PyTorch chooses for this GPU (see
-    :meth:`cudamem._backend.TorchBackend.cublas_workspace_sizes`).
+    ``cudamem._backend.TorchBackend.cublas_workspace_sizes``).
     """
     ordered = sorted(blocks, key=lambda b: b.address)
     starts = [b.address for b in ordered]

@@ -1,7 +1,7 @@
 """Which container is the culprit: the one rule for grouping holder paths.
 
 Leak warnings, ``track(leaks=True)`` reports, OOM post-mortems, ``cudamem run`` and
-:func:`cudamem.find_graph_holders` all turn holder paths into culprits with this module.
+``cudamem.find_graph_holders`` all turn holder paths into culprits with this module.
 
 A holder path reads from a root:
 ``__main__.loss_history[3] → grad_fn MeanBackward0 → SigmoidBackward0 saved result``. Its
@@ -19,7 +19,7 @@ A holder path reads from a root:
 * the **item** is the container's entry: the step up to its first integer subscript
   (``__main__.errors[2]``).
 
-A :class:`Culprit` is one container with the number of its items and tensors that keep
+A ``Culprit`` is one container with the number of its items and tensors that keep
 memory and their total bytes, so that a list of a thousand losses is one line, never a
 thousand lines that a cap on culprits would cut. Holders that no root explains (an object
 gc sees no referrer of, such as a view's base tensor, which only the view's C++ side
@@ -63,7 +63,7 @@ _UNROOTED_KINDS = ("unknown", "cycle", "partial")
 
 @dataclass(frozen=True, slots=True)
 class Culprit:
-    """Storages grouped by the container that holds them (see :mod:`cudamem.culprits`)."""
+    """Storages grouped by the container that holds them (see ``cudamem.culprits``)."""
 
     #: The container: ``__main__.loss_history``, ``model.step_outputs``, a frame's local.
     holder: str
@@ -206,11 +206,13 @@ def _candidates(s: LiveStorage) -> tuple[tuple[str, ...], str | None]:
     rooted = [(p, lasting) for p, ok, lasting in paths if ok]
     if not rooted:
         return (), (paths[0][0] if paths else None)
-    # A module global (or class, or notebook history) that holds it beats a frame's local.
-    lasting = [p for p, last in rooted if last]
-    pool = lasting or [p for p, _ in rooted]
-    direct = tuple(p for p in pool if not through_graph(p))
-    return (direct or tuple(pool)), None
+    # Direct holders first (a parameter that every loss's graph reaches stays the model's,
+    # a leaf that a test's frame holds stays that frame's); among those, a module global (or
+    # class, or notebook history) beats a running frame's local.
+    direct = [(p, last) for p, last in rooted if not through_graph(p)]
+    pool = direct or rooted
+    lasting = tuple(p for p, last in pool if last)
+    return (lasting or tuple(p for p, _ in pool)), None
 
 
 def _in_container(path: str) -> bool:

@@ -6,8 +6,8 @@ Three kinds of input, both sides of one kind:
   way leak warnings group them (``__main__.loss_history[0..9]`` is one group,
   ``__main__.loss_history``); storage addresses are never compared, so two runs compare too;
 * **snapshots** (``torch.cuda.memory._snapshot()`` dicts, or files from
-  :func:`cudamem.dump_snapshot` / ``_dump_snapshot``): live blocks grouped by the holder
-  frame :func:`cudamem.dump_snapshot` wrote, else by the first allocation frame outside
+  ``cudamem.dump_snapshot`` / ``_dump_snapshot``): live blocks grouped by the holder
+  frame ``cudamem.dump_snapshot`` wrote, else by the first allocation frame outside
   torch (with history recorded), else as one unnamed group;
 * **spans** run with ``leaks=True``: what each span left behind (storages created inside and
   alive at its exit), grouped by holder: ``diff(step_10, step_11)`` says whether step 11 kept
@@ -53,7 +53,7 @@ class DiffEntry:
 
 @dataclass(frozen=True, slots=True)
 class MemoryDiff(ItemSequence[DiffEntry]):
-    """The result of :func:`diff`: groups that changed, the largest growth first."""
+    """The result of ``diff``: groups that changed, the largest growth first."""
 
     json_properties: ClassVar[tuple[str, ...]] = ("delta",)
 
@@ -268,12 +268,12 @@ def diff(a: Any, b: Any) -> MemoryDiff:
     """What grew from ``a`` to ``b``, grouped by holder.
 
     Args:
-        a: the earlier side: a :class:`~cudamem.census.Census`, a span (``MemorySpan`` run with
+        a: the earlier side: a ``cudamem.census.Census``, a span (``MemorySpan`` run with
             ``leaks=True``, or a ``SpanRecord``), or a snapshot (dict or file).
         b: the later side, of the same kind.
 
     Returns:
-        :class:`MemoryDiff`: groups that changed, the largest growth first (``diff.grew``,
+        ``MemoryDiff``: groups that changed, the largest growth first (``diff.grew``,
         ``diff.shrank``); ``print()`` it for a table.
 
     Raises:

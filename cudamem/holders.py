@@ -8,9 +8,9 @@ Python from a root: ``__main__.loss_history[3]``, ``Cache.store['a']``,
 ``__main__.loss_history[3] → grad_fn MeanBackward0 → SigmoidBackward0 saved result``.
 
 The search never calls user code, keeps nothing alive after it returns (results hold only
-strings and ints), and is bounded in depth, objects and time; see :mod:`cudamem._search`.
+strings and ints), and is bounded in depth, objects and time; see ``cudamem._search``.
 Many references of one shape (``log = [loss] * 3000``, 60,000 dicts in a list that each hold
-the tensor) are one :class:`Holder` with a ``count``, written ``__main__.log[0..2999]``.
+the tensor) are one ``Holder`` with a ``count``, written ``__main__.log[0..2999]``.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ class Holder:
 
 @dataclass(frozen=True, slots=True)
 class Holders(ItemSequence[Holder]):
-    """The holders of one object: a read-only sequence of :class:`Holder`."""
+    """The holders of one object: a read-only sequence of ``Holder``."""
 
     #: What was asked about, e.g. ``Tensor float32[1024, 1024] on cuda:0``.
     target: str
@@ -151,7 +151,7 @@ def who_holds(
             count as one.
 
     Returns:
-        :class:`Holders`, a sequence of :class:`Holder` (``print()`` it; JSON:
+        ``Holders``, a sequence of ``Holder`` (``print()`` it; JSON:
         ``render.json.to_json()``). The caller's own reference to ``obj`` is shown once,
         marked as the caller's.
 
@@ -402,7 +402,7 @@ def _join(
     key_names: dict[str, str],
     subs: dict[int, str] | None = None,
 ) -> str:
-    """Write a path: root, then each step in Python syntax (see :class:`Seg`); ``subs``
+    """Write a path: root, then each step in Python syntax (see ``Seg``); ``subs``
     replaces the subscripts of some steps (``0..2999``, ``*``)."""
     subs = subs or {}
     out: list[str] = []
@@ -536,7 +536,7 @@ class GraphHolder:
 
 @dataclass(frozen=True, slots=True)
 class GraphHolders(ItemSequence[GraphHolder]):
-    """Result of :func:`find_graph_holders`, largest ``graph_bytes`` first."""
+    """Result of ``find_graph_holders``, largest ``graph_bytes`` first."""
 
     json_properties: ClassVar[tuple[str, ...]] = ("graph_bytes",)
 
@@ -583,7 +583,7 @@ def find_graph_holders(
     Seed 000's ``loss_history.append(loss)`` shows up as ``__main__.loss_history``: 10
     tensors, 40 MiB of saved ``sigmoid`` results. Uses cudamem's census of live tensors and
     autograd graphs (no user code runs, saved-tensor hooks are not triggered, nothing found
-    is kept alive) and :func:`cudamem.who_holds`'s search to name the containers.
+    is kept alive) and ``cudamem.who_holds``'s search to name the containers.
 
     Args:
         device: only count storages on this device (``'cuda:0'``, ``'cpu'``); default all.
@@ -592,7 +592,7 @@ def find_graph_holders(
         timeout: seconds before the search stops (with a note).
 
     Returns:
-        :class:`GraphHolders`, largest ``graph_bytes`` first; ``print()`` it (JSON:
+        ``GraphHolders``, largest ``graph_bytes`` first; ``print()`` it (JSON:
         ``render.json.to_json()``).
         Graph bytes exclude leaves (parameters, inputs) and anything a graph-free tensor
         also holds; a graph shared by two containers counts in each.

@@ -3,7 +3,7 @@
 ``output.detach()`` cuts the graph but keeps the device memory (seed 000: ten outputs kept
 40 MiB on the GPU); ``to_host`` keeps neither. Structures are walked without recursion, so
 deep nesting cannot exhaust the stack, and a structure that contains itself comes back
-containing its copy, as with :func:`copy.deepcopy`: every object is converted once, so a
+containing its copy, as with ``copy.deepcopy``: every object is converted once, so a
 tensor that appears twice is copied once and both places share the copy.
 """
 
@@ -25,9 +25,9 @@ _NOTHING: Any = object()
 
 
 class HostCopy(Generic[T]):
-    """A non-blocking copy to the host in flight: :meth:`wait` returns the result once the
+    """A non-blocking copy to the host in flight: ``wait`` returns the result once the
     device has written it. Reading the pinned tensors earlier would show unwritten memory,
-    so they are only reachable through :meth:`wait`."""
+    so they are only reachable through ``wait``."""
 
     __slots__ = ("_events", "_result")
 
@@ -192,12 +192,12 @@ def to_host(obj: Any, *, non_blocking: bool = False, pin: bool | None = None) ->
     they are. CPU tensors come back detached but not copied (they share storage, as
     ``.cpu()`` does). Each object is converted once: a tensor that appears twice is copied
     once, and a structure that contains itself comes back containing its copy (the cycle is
-    kept, as :func:`copy.deepcopy` keeps it). Nesting depth is not limited by the
+    kept, as ``copy.deepcopy`` keeps it). Nesting depth is not limited by the
     interpreter's recursion limit.
 
     Args:
         non_blocking: copy CUDA tensors into pinned memory without waiting and return a
-            :class:`HostCopy`; ``.wait()`` gives the result once the copies are done. The
+            ``HostCopy``; ``.wait()`` gives the result once the copies are done. The
             source may be deleted right away (the allocator is stream-ordered).
         pin: put the copies of CUDA tensors in pinned (page-locked) memory, which copies
             back to the GPU faster. Default: only when ``non_blocking``. ``pin=False`` with

@@ -20,24 +20,24 @@ Steady state costs a few comparisons per span exit. The census runs only on susp
 at its entry and exit), and one call later the storages it created that are still alive
 (they survived a whole further call, so a step's return value kept until the next step does
 not count) are its *survivors*. Storages are compared by identity (a weak reference to each
-StorageImpl, :mod:`cudamem._storages`), never by address: a gradient freed by
+StorageImpl, ``cudamem._storages``), never by address: a gradient freed by
 ``zero_grad(set_to_none=True)`` and re-created at the same address is a new storage.
 
-A :class:`LeakWarning` (also sent to the ``cudamem.leaks`` logger) needs both a sustained
+A ``LeakWarning`` (also sent to the ``cudamem.leaks`` logger) needs both a sustained
 slope and survivors that explain it: their bytes must be at least ``min_explained`` (half)
 of the per-call growth. Growth that no surviving storage accounts for (the allocator's
 cache, workspaces, memory made outside the span) is not a leak of live tensors: cudamem
 looks at up to three consecutive calls (a leak every other call shows in one of them),
 then stays silent but for a ``logging.debug`` line, and captures nothing of that span for a
 window of calls, then two, four, ... up to 32 windows while such episodes repeat. The
-survivors are named through ``who_holds`` and grouped by container (:mod:`cudamem.culprits`).
+survivors are named through ``who_holds`` and grouped by container (``cudamem.culprits``).
 The warning repeats only when the picture changes: other holders, or a per-call rate
 ``rate_change`` times higher or lower than the one last reported (a rate change starts a new
 window, so the new rate is measured on its own).
 
 **What a span left behind.** ``track(..., leaks=True)`` snapshots the live storages at entry
 and exit; ``span.leaks`` lists those created inside and alive at exit, with holders, and
-:func:`leaks` (``cudamem.leaks(since=span)``) lists those of them still alive now (the same
+``leaks`` (``cudamem.leaks(since=span)``) lists those of them still alive now (the same
 storages, not whatever the allocator has put at their addresses since).
 """
 
@@ -81,7 +81,7 @@ logger = logging.getLogger("cudamem.leaks")
 MAX_SERIES = 1000
 #: Storage keys kept per capture (the largest); a span creating more is summarised.
 MAX_KEYS = 100_000
-#: Storages listed in a :class:`LeakReport` (the largest; totals count all of them).
+#: Storages listed in a ``LeakReport`` (the largest; totals count all of them).
 MAX_LISTED = 50
 #: Consecutive calls looked at for survivors before a slope they do not explain is let go.
 MAX_ATTEMPTS = 3
@@ -166,7 +166,7 @@ def leak_settings() -> LeakSettings:
 
 
 def configure_leaks(**changes: Any) -> LeakSettings:
-    """Change growth-detection settings (any field of :class:`LeakSettings`); returns them.
+    """Change growth-detection settings (any field of ``LeakSettings``); returns them.
 
     ``cudamem.configure_leaks(min_bytes_per_call=1024**2, window=16)``. Unknown names raise
     ``TypeError``, bad values ``ValueError``; series already watched restart with the new
@@ -419,7 +419,7 @@ class _Series:
         self.phase = _WATCH
         self.armed_exits = 0
         self.cooldown = 0
-        #: The capture of the call that just ended (set by :func:`end` before exit hooks).
+        #: The capture of the call that just ended (set by ``end`` before exit hooks).
         self.captured: Refs | None = None
         #: The capture whose survivors are checked at the next exit.
         self.pending: Refs | None = None
@@ -781,20 +781,20 @@ def _stacklevel() -> int:
     return level
 
 
-#: Called with every :class:`Growth` about to be warned about (integrations count culprits
+#: Called with every ``Growth`` about to be warned about (integrations count culprits
 #: and dump snapshots there). Replaced, never mutated.
 _growth_hooks: tuple[Callable[[Growth], None], ...] = ()
 
 
 def add_growth_hook(hook: Callable[[Growth], None]) -> None:
-    """Call ``hook(growth)`` before each :class:`LeakWarning` (errors are swallowed)."""
+    """Call ``hook(growth)`` before each ``LeakWarning`` (errors are swallowed)."""
     global _growth_hooks
     if hook not in _growth_hooks:
         _growth_hooks = (*_growth_hooks, hook)
 
 
 def remove_growth_hook(hook: Callable[[Growth], None]) -> None:
-    """Undo :func:`add_growth_hook`."""
+    """Undo ``add_growth_hook``."""
     global _growth_hooks
     _growth_hooks = tuple(h for h in _growth_hooks if h is not hook)
 

@@ -1,6 +1,6 @@
 """The device ledger: why nvidia-smi shows more than your tensors.
 
-:func:`explain` reconciles NVML's ``used`` figure for a device with what PyTorch knows, as
+``explain`` reconciles NVML's ``used`` figure for a device with what PyTorch knows, as
 ledger lines that add up to it::
 
     NVML used (total − free) = driver reserve
@@ -21,11 +21,11 @@ memory. When NVML cannot give a figure (no driver, containers, MIG, WDDM, permis
 is ``None`` with a reason, never 0.
 
 The cache lines follow the allocator's own rules for ``empty_cache()`` (see
-:mod:`cudamem.snapshot`), expandable segments included: "releasable" is what ``empty_cache()``
+``cudamem.snapshot``), expandable segments included: "releasable" is what ``empty_cache()``
 would return now, to the byte.
 
-:func:`build_ledger` is the pure arithmetic, fed by recorded figures in tests;
-:func:`machine_status` is the whole machine as NVML sees it (``cudamem status``).
+``build_ledger`` is the pure arithmetic, fed by recorded figures in tests;
+``machine_status`` is the whole machine as NVML sees it (``cudamem status``).
 """
 
 from __future__ import annotations
@@ -227,7 +227,7 @@ class DeviceLedger:
 
 @dataclass(frozen=True, slots=True)
 class Explanation:
-    """The result of :func:`explain`: one ledger per device, and NVML's status."""
+    """The result of ``explain``: one ledger per device, and NVML's status."""
 
     devices: tuple[DeviceLedger, ...]
     nvml: _nvml.NvmlStatus
@@ -949,7 +949,7 @@ def explain(device: DeviceLike | None = None) -> Explanation:
             CUDA context on.
 
     Returns:
-        An :class:`Explanation`; ``print()`` it for a table, ``render.json.to_json()`` it for
+        An ``Explanation``; ``print()`` it for a table, ``render.json.to_json()`` it for
         JSON. Each ledger's lines add up to NVML's ``used`` and say what frees them.
 
     Creates no CUDA context, synchronizes nothing and never turns allocator history
@@ -991,7 +991,7 @@ def explain(device: DeviceLike | None = None) -> Explanation:
 
 
 class StatusLine(NamedTuple):
-    """One line of a device in :class:`MachineStatus`: what holds ``nbytes`` (``None``:
+    """One line of a device in ``MachineStatus``: what holds ``nbytes`` (``None``:
     NVML cannot tell) and what frees it."""
 
     label: str
@@ -1016,7 +1016,7 @@ class MachineStatus:
 
     @property
     def device_lines(self) -> tuple[tuple[StatusLine, ...], ...]:
-        """:meth:`lines` of every device, in the order of ``devices``."""
+        """``lines`` of every device, in the order of ``devices``."""
         return tuple(tuple(self.lines(d)) for d in self.devices)
 
     def lines(self, device: _nvml.NvmlDevice) -> list[StatusLine]:

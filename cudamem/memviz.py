@@ -1,6 +1,6 @@
 """Allocator snapshots for PyTorch's memory viewer, with each live block named by its holder.
 
-:func:`dump_snapshot` writes the pickle ``torch.cuda.memory._dump_snapshot()`` writes (the dict
+``dump_snapshot`` writes the pickle ``torch.cuda.memory._dump_snapshot()`` writes (the dict
 of ``torch.cuda.memory._snapshot()``: ``segments``, ``device_traces``, ...), so that
 https://pytorch.org/memory_viz and ``torch.cuda._memory_viz`` open it, and adds what only
 cudamem knows: for every live block, the path that keeps it alive. The viewer shows a block's
@@ -16,9 +16,9 @@ each block. The last ``alloc`` event of each live block in ``device_traces`` get
 frame, so the "Active Memory Timeline" names holders too. Blocks in which no live tensor lives
 are marked as such (a cuBLAS workspace, or memory only C++ holds).
 
-:func:`auto_dump` writes such a snapshot by itself when the allocator runs out of memory (from
+``auto_dump`` writes such a snapshot by itself when the allocator runs out of memory (from
 PyTorch's OOM observer, the moment ``malloc`` fails, as PyTorch's documentation suggests) or
-when a :class:`~cudamem.LeakWarning` is about to be issued. Opt-in; :meth:`AutoDump.uninstall`
+when a ``cudamem.LeakWarning`` is about to be issued. Opt-in; ``AutoDump.uninstall``
 stops it. ``cudamem.load_snapshot`` reads every file written here back without running code.
 """
 
@@ -64,7 +64,7 @@ _LIVE = frozenset({"active_allocated", "active_pending_free", "active_awaiting_f
 
 @dataclass(frozen=True, slots=True)
 class SnapshotDump:
-    """A snapshot file written by :func:`dump_snapshot`. Bytes are ints."""
+    """A snapshot file written by ``dump_snapshot``. Bytes are ints."""
 
     path: str
     #: ``dump_snapshot()``, ``oom`` or ``leak``: what made cudamem write it.
@@ -304,7 +304,7 @@ def dump_snapshot(
             storages); ``False`` writes PyTorch's snapshot unchanged.
 
     Returns:
-        :class:`SnapshotDump`: where it went and how many blocks were named. Never creates a
+        ``SnapshotDump``: where it went and how many blocks were named. Never creates a
         CUDA context: without one the file holds an empty snapshot (and a note says so).
     """
     if not isinstance(path, (str, os.PathLike)):
@@ -323,7 +323,7 @@ _observed: weakref.WeakSet[_backend.Backend] = weakref.WeakSet()
 
 
 class AutoDump:
-    """Automatic snapshot dumps, returned by :func:`auto_dump`.
+    """Automatic snapshot dumps, returned by ``auto_dump``.
 
     ``files`` lists what was written. ``uninstall()`` stops it (and turns history recording
     off if it turned it on); used as a context manager it uninstalls at the end of the block.
@@ -436,7 +436,7 @@ def auto_dump(
     record_history: bool = False,
     max_entries: int = 100_000,
 ) -> AutoDump:
-    """Dump a named snapshot (:func:`dump_snapshot`) on out-of-memory and on leak warnings.
+    """Dump a named snapshot (``dump_snapshot``) on out-of-memory and on leak warnings.
 
     Files are ``cudamem-oom-<pid>-<n>.pickle`` and ``cudamem-leak-<pid>-<n>.pickle`` in
     ``directory``; open them at https://pytorch.org/memory_viz.
@@ -445,14 +445,14 @@ def auto_dump(
         directory: where the files go (created when the first one is written).
         oom: dump when the allocator fails to allocate (from PyTorch's OOM observer, before
             the ``OutOfMemoryError`` is raised, so the blocks are those that filled the GPU).
-        leaks: dump just before each :class:`~cudamem.LeakWarning` is issued.
+        leaks: dump just before each ``cudamem.LeakWarning`` is issued.
         max_dumps: at most this many files (a retry loop can OOM over and over).
         holders: name each live block's holder (a census at dump time).
         record_history: turn allocation-history recording on (Python stacks at allocation,
             costs time on every allocation) for the viewer's timeline; off at uninstall.
         max_entries: bound of the history's ring buffer.
 
-    A second call replaces the first. Returns the :class:`AutoDump` (``uninstall()`` it).
+    A second call replaces the first. Returns the ``AutoDump`` (``uninstall()`` it).
     """
     global _active
     from .leaks import add_growth_hook

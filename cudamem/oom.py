@@ -5,7 +5,7 @@ Where the report is made, and why there:
 * **Inside a span.** An OOM that leaves a ``track()`` span is reported from the span's exit,
   while the exception is still propagating: the user's frames are alive, so holders include
   their locals. (Turn off with ``cudamem.configure_leaks(span_oom_reports=False)``.)
-* **Anywhere, once** :func:`on_oom` **is installed.** The allocator's OOM observer
+* **Anywhere, once** ``on_oom`` **is installed.** The allocator's OOM observer
   (``torch._C._cuda_attach_out_of_memory_observer``) runs *inside* ``malloc``, on the failing
   thread, half-way through raising: walking holders there could run for seconds while the
   allocator is mid-error and would see cudamem's own frames. So the observer only records
@@ -17,7 +17,7 @@ Where the report is made, and why there:
   catches and handles is only recorded (``guard.events``), never printed.
 
 The exception is never changed, swallowed or re-raised differently: hooks report, then
-hand the exception to the previous hook. :meth:`OomGuard.uninstall` restores every hook
+hand the exception to the previous hook. ``OomGuard.uninstall`` restores every hook
 cudamem replaced (and turns allocation-history recording off again if cudamem turned it on);
 the allocator has no way to detach an observer, so cudamem's stays attached but idle.
 """
@@ -201,7 +201,7 @@ class OomReport:
     notes: tuple[str, ...] = ()
     #: The file the report was written to, if any.
     file: str | None = None
-    #: Those storages grouped by the container that holds them (:mod:`cudamem.culprits`).
+    #: Those storages grouped by the container that holds them (``cudamem.culprits``).
     culprits: tuple[Culprit, ...] = ()
 
     @property
@@ -607,7 +607,7 @@ _install_lock = threading.Lock()
 
 
 class OomGuard:
-    """Installed OOM post-mortems: returned by :func:`on_oom`.
+    """Installed OOM post-mortems: returned by ``on_oom``.
 
     ``guard.uninstall()`` restores the previous hooks; used as a context manager, the guard
     also reports an OOM that leaves the block and uninstalls itself at the end.
@@ -781,7 +781,7 @@ def on_oom(
         top: how many of the largest live storages to list, with their holders.
         record_history: record allocation history (``_record_memory_history``, Python stacks
             at allocation) so the report says where each large storage was allocated. It
-            costs time on every allocation; off again at :meth:`OomGuard.uninstall`.
+            costs time on every allocation; off again at ``OomGuard.uninstall``.
         max_entries: bound of the history's ring buffer.
 
     Installs ``sys.excepthook``, ``threading.excepthook`` and (in IPython) a custom exception

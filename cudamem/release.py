@@ -30,7 +30,7 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class RemainingStorage:
-    """A storage still allocated after :func:`release`, and the paths that hold it."""
+    """A storage still allocated after ``release``, and the paths that hold it."""
 
     device: int | str
     nbytes: int
@@ -44,7 +44,7 @@ class RemainingStorage:
 
 @dataclass(frozen=True, slots=True)
 class DeviceRelease:
-    """What :func:`release` gave back on one device, and what is still allocated.
+    """What ``release`` gave back on one device, and what is still allocated.
 
     ``kept`` is the allocator's cache split after ``empty_cache()``: why what is still
     reserved but not allocated stayed (``None`` without a snapshot).
@@ -98,7 +98,7 @@ class DeviceRelease:
 
 @dataclass(frozen=True, slots=True)
 class ReleaseResult:
-    """The result of :func:`release`."""
+    """The result of ``release``."""
 
     devices: tuple[DeviceRelease, ...]
     gc_collected: int
@@ -208,7 +208,7 @@ def release(
         holders: search who holds those storages (``False`` skips the search).
 
     Returns:
-        A :class:`ReleaseResult`: per device the bytes freed, what the cuBLAS clear gave
+        A ``ReleaseResult``: per device the bytes freed, what the cuBLAS clear gave
         back, why the remaining cache stayed (CUDA graph pools, partial pages of expandable
         segments, free blocks beside live ones), and the largest remaining storages with the
         paths that hold them.

@@ -191,7 +191,7 @@ def _script_traceback(exc: BaseException) -> str:
 
 def _by_container(storages: Sequence[Any]) -> tuple[Any, ...]:
     """The listed storages grouped by the container that holds them, largest first, by the
-    one culprit rule (:mod:`cudamem.culprits`: a list of ten losses is one holder; a storage
+    one culprit rule (``cudamem.culprits``: a list of ten losses is one holder; a storage
     Python names directly belongs to that name, not to an autograd path through it)."""
     from .culprits import group_culprits
 

@@ -2,7 +2,7 @@
 
 ``loss_history.append(loss)`` keeps every step's autograd graph alive (seed 000: ten losses of
 ``sigmoid(x * 2).mean()`` on a 1024×1024 input kept 40 MiB); ``loss.item()`` frees it but makes
-the host wait for the GPU every step. :class:`ScalarLogger` stores floats only and moves device
+the host wait for the GPU every step. ``ScalarLogger`` stores floats only and moves device
 values to the host in batches: each value is copied (one tiny kernel, no sync) into a small
 preallocated device buffer, and every ``flush_every`` values the buffer goes to pinned host
 memory with one non-blocking copy and an event. The host waits on that event only when the
@@ -93,7 +93,7 @@ _PLAIN_DTYPES = frozenset(
 
 def _plain_0d(x: torch.Tensor) -> torch.Tensor | None:
     """``x.detach()`` when ``x`` is what a loss is (0-d, dense, a real dtype, not meta):
-    four cheap checks instead of :func:`_check_tensor`'s nine. None: ask that one."""
+    four cheap checks instead of ``_check_tensor``'s nine. None: ask that one."""
     if x.dim() == 0 and x.layout is torch.strided and x.dtype in _PLAIN_DTYPES and not x.is_meta:
         return x.detach()
     return None
@@ -120,7 +120,7 @@ def log_scalar(x: Any) -> float:
     ``bool`` values (and bool tensors) log as ``1.0``/``0.0``, as ``float(True)`` does.
 
     A device tensor is read with one transfer, which waits for the device (like ``.item()``);
-    :class:`ScalarLogger` avoids that wait.
+    ``ScalarLogger`` avoids that wait.
 
     Raises:
         ValueError: a tensor or array with more or fewer than one element (the message names
@@ -187,7 +187,7 @@ class SeriesSummary:
 
 @dataclass(frozen=True, slots=True)
 class LoggerStats:
-    """What a :class:`ScalarLogger` has done: how often it moved values to the host."""
+    """What a ``ScalarLogger`` has done: how often it moved values to the host."""
 
     #: Values logged (all series), including those still on a device.
     logged: int
@@ -425,7 +425,7 @@ def _close_all_at_exit() -> None:
 
 
 class Series:
-    """A live view of one named series of a :class:`ScalarLogger`: a read-only sequence of
+    """A live view of one named series of a ``ScalarLogger``: a read-only sequence of
     floats with their steps. Reading waits for the values still on a device."""
 
     __slots__ = ("_data", "_logger")
@@ -440,7 +440,7 @@ class Series:
         return self._data.name
 
     def append(self, value: Any, *, step: int | None = None) -> None:
-        """Log one value into this series (see :meth:`ScalarLogger.log`)."""
+        """Log one value into this series (see ``ScalarLogger.log``)."""
         self._logger.log(self._data.name, value, step=step)
 
     def extend(self, values: Iterable[Any]) -> None:
@@ -457,7 +457,7 @@ class Series:
 
     @property
     def steps(self) -> tuple[int, ...]:
-        """The step of each value in :attr:`values`."""
+        """The step of each value in ``values``."""
         with self._logger._lock:
             self._logger._flush_locked()
             return tuple(self._data.ordered_steps())
@@ -584,8 +584,8 @@ class ScalarLogger:
     """A list of floats that replaces ``loss_history.append(loss)`` without keeping graphs,
     device memory, or stalling the GPU every step.
 
-    ``append``/``extend``/``len``/iteration/indexing/slicing, :meth:`to_numpy`, :meth:`mean`
-    and :attr:`last` act on the default series (named ``name``); :meth:`log` and
+    ``append``/``extend``/``len``/iteration/indexing/slicing, ``to_numpy``, ``mean``
+    and ``last`` act on the default series (named ``name``); ``log`` and
     ``logger["acc"]`` handle several named series with steps. Values are floats on the host;
     what is logged is never kept: tensors are copied into the logger's own buffer.
 
@@ -599,14 +599,14 @@ class ScalarLogger:
         maxlen: keep only the newest ``maxlen`` values per series, in a ring of
             ``16 * maxlen`` bytes however many values arrive (``count`` in the summary
             still counts them all). ``None`` keeps every value: 16 bytes each (value and
-            step in flat arrays; 10 M values take 160 MB), see :attr:`stats`.
+            step in flat arrays; 10 M values take 160 MB), see ``stats``.
         name: the default series' name.
 
     Cost per logged device tensor: one copy kernel into the buffer and a few µs of Python;
     one non-blocking transfer and one event per ``flush_every`` values.
 
     Thread safe: several threads may log and read concurrently. Use it as a context manager
-    (or call :meth:`close`) to finish pending transfers and release the device buffers;
+    (or call ``close``) to finish pending transfers and release the device buffers;
     loggers still open at interpreter exit are closed by an ``atexit`` hook.
 
     Values logged from a CUDA side stream must be complete on the stream that is current
@@ -664,9 +664,9 @@ class ScalarLogger:
     def log(self, name: str, value: Any, *, step: int | None = None) -> None:
         """Log ``value`` into the series ``name`` (created on first use).
 
-        ``value`` is anything :func:`log_scalar` accepts. ``step`` defaults to the series'
+        ``value`` is anything ``log_scalar`` accepts. ``step`` defaults to the series'
         previous step + 1 (0 for the first value) and must fit in 64 bits. Raises like
-        :func:`log_scalar`; a value that raises is not logged.
+        ``log_scalar``; a value that raises is not logged.
         """
         if not isinstance(name, str):
             raise TypeError(f"series name must be a str, not {type(name).__name__}")
@@ -832,7 +832,7 @@ class ScalarLogger:
         return self._default().last
 
     def summary(self) -> tuple[SeriesSummary, ...]:
-        """One :class:`SeriesSummary` per series."""
+        """One ``SeriesSummary`` per series."""
         with self._lock:
             self._flush_locked()
             return tuple(_summarize(d) for d in self._series.values())

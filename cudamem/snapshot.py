@@ -1,11 +1,11 @@
 """Allocator snapshots: loading them safely and reading where the cache sits.
 
 ``torch.cuda.memory._dump_snapshot()`` writes a pickle, and unpickling runs whatever the file
-names: a snapshot from a colleague or a bug report could call ``os.system``. :func:`load_snapshot`
+names: a snapshot from a colleague or a bug report could call ``os.system``. ``load_snapshot``
 uses a restricted unpickler that builds plain data only (dict, list, tuple, str, int, float,
-bool, None, bytes) and refuses every global with :class:`UnsafeSnapshotError`.
+bool, None, bytes) and refuses every global with ``UnsafeSnapshotError``.
 
-:func:`split_cache` reads segments (from a loaded file or ``torch.cuda.memory_snapshot()``) and
+``split_cache`` reads segments (from a loaded file or ``torch.cuda.memory_snapshot()``) and
 splits the allocator's cache exactly as ``torch.cuda.empty_cache()`` would treat it. The rules
 are those of ``c10/cuda/CUDACachingAllocator.cpp`` (``release_cached_blocks``):
 
@@ -25,7 +25,7 @@ are those of ``c10/cuda/CUDACachingAllocator.cpp`` (``release_cached_blocks``):
 What sits on streams that hold no live tensor is reported apart: the signature of "a new
 ``torch.cuda.Stream`` per run grows memory by one run".
 
-:func:`graph_pool_blocks` maps live blocks to the private pool that holds them, for callers
+``graph_pool_blocks`` maps live blocks to the private pool that holds them, for callers
 that annotate storages (a graph's outputs live in its pool).
 """
 
@@ -756,7 +756,7 @@ class PoolBlock:
 
 @dataclass(frozen=True, slots=True)
 class PoolBlocks:
-    """Allocated blocks of private pools on one device, by address (:func:`graph_pool_blocks`).
+    """Allocated blocks of private pools on one device, by address (``graph_pool_blocks``).
 
     ``pool_of(storage.data_ptr())`` says whether a storage lives in a CUDA graph's pool: then
     deleting every Python reference returns it to the pool, not to the cache, and only
@@ -788,7 +788,7 @@ class PoolBlocks:
 def pool_blocks_of(
     device: int, segments: Iterable[Mapping[str, Any]], owners: PoolOwners | None = None
 ) -> PoolBlocks:
-    """:class:`PoolBlocks` from snapshot ``segments`` (pure; see :func:`graph_pool_blocks`)."""
+    """``PoolBlocks`` from snapshot ``segments`` (pure; see ``graph_pool_blocks``)."""
     segs = [s for s in segments if isinstance(s, Mapping) and segment_pool_id(s) != NO_POOL]
     blocks = sorted(
         (
@@ -816,7 +816,7 @@ def graph_pool_blocks(device: DeviceLike = "cuda", *, owners: bool = True) -> Po
         owners: look for the graphs that keep each pool alive.
 
     Returns:
-        :class:`PoolBlocks`; ``pool_of(address)`` maps a storage's ``data_ptr`` to its pool.
+        ``PoolBlocks``; ``pool_of(address)`` maps a storage's ``data_ptr`` to its pool.
     """
     if not isinstance(owners, bool):
         raise TypeError(f"owners must be a bool, not {type(owners).__name__}")

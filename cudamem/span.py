@@ -2,7 +2,7 @@
 
 A span reads three allocator counters (allocated, reserved, peak) of every device involved
 when it opens and when it closes. The hot path keeps those raw integers in a private
-:class:`RawSpan`; the frozen results (:class:`SpanRecord`, :class:`DeviceSpan`) are built the
+``RawSpan``; the frozen results (``SpanRecord``, ``DeviceSpan``) are built the
 first time someone reads them, so a span nobody looks at costs two counter reads and a few
 attribute stores.
 
@@ -13,7 +13,7 @@ Features attach through hooks rather than imports: growth detection and ``leaks=
 Peaks: PyTorch keeps one peak counter per device for the whole process. A span with
 ``peak=True`` resets it on entry, after folding the value it held into every open span (all
 threads) and into cudamem's process-wide maximum, so nested spans never hide each other's
-peaks; :func:`max_allocated` gives the true process-wide peak. While every open span belongs
+peaks; ``max_allocated`` gives the true process-wide peak. While every open span belongs
 to one thread, nothing takes a lock; spans of several threads at once fold under one.
 
 Stacks: each thread and asyncio task has its own chain of open spans (a context variable
@@ -254,7 +254,7 @@ class RawSpan:
     Mutable while open, not changed after close. Hooks read ``name``, ``leaks``,
     ``top_level``, ``exception``, ``measured`` and the totals (plain ints, summed over the
     devices read: ``level``, ``alloc_delta``, ``res_delta``, ``peak_total``,
-    ``peak_delta``), attach their own per-span data to ``extras``, and call :meth:`record`
+    ``peak_delta``), attach their own per-span data to ``extras``, and call ``record``
     only when they need the frozen result (built once, on first use).
     """
 
@@ -455,7 +455,7 @@ def add_entry_hook(hook: EntryHook) -> None:
 
 
 def remove_entry_hook(hook: EntryHook) -> None:
-    """Undo :func:`add_entry_hook`."""
+    """Undo ``add_entry_hook``."""
     global _entry_hooks
     with _hooks_lock:
         _entry_hooks = tuple(h for h in _entry_hooks if h is not hook)
@@ -476,7 +476,7 @@ def add_exit_hook(hook: ExitHook, *, propagate: tuple[type[BaseException], ...] 
 
 
 def remove_exit_hook(hook: ExitHook) -> None:
-    """Undo :func:`add_exit_hook`."""
+    """Undo ``add_exit_hook``."""
     global _exit_hooks, _exit_calls
     with _hooks_lock:
         _exit_hooks = tuple((h, p) for h, p in _exit_hooks if h is not hook)
@@ -516,7 +516,7 @@ def _only(me: int) -> bool:
 
 def _enter_peak(span: RawSpan, backend: _backend.Backend, devs: tuple[int, ...]) -> None:
     """Read and reset the peak counters, folding the discarded peaks into the open spans
-    (the general case; :func:`_open` handles a lone span on one device itself).
+    (the general case; ``_open`` handles a lone span on one device itself).
 
     Spans of one thread fold into each other without a lock. When another thread has open
     peak spans, the reset happens under ``_lock``, after any lock-free reset already under
@@ -572,7 +572,7 @@ def _merge_peaks() -> None:
 
 def _tally(span: RawSpan) -> None:
     """The span's own peaks and its totals over devices, as plain ints (general case;
-    :func:`_close` handles one device seen at both edges itself)."""
+    ``_close`` handles one device seen at both edges itself)."""
     entry = dict(zip(span.devs, span.before, strict=True))
     fold, xfold = span.fold or {}, span.xfold or {}
     track_peak = span.peak
@@ -1019,7 +1019,7 @@ class MemorySpan:
 
     @property
     def peak_delta(self) -> int | None:
-        """Peak minus allocated at entry; ``None`` when :attr:`peak` is."""
+        """Peak minus allocated at entry; ``None`` when ``peak`` is."""
         return self.record.peak_delta
 
     @property
@@ -1069,7 +1069,7 @@ class MemorySpan:
         return self.record.device(device)
 
     def to_dict(self) -> dict[str, Any]:
-        """The finished span's :class:`SpanRecord` as JSON data (``render.json.to_data``)."""
+        """The finished span's ``SpanRecord`` as JSON data (``render.json.to_data``)."""
         from .render.json import to_data
 
         data: dict[str, Any] = to_data(self.record)
@@ -1158,7 +1158,7 @@ def _wrap_generator(func: Callable[..., Iterator[Any]], opts: _Opts) -> Callable
 def _wrap_async_generator(
     func: Callable[..., AsyncIterator[Any]], opts: _Opts
 ) -> Callable[..., Any]:
-    """The async-generator form of :func:`_wrap_generator`."""
+    """The async-generator form of ``_wrap_generator``."""
 
     @functools.wraps(func)
     async def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -1239,7 +1239,7 @@ def track(
             when the GPU runs it, so a read without synchronize equals the read right after
             one. The default ``False`` leaves CPU/GPU overlap alone.
         peak: track the highest allocated during the span. This resets PyTorch's
-            per-device peak counter on entry; use :func:`cudamem.max_allocated` for the
+            per-device peak counter on entry; use ``cudamem.max_allocated`` for the
             process-wide peak. ``False`` leaves the counter alone (``span.peak`` is None).
         leaks: record which storages exist at entry and exit, so that ``span.leaks`` lists
             those created inside the block and still alive after it, with their holders

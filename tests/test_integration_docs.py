@@ -26,7 +26,12 @@ _SPACE = re.compile(r"[ \t]+")
 _RULE = re.compile(r"-{2,}")
 
 
+#: How many further holders a line folds away: it varies with what the interpreter has cached.
+_MORE = re.compile(r"\(\+\d+( more)?\)")
+
+
 def normalise(line: str) -> str:
+    line = _MORE.sub(r"(+N\1)", line)
     return _SPACE.sub(" ", _RULE.sub("--", _TIME.sub("<time>", line))).strip()
 
 

@@ -1,11 +1,11 @@
 """One memory report for a whole ``torch.distributed`` job, gathered on rank 0.
 
-Every rank calls :func:`gather_report` at the same point (after a training phase, before
+Every rank calls ``gather_report`` at the same point (after a training phase, before
 ``destroy_process_group``). Each collects its own row — pid, host, the CUDA devices it holds a
-context on, allocated/reserved/peak per device, its spans (:func:`cudamem.history`
+context on, allocated/reserved/peak per device, its spans (``cudamem.history``
 aggregates) and how fast their level grows, the growth the leak detector found, its device
-ledgers (:func:`cudamem.explain`) and NVML's list of which process holds memory on which GPU —
-and rank 0 receives every row and builds a :class:`DistributedReport`:
+ledgers (``cudamem.explain``) and NVML's list of which process holds memory on which GPU —
+and rank 0 receives every row and builds a ``DistributedReport``:
 
 * a table per rank, and the outlier ranks named (highest peak, highest growth per call);
 * memory outside PyTorch's allocator per rank and device (NVML's figure for the process minus
@@ -16,11 +16,11 @@ and rank 0 receives every row and builds a :class:`DistributedReport`:
   (``torch.cuda.set_device`` missing, a tensor created on ``cuda:0``, ``barrier()`` without
   ``device_ids``): the answer to "why is there memory on GPU 0 from every rank".
 
-The rows travel as JSON text through the job's key-value store (:mod:`._transport` says why
+The rows travel as JSON text through the job's key-value store (``._transport`` says why
 not through a collective). Nothing here can hang a job: a rank whose collection fails sends a
 row with its errors instead, and a rank that never answers shows as a row saying so once the
-timeout passes. Collection (:func:`collect_rank`), analysis (:func:`build_report`,
-pure) and rendering (:mod:`cudamem.render.distributed`) stay apart.
+timeout passes. Collection (``collect_rank``), analysis (``build_report``,
+pure) and rendering (``cudamem.render.distributed``) stay apart.
 """
 
 from __future__ import annotations
@@ -98,10 +98,10 @@ def gather_report(
 ) -> DistributedReport | None:
     """Every rank's memory, gathered on the group's first rank: a collective, call it on all.
 
-    Each rank collects its row (:func:`collect_rank`) and puts it, as JSON, in the job's
+    Each rank collects its row (``collect_rank``) and puts it, as JSON, in the job's
     key-value store (the one ``init_process_group`` used); the first rank of ``group``
     (default: the whole job) waits up to ``timeout`` seconds for every row and returns the
-    :class:`DistributedReport`. The other ranks return ``None`` at once — or, with
+    ``DistributedReport``. The other ranks return ``None`` at once — or, with
     ``all_ranks=True``, every rank waits and returns the report. Without
     ``torch.distributed`` initialised, the report has this process only.
 
@@ -114,9 +114,9 @@ def gather_report(
         group: a ``torch.distributed`` process group (``None``: the default group).
         timeout: seconds to wait for the slowest rank (collection included).
         all_ranks: return the report on every rank, not only the collector.
-        ledger: run :func:`cudamem.explain` per device (a census: slower on big heaps).
+        ledger: run ``cudamem.explain`` per device (a census: slower on big heaps).
         context_estimate: bytes of a bare CUDA context, against which NCCL's share of the
-            memory outside the allocator is inferred (default :data:`CONTEXT_ESTIMATE`).
+            memory outside the allocator is inferred (default ``CONTEXT_ESTIMATE``).
     """
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")

@@ -199,7 +199,7 @@ def collect_rank(
     ledger: bool = True,
     context_estimate: int | None = None,
 ) -> RankReport:
-    """This process's row of a :class:`DistributedReport` (no collective; never raises).
+    """This process's row of a ``DistributedReport`` (no collective; never raises).
 
     Each part (devices and ledgers, spans, leak findings, NVML's process lists) is collected
     on its own: a failure becomes a line of ``errors`` and the other parts stay. Creates no

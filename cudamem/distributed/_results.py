@@ -95,7 +95,7 @@ class RankDevice:
 
     ``outside_allocator`` is the ledger's inferred line: NVML's figure for this process on the
     device minus the allocator's reserved bytes (context, loaded kernels, NCCL buffers, other
-    libraries). ``nccl`` is that minus :data:`CONTEXT_ESTIMATE`, when the rank's process group
+    libraries). ``nccl`` is that minus ``CONTEXT_ESTIMATE``, when the rank's process group
     uses NCCL. Every figure NVML cannot give is ``None``, never 0.
     """
 
@@ -105,14 +105,14 @@ class RankDevice:
     uuid: str | None
     allocated: int
     reserved: int
-    #: The true process-wide peak of allocated bytes (:func:`cudamem.max_allocated`).
+    #: The true process-wide peak of allocated bytes (``cudamem.max_allocated``).
     peak: int
     #: NVML's figure for this process on this GPU.
     process_used: int | None
     outside_allocator: int | None
     nccl: int | None
     context_estimate: int
-    #: The device's ledger lines (:func:`cudamem.explain`), empty when not collected.
+    #: The device's ledger lines (``cudamem.explain``), empty when not collected.
     ledger: tuple[LedgerLine, ...] = ()
     notes: tuple[str, ...] = ()
 
@@ -177,7 +177,7 @@ class RankReport:
     host: str | None
     local_rank: int | None
     backend: str | None
-    #: The CUDA device current in the thread that called :func:`gather_report`.
+    #: The CUDA device current in the thread that called ``gather_report``.
     current_device: int | None
     #: The device this rank is meant to use (``LOCAL_RANK``, else where it allocated most).
     own_device: int | None

@@ -3,11 +3,11 @@
 Each integration is its own module, imported only when used (none is imported by
 ``import cudamem``), and each needs only its own framework:
 
-* :mod:`cudamem.integrations.pytest_plugin` — ``@pytest.mark.limit_gpu_leaks`` and
+* ``cudamem.integrations.pytest_plugin`` — ``@pytest.mark.limit_gpu_leaks`` and
   ``@pytest.mark.limit_gpu_memory`` (the plugin is registered as ``pytest_cudamem``);
-* :mod:`cudamem.integrations.lightning` — ``CudamemCallback``
+* ``cudamem.integrations.lightning`` — ``CudamemCallback``
   (``pip install 'cudamem[lightning]'``);
-* :mod:`cudamem.integrations.transformers` — ``CudamemTrainerCallback`` and
+* ``cudamem.integrations.transformers`` — ``CudamemTrainerCallback`` and
   ``release_trainer`` (``pip install 'cudamem[transformers]'``);
-* :mod:`cudamem.integrations.notebook` — ``%load_ext cudamem``: ``%%track``, ``%who_holds``.
+* ``cudamem.integrations.notebook`` — ``%load_ext cudamem``: ``%%track``, ``%who_holds``.
 """

@@ -4,7 +4,7 @@ Each measured step is one cudamem span (``sync=False``: the allocator's counters
 without waiting for the GPU), opened and closed by the framework's hooks and *detached*
 (it never becomes the parent of the user's own spans, which stay top-level in
 ``cudamem.history()``). The span's name repeats every step, so cudamem's growth detector
-watches it and issues a :class:`~cudamem.LeakWarning` naming the culprits when the level
+watches it and issues a ``cudamem.LeakWarning`` naming the culprits when the level
 keeps rising.
 
 The metric set, per measured step (bytes shown in MiB, ``1 MiB = 1024**2`` bytes):
@@ -19,7 +19,7 @@ The metric set, per measured step (bytes shown in MiB, ``1 MiB = 1024**2`` bytes
 ========================  ==================================================================
 
 Modes: ``cuda`` reads the model's GPU; ``cpu`` counts live CPU storages instead (see
-:mod:`cudamem.integrations._cpu`: ``allocated_mib``, ``retained_mib`` and ``leak_culprits``
+``cudamem.integrations._cpu``: ``allocated_mib``, ``retained_mib`` and ``leak_culprits``
 only, since the CPU has no cache and no peak counter); ``auto`` is ``cuda`` for a model on a
 GPU and measures nothing on the CPU (no metric is logged rather than a made-up zero).
 """

@@ -21,7 +21,7 @@ the trainer has (TensorBoard, W&B, CSV, MLflow, ...: ``logger.log_metrics``) at 
 
 Each validation run logs one row of the same under ``cudamem/val_…`` (the last batch's
 levels, the highest peak, the mean retained per batch). A batch span that keeps growing
-gets cudamem's :class:`~cudamem.LeakWarning` naming who holds the growth (``callback.leaks``
+gets cudamem's ``cudamem.LeakWarning`` naming who holds the growth (``callback.leaks``
 keeps the findings); an out-of-memory error gets cudamem's post-mortem from ``on_exception``
 (``callback.oom_report``). On a CPU model nothing is logged unless ``device='cpu'``, which
 counts live CPU storages instead (``allocated``, ``retained`` and ``leak_culprits`` only).

@@ -74,7 +74,7 @@ class IPythonHold:
 
 @dataclass(frozen=True, slots=True)
 class NotebookHolders:
-    """:func:`cudamem.who_holds` read for a notebook: your holders, then IPython's."""
+    """``cudamem.who_holds`` read for a notebook: your holders, then IPython's."""
 
     holders: Holders
     #: Paths from your own variables (``__main__.`` dropped: ``losses[3]``).

@@ -9,7 +9,7 @@ holders named instead of a byte count:
 2. the test runs (after ``warmup`` unjudged calls, which let lazy caches fill);
 3. a test that raised is not judged; otherwise, settle again and look up to three times (a
    finalizer or a second ``gc`` pass may free more) for storages created by the call that are
-   still alive; the holders of those that remain are named with :func:`cudamem.who_holds`.
+   still alive; the holders of those that remain are named with ``cudamem.who_holds``.
 
 A test fails when those storages hold more than the ``limit_gpu_leaks`` limit, when a
 device's allocated bytes grew by more than the limit with no live tensor to show for it, or
@@ -400,7 +400,7 @@ def finish(run: Run, *, failed: bool) -> BaseException | None:
 class TestMemory:
     """The ``gpu_memory`` fixture: a baseline taken when the fixture was set up.
 
-    ``check(leak_limit=0, memory_limit=None)`` settles and returns a :class:`MemoryCheck`
+    ``check(leak_limit=0, memory_limit=None)`` settles and returns a ``MemoryCheck``
     of the storages created since then that are still alive (the test's own variables
     included: ``del`` them first), and the peak since then.
     """

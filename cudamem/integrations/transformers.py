@@ -15,7 +15,7 @@
 after it). Between two logs (``logging_steps``) the values are: ``allocated_mib`` and
 ``reserved_mib`` at the last step's end, ``peak_mib`` the highest of those steps,
 ``retained_mib`` what a step kept on average, ``leak_culprits`` the holder groups of the latest
-:class:`~cudamem.LeakWarning` for the step span (see :mod:`cudamem.integrations._steps`).
+``cudamem.LeakWarning`` for the step span (see ``cudamem.integrations._steps``).
 Reporters that run before it (``report_to="tensorboard"``, ``"wandb"`` are registered before
 user callbacks) see the values only when it goes first: ``attach(trainer)`` puts it there.
 OOM errors: ``TrainerCallback`` has no exception hook, so use ``cudamem.on_oom()``.
@@ -23,7 +23,7 @@ OOM errors: ``TrainerCallback`` has no exception hook, so use ``cudamem.on_oom()
 **release_trainer(trainer)** is the recipe for "memory does not come back after
 ``trainer.train()``": the Trainer, its Accelerator and its callback handler keep the model,
 the wrapped model, the optimizer (whose state is twice the model for Adam), the scheduler and
-the dataloaders. It drops those references, runs ``gc.collect()`` and :func:`cudamem.release`
+the dataloaders. It drops those references, runs ``gc.collect()`` and ``cudamem.release``
 (cuBLAS workspaces, ``empty_cache``), then checks every storage of the model and optimizer
 state: those still alive are listed with the paths that hold them (typically your own
 ``model`` variable: ``del model`` and call it again).
@@ -138,7 +138,7 @@ class CudamemTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-ignor
 
 
 def attach(trainer: Any, **kwargs: Any) -> CudamemTrainerCallback:
-    """Create a :class:`CudamemTrainerCallback` and make it the Trainer's first callback, so
+    """Create a ``CudamemTrainerCallback`` and make it the Trainer's first callback, so
     that reporters (TensorBoard, W&B, ...) see its values in the same log."""
     handler = getattr(trainer, "callback_handler", None)
     callbacks = getattr(handler, "callbacks", None)
@@ -154,7 +154,7 @@ def attach(trainer: Any, **kwargs: Any) -> CudamemTrainerCallback:
 
 @dataclass(frozen=True, slots=True)
 class TrainerRelease:
-    """What :func:`release_trainer` dropped, freed, and could not free. Bytes are ints."""
+    """What ``release_trainer`` dropped, freed, and could not free. Bytes are ints."""
 
     json_properties: ClassVar[tuple[str, ...]] = ("remaining_bytes",)
 
@@ -168,7 +168,7 @@ class TrainerRelease:
     freed_bytes: int
     #: Those still alive, grouped by what holds them.
     remaining: tuple[Culprit, ...]
-    #: :func:`cudamem.release` (per GPU: cache returned to CUDA, still allocated).
+    #: ``cudamem.release`` (per GPU: cache returned to CUDA, still allocated).
     release: ReleaseResult | None
     notes: tuple[str, ...] = ()
 
@@ -240,7 +240,7 @@ def release_trainer(trainer: Any, *, keep_model: bool = False) -> TrainerRelease
             scheduler, gradients and the Accelerator's references are dropped all the same.
 
     Returns:
-        :class:`TrainerRelease`. The Trainer cannot train again afterwards (build a new one).
+        ``TrainerRelease``. The Trainer cannot train again afterwards (build a new one).
         Storages found still alive are checked again by the next call on the same Trainer,
         so ``del model; release_trainer(trainer)`` confirms they are gone.
     """

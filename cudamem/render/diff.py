@@ -1,4 +1,4 @@
-"""Text rendering of :class:`~cudamem.diff.MemoryDiff`."""
+"""Text rendering of ``cudamem.diff.MemoryDiff``."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Text rendering of :class:`cudamem.distributed.DistributedReport`: one table per rank."""
+"""Text rendering of ``cudamem.distributed.DistributedReport``: one table per rank."""
 
 from __future__ import annotations
 

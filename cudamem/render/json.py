@@ -7,7 +7,7 @@ take no argument) in a ``json_properties`` class attribute, and leave a field ou
 ``field(metadata={"json": False})``. The same idea therefore has the same key everywhere:
 ``nbytes`` for a storage's bytes, ``device`` as the result holds it.
 
-Every document :func:`to_json` writes carries ``"schema"``: :data:`SCHEMA`, the version of
+Every document ``to_json`` writes carries ``"schema"``: ``SCHEMA``, the version of
 this layout, raised when a key changes its meaning or goes (new keys do not raise it).
 """
 
@@ -30,8 +30,8 @@ def to_data(obj: Any) -> Any:
     """``obj`` as plain JSON data: dicts, lists, strings, numbers, booleans and ``None``.
 
     Accepts cudamem's results (frozen dataclasses and named tuples), live objects that
-    snapshot themselves through ``to_dict()`` (a :class:`~cudamem.MemorySpan`, a
-    :class:`~cudamem.ScalarLogger`), and lists, tuples and mappings of them.
+    snapshot themselves through ``to_dict()`` (a ``cudamem.MemorySpan``, a
+    ``cudamem.ScalarLogger``), and lists, tuples and mappings of them.
 
     Raises:
         TypeError: for anything else, naming its type.

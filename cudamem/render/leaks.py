@@ -68,7 +68,7 @@ def _culprit_lines(c: Culprit) -> list[str]:
 
 
 def render_growth(g: Growth) -> str:
-    """The text of a :class:`~cudamem.LeakWarning`: the rate, then one line per culprit."""
+    """The text of a ``cudamem.LeakWarning``: the rate, then one line per culprit."""
     lines = [
         f"{g.name} retains {format_bytes(g.per_call, signed=True)} per call "
         f"({_plural(g.calls, 'call')})"

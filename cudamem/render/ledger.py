@@ -1,4 +1,4 @@
-"""Text rendering of the device ledger (:func:`cudamem.explain`) and of :func:`cudamem.release`."""
+"""Text rendering of the device ledger (``cudamem.explain``) and of ``cudamem.release``."""
 
 from __future__ import annotations
 
@@ -155,7 +155,7 @@ def _device_release(r: DeviceRelease) -> str:
 
 
 def render_release(result: ReleaseResult) -> str:
-    """What :func:`cudamem.release` freed per device and who holds what is left."""
+    """What ``cudamem.release`` freed per device and who holds what is left."""
     parts = [_device_release(r) for r in result.devices]
     head = f"gc collected {result.gc_collected} objects; cuBLAS workspaces " + (
         "cleared" if result.cublas_cleared else "not cleared"

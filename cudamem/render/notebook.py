@@ -2,7 +2,7 @@
 
 Fragments, not documents: Jupyter puts them into the page as they are. Every string that
 came from the user's program (span names, holder paths, exception messages, device names)
-is escaped with :func:`html.escape`; no script, style sheet or font is loaded.
+is escaped with ``html.escape``; no script, style sheet or font is loaded.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def record_html(record: SpanRecord) -> str:
 
 
 def span_html(span: MemorySpan) -> str:
-    """:func:`record_html` of a closed span; one line while it is open or unused."""
+    """``record_html`` of a closed span; one line while it is open or unused."""
     if not span.closed:
         return f"<div><b>{_e(span.name)}</b>: {_e(str(span).split(': ', 1)[-1])}</div>"
     return record_html(span.record)
