@@ -110,18 +110,22 @@ def test_who_holds_names_user_variables_first(shell: Any) -> None:
     assert found.holders.nbytes == 128 * 1024 * 4
 
 
+#: 511 × 1021 float32: a size no other tensor in the process has.
+ODD_BYTES = 511 * 1021 * 4
+
+
 def test_who_holds_explains_the_last_traceback_and_forget_error_frees_it(shell: Any) -> None:
     cell(
         shell,
         "import torch, weakref\n"
         "def step():\n"
-        "    activations = torch.zeros(512, 1024)\n"
+        "    activations = torch.zeros(511, 1021)  # a size no other test's tensor has\n"
         "    raise RuntimeError('CUDA out of memory (simulated)')\n",
     )
     assert isinstance(cell(shell, "step()").error_in_exec, RuntimeError)
     # The failed frame's local is reachable only through the stored traceback.
     census = cudamem.live_tensors("cpu", holders=True)
-    big = [s for s in census if s.nbytes == 2 * MiB]
+    big = [s for s in census if s.nbytes == ODD_BYTES]
     assert len(big) == 1 and big[0].holders is not None
     found = explain_holders(big[0].holders)
     kinds = {k.kind: k for k in found.ipython}
@@ -132,7 +136,7 @@ def test_who_holds_explains_the_last_traceback_and_forget_error_frees_it(shell: 
     ptr = big[0].data_ptr
     del census, big, found, kinds
     cell(shell, "%forget error")
-    assert all(s.data_ptr != ptr or s.nbytes != 2 * MiB for s in cudamem.live_tensors("cpu"))
+    assert all(s.data_ptr != ptr or s.nbytes != ODD_BYTES for s in cudamem.live_tensors("cpu"))
 
 
 def test_who_holds_usage(shell: Any, capsys: pytest.CaptureFixture[str]) -> None:
