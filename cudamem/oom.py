@@ -571,7 +571,7 @@ def _on_span_exit(span: RawSpan) -> None:
         _report_from_span(span.record())
 
 
-add_exit_hook(_on_span_exit)
+add_exit_hook(_on_span_exit, errors_only=True)
 
 
 def _report_exception(exc: BaseException | None, source: str) -> None:
