@@ -119,6 +119,10 @@ def stats_from_raw(device: int, raw: dict[str, Any], timestamp_ns: int) -> Alloc
 class Backend:
     """What cudamem needs from the allocator. ``TorchBackend`` is the real one."""
 
+    #: What ``initialized_devices()`` returns from now on, once that can no longer change
+    #: (every device has a context), else ``None``. Spans read it instead of asking.
+    settled_devices: tuple[int, ...] | None = None
+
     def device_count(self) -> int:
         """Number of CUDA devices visible to torch (0 without CUDA)."""
         raise NotImplementedError
@@ -332,6 +336,8 @@ class TorchBackend(Backend):
         found = tuple(i for i in range(count) if i in known or self.has_context(i))
         self._with_context = found
         self._all_contexts = len(found) == count
+        if self._all_contexts and found:
+            self.settled_devices = found
         self._next_probe_ns = now + REPROBE_NS
         return found
 

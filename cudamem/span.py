@@ -332,15 +332,16 @@ class RawSpan:
     level: int
     alloc_delta: int
     res_delta: int
-    #: The span's own peak per exit device (``None`` with ``peak=False``).
-    peaks: tuple[int, ...] | None
     peak_total: int | None
     peak_delta: int | None
     top_level: bool
     exception: ExceptionInfo | None
     #: The frozen result, once built.
     _record: SpanRecord | None
-    # Stored only once they leave their default.
+    # Stored only where they carry more than the fields above.
+    #: The span's own peak per exit device (``None`` with ``peak=False``; over one device
+    #: it is ``(peak_total,)`` and the exit does not store it).
+    peaks: tuple[int, ...] | None
     dropped: int
     notes: list[str] | None
     unmeasured: str | None
@@ -388,7 +389,9 @@ class RawSpan:
 
     def _build(self) -> SpanRecord:
         before = dict(zip(self.devs, self.before, strict=True))
-        peaks = self.peaks
+        peaks = getattr(self, "peaks", None)
+        if peaks is None and self.peak_total is not None and len(self.after) == 1:
+            peaks = (self.peak_total,)  # one device: the exit did not store it
         devices = []
         for i, (d, (a, r, p)) in enumerate(zip(self.exit_devs, self.after, strict=True)):
             b = before.get(d, _NOTHING)
@@ -681,7 +684,10 @@ def _open(
     span.closed = False
     try:
         backend = _backend._active
-        devs = span.devs = (device,) if device is not None else backend.initialized_devices()
+        if device is not None:
+            devs = span.devs = (device,)
+        else:
+            devs = span.devs = backend.settled_devices or backend.initialized_devices()
         if sync:
             for d in devs:
                 backend.synchronize(d)
@@ -765,7 +771,7 @@ def _close(
         after: tuple[tuple[int, int, int], ...]
         try:
             devs = span.devs
-            if span.device is None:
+            if span.device is None and devs is not backend.settled_devices:
                 now = backend.initialized_devices()
                 if now is not devs and now != devs:
                     # A device appeared during the span (or none was in use at entry).
@@ -812,11 +818,10 @@ def _close(
                     d = span.devs[0]
                     top = max(top, (span.fold or {}).get(d, 0), (span.xfold or {}).get(d, 0))
                     span.fold = span.xfold = None
-                span.peaks = (top,)
-                span.peak_total = top
+                span.peak_total = top  # ``peaks`` is then ``(peak_total,)``, left unstored
                 span.peak_delta = top - a0
             else:
-                span.peaks = span.peak_total = span.peak_delta = None
+                span.peak_total = span.peak_delta = None
         else:
             _tally(span)
             span.fold = span.xfold = None
