@@ -199,7 +199,7 @@ def _cases() -> tuple[dict[str, Callable[[], object]], dict[str, Callable[[int],
         "phase: exit (__exit__)": exit_,
         "hook: growth detection": hook(leaks._on_span_exit),
         "hook: history (append + fold every 256)": hook(_history._on_span_exit),
-        "hook: OOM": hook(oom._on_span_exit),
+        "hook: OOM": hook(oom._on_span_exit),  # called alone: spans that did not raise skip it
         "history fold, per span (drain of 256)": fold,
     }
     direct["(clock pair)"] = clock_pair
@@ -280,7 +280,9 @@ def _table(columns: dict[str, dict[str, list[float]]]) -> str:
         for row, name in zip(rows, names, strict=True):
             b, a = before.get(name), after.get(name)
             row.append(f"{_q1(a) / _q1(b):.2f}" if a and b and _q1(b) > 0 else "")
-    return render_table(headers, rows, title="cudamem's Python per span (CPU harness, stub C++ reader)")
+    return render_table(
+        headers, rows, title="cudamem's Python per span (CPU harness, stub C++ reader)"
+    )
 
 
 def main() -> None:
@@ -329,7 +331,9 @@ def main() -> None:
         "rounds": args.rounds,
         "per_round": args.per_round,
         "baseline": args.baseline,
-        "cases_us": {label: {k: _summary(v) for k, v in col.items()} for label, col in columns.items()},
+        "cases_us": {
+            label: {k: _summary(v) for k, v in col.items()} for label, col in columns.items()
+        },
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as fh:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from . import span as _span
 
@@ -137,16 +137,16 @@ class _Aggregate:
             self.dur_max = dur
         missing = peaks.count(None)
         if missing < n:
+            kept = spans
             if missing:
                 kept = [r for r in spans if r.peak_total is not None and r.peak_delta is not None]
                 peaks = [r.peak_total for r in kept]
-                peakds = [r.peak_delta for r in kept]
-            else:
-                peakds = [r.peak_delta for r in spans]
-            self.peak_calls += len(peaks)
-            self.peak_sum += sum(peaks)
-            self.peakd_sum += sum(peakds)
-            peak, peakd = max(peaks), max(peakds)
+            tops = cast("list[int]", peaks)
+            tops_d = cast("list[int]", [r.peak_delta for r in kept])
+            self.peak_calls += len(tops)
+            self.peak_sum += sum(tops)
+            self.peakd_sum += sum(tops_d)
+            peak, peakd = max(tops), max(tops_d)
             if peak > self.peak_max:
                 self.peak_max = peak
             if peakd > self.peakd_max:

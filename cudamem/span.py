@@ -684,6 +684,7 @@ def _open(
     span.closed = False
     try:
         backend = _backend._active
+        devs: tuple[int, ...]
         if device is not None:
             devs = span.devs = (device,)
         else:
@@ -771,13 +772,15 @@ def _close(
         after: tuple[tuple[int, int, int], ...]
         try:
             devs = span.devs
-            if span.device is None and devs is not backend.settled_devices:
-                now = backend.initialized_devices()
-                if now is not devs and now != devs:
-                    # A device appeared during the span (or none was in use at entry).
-                    devs = tuple(sorted(set(now) | set(devs))) if devs else now
+            device = span.device
+            if device is None:
+                if devs is not backend.settled_devices:
+                    now = backend.initialized_devices()
+                    if now is not devs and now != devs:
+                        # A device appeared during the span (or none was in use at entry).
+                        devs = tuple(sorted(set(now) | set(devs))) if devs else now
             elif not devs:  # the entry measurement failed
-                devs = (span.device,)
+                devs = (device,)
             if span.sync:
                 try:
                     for d in devs:
