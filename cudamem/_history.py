@@ -20,6 +20,7 @@ from operator import attrgetter, sub
 from typing import TYPE_CHECKING
 
 from . import span as _span
+from ._present import present
 
 if TYPE_CHECKING:
     from .span import RawSpan, SpanRecord
@@ -197,9 +198,7 @@ class History:
         return tuple(r for r in self.spans if r.name == name)
 
     def __str__(self) -> str:
-        from .render.history import render_history
-
-        return render_history(self)
+        return present(self)
 
 
 class _Ring:

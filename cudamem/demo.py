@@ -19,7 +19,12 @@ from typing import Any
 import torch
 
 from . import _backend
-from .render.text import format_bytes
+from ._format import format_bytes
+from .census import live_storage_keys, live_tensors
+from .holders import who_holds
+from .host import to_host
+from .release import release
+from .scalars import ScalarLogger
 from .span import MemorySpan, track
 
 __all__ = ["Check", "Experiment", "experiments", "run_demo"]
@@ -160,7 +165,6 @@ def _user_module(name: str) -> Iterator[dict[str, Any]]:
 
 
 def _census_bytes(device_type: str) -> int:
-    from .census import live_storage_keys
 
     return sum(live_storage_keys(device_type).values())
 
@@ -186,9 +190,6 @@ class _Meter:
 
 def seed000_losses() -> Experiment:
     """Seed 000: what ten logged losses and outputs keep alive, and the fixes."""
-    from .holders import who_holds
-    from .host import to_host
-    from .scalars import ScalarLogger
 
     key = "seed000-losses"
     title = "Seed 000: ten losses of sigmoid(x * 2).mean() kept as tensors, numbers, outputs"
@@ -285,7 +286,6 @@ def seed000_losses() -> Experiment:
 
 def seed000_who_holds() -> Experiment:
     """Seed 000: ``del x`` while a list holds it; who_holds names the list."""
-    from .holders import who_holds
 
     key = "seed000-who-holds"
     title = "Seed 000: del x, yet something still holds it"
@@ -314,7 +314,7 @@ def seed000_who_holds() -> Experiment:
 _SEED001_SCRIPT = r"""
 import gc, json, sys, torch, cudamem
 from cudamem.ledger import machine_status
-from cudamem.render.json import to_data
+from cudamem._data import to_data
 dev = int(sys.argv[1])
 def used():
     for d in machine_status().devices:
@@ -457,7 +457,6 @@ class NaiveN(torch.nn.Module):
 
 def seed001_sequential() -> Experiment:
     """Seed 001: training twice in one process, with and without ``del optimizer``."""
-    from .release import release
 
     key = "seed001-sequential"
     title = "Seed 001: sequential training runs, with and without `del optimizer`"
@@ -531,7 +530,6 @@ def seed001_sequential() -> Experiment:
 
 def census_now() -> Experiment:
     """The live-tensor census of this process (CPU and GPU)."""
-    from .census import live_tensors
 
     key = "census"
     title = "The census: every live storage once, largest first"

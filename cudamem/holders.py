@@ -30,8 +30,10 @@ import torch
 
 from . import _autograd, _heap, _search
 from ._autograd import StorageKey
+from ._format import format_bytes
 from ._frames import own_frame
-from ._naming import Seg, is_sub
+from ._naming import Seg, is_sub, type_name
+from ._present import present
 from ._search import RawHolder, Search, SearchLimits
 from ._sequence import ItemSequence
 from .culprits import container_of
@@ -83,9 +85,7 @@ class Holder:
         return self.via not in ("itself", "object")
 
     def __str__(self) -> str:
-        from .render.holders import render_holder
-
-        return render_holder(self)
+        return present(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,14 +119,10 @@ class Holders(ItemSequence[Holder]):
         return [h.path for h in self.holders]
 
     def __str__(self) -> str:
-        from .render.holders import render_holders
-
-        return render_holders(self)
+        return present(self)
 
     def _repr_html_(self) -> str:
-        from .render.notebook import holders_html
-
-        return holders_html(self)
+        return present(self, "html")
 
 
 def who_holds(
@@ -290,7 +286,6 @@ def _device_text(key: StorageKey | None) -> str | None:
 
 
 def _describe(obj: Any) -> str:
-    from ._naming import type_name
 
     tp = type(obj)
     if is_sub(tp, torch.Tensor):
@@ -524,7 +519,6 @@ class GraphHolder:
         return self.graph_bytes + self.tensor_bytes
 
     def __str__(self) -> str:
-        from .render.text import format_bytes
 
         where = ", ".join(self.devices) or "no device"
         return (
@@ -557,9 +551,7 @@ class GraphHolders(ItemSequence[GraphHolder]):
         return sum(h.graph_bytes for h in self.holders)
 
     def __str__(self) -> str:
-        from .render.holders import render_graph_holders
-
-        return render_graph_holders(self)
+        return present(self)
 
 
 class _Group:

@@ -37,7 +37,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import _backend
+from . import _backend, census
+from ._present import present
+from .leaks import add_growth_hook, remove_growth_hook
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -81,9 +83,7 @@ class SnapshotDump:
     notes: tuple[str, ...] = ()
 
     def __str__(self) -> str:
-        from .render.memviz import render_dump
-
-        return render_dump(self)
+        return present(self)
 
 
 # --------------------------------------------------------------------------- annotation
@@ -213,7 +213,6 @@ def _empty_snapshot(devices: int) -> dict[str, Any]:
 
 
 def _storages(device_type: str, notes: list[str]) -> list[LiveStorage]:
-    from . import census
 
     try:
         return list(census.live_storages(device_type, holders=True))
@@ -390,7 +389,6 @@ class AutoDump:
     def uninstall(self) -> None:
         """Stop dumping; turn history recording off again if this turned it on."""
         global _active
-        from .leaks import remove_growth_hook
 
         with _lock:
             if not self.installed:
@@ -455,7 +453,6 @@ def auto_dump(
     A second call replaces the first. Returns the ``AutoDump`` (``uninstall()`` it).
     """
     global _active
-    from .leaks import add_growth_hook
 
     if not isinstance(directory, (str, os.PathLike)):
         raise TypeError(f"directory must be a str or os.PathLike, not {type(directory).__name__}")

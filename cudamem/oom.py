@@ -37,11 +37,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, TextIO
 
 from . import _backend, census
+from ._format import format_bytes
 from ._frames import is_library_file
+from ._present import present
 from .census import LiveStorage
 from .culprits import NO_HOLDER, Culprit, group_culprits
 from .leaks import leak_settings
-from .render.text import format_bytes
 from .snapshot import Frame, allocated_blocks, largest_free, segments_of, split_cache
 from .span import add_exit_hook
 
@@ -212,9 +213,7 @@ class OomReport:
         return self.reserved - self.allocated
 
     def __str__(self) -> str:
-        from .render.oom import render_oom
-
-        return render_oom(self)
+        return present(self)
 
 
 # --------------------------------------------------------------------------- building
@@ -506,13 +505,11 @@ def _resolve_file(file: str | os.PathLike[str]) -> Path:
 
 
 def _write(report: OomReport, *, stderr: bool, file: str | os.PathLike[str] | None) -> OomReport:
-    from .render.oom import render_oom
-
     path: Path | None = None
     if file is not None:
         path = _resolve_file(file)
         report = replace(report, file=str(path))
-    text = render_oom(report)
+    text = str(report)
     if stderr:
         stream: TextIO | None = sys.stderr
         if stream is not None:

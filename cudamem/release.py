@@ -15,7 +15,8 @@ from typing import Any, ClassVar
 
 from . import _backend, _nvml, census
 from ._device_arg import DeviceLike, resolve_device
-from .render.text import format_bytes
+from ._format import format_bytes
+from ._present import present
 from .snapshot import CacheSplit, PoolBlocks, has_private_pools, pool_blocks_of, split_cache
 from .stats import AllocatorStats, device_name
 
@@ -112,9 +113,7 @@ class ReleaseResult:
         raise KeyError(f"no release record for {device_name(device)}")
 
     def __str__(self) -> str:
-        from .render.ledger import render_release
-
-        return render_release(self)
+        return present(self)
 
 
 def largest_storages(

@@ -27,9 +27,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
-from . import _backend
+from . import _backend, _history
 from ._frames import own_frame
-from .span import ExceptionInfo, MemorySpan
+from ._present import present
+from .census import Census, listing_order, live_storages, live_tensors
+from .culprits import group_culprits
+from .leaks import LeakWarning
+from .ledger import explain
+from .oom import oom_report
+from .span import ExceptionInfo, MemorySpan, max_allocated
 
 __all__ = ["RunReport", "ScriptError", "StepWatcher", "Unlisted", "run_script"]
 
@@ -96,9 +102,7 @@ class RunReport:
         return bool(self.peaks)
 
     def __str__(self) -> str:
-        from .render.report import render_report
-
-        return render_report(self)
+        return present(self)
 
 
 class StepWatcher:
@@ -161,7 +165,6 @@ class _LeakCollector:
             warnings.showwarning = self._show
 
     def _record(self, message: Any, category: Any, *args: Any, **kwargs: Any) -> None:
-        from .leaks import LeakWarning
 
         if isinstance(category, type) and issubclass(category, LeakWarning):
             self.messages.append(str(message))
@@ -193,7 +196,6 @@ def _by_container(storages: Sequence[Any]) -> tuple[Any, ...]:
     """The listed storages grouped by the container that holds them, largest first, by the
     one culprit rule (``cudamem.culprits``: a list of ten losses is one holder; a storage
     Python names directly belongs to that name, not to an autograd path through it)."""
-    from .culprits import group_culprits
 
     return tuple(group_culprits(storages))
 
@@ -208,8 +210,6 @@ class _Collected:
 
 
 def _collect(top: int, with_ledger: bool, notes: list[str]) -> _Collected:
-    from .census import Census, listing_order, live_storages, live_tensors
-    from .span import max_allocated
 
     live = ledger = None
     groups: tuple[Any, ...] = ()
@@ -237,8 +237,6 @@ def _collect(top: int, with_ledger: bool, notes: list[str]) -> _Collected:
             notes.append(f"peak of cuda:{d} unavailable: {exc}")
     if with_ledger and backend.initialized_devices():
         try:
-            from .ledger import explain
-
             ledger = explain()
         except Exception as exc:
             notes.append(f"explain() failed: {type(exc).__name__}: {exc}")
@@ -334,8 +332,6 @@ def run_script(
     The script's own exceptions never propagate: they become the report's ``exception``,
     ``traceback`` and ``exit_code`` (1, as Python's; ``SystemExit`` keeps its code).
     """
-    from . import _history
-    from .leaks import LeakWarning
 
     if not isinstance(path, str):
         raise TypeError(f"path must be a str, not {type(path).__name__}")
@@ -385,8 +381,6 @@ def run_script(
                 tb_text = _script_traceback(exc)
                 if is_oom:
                     try:
-                        from .oom import oom_report
-
                         oom = oom_report(exc)
                     except Exception as err:
                         notes.append(f"OOM post-mortem failed: {type(err).__name__}: {err}")

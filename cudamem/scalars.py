@@ -33,6 +33,8 @@ import numpy as np
 import torch
 
 from . import _backend
+from ._format import format_bytes
+from ._present import present
 from ._warn import warn_once
 
 __all__ = [
@@ -203,7 +205,6 @@ class LoggerStats:
     host_bytes: int = 0
 
     def __str__(self) -> str:
-        from .render.text import format_bytes
 
         buffers = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.buffer_bytes.items())
         return (
@@ -909,9 +910,7 @@ class ScalarLogger:
             }
 
     def __str__(self) -> str:
-        from .render.scalars import render_logger
-
-        return render_logger(self.summary())
+        return present(self)
 
     def __repr__(self) -> str:
         with self._lock:

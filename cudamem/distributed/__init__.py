@@ -31,7 +31,7 @@ import os
 import time
 from typing import Any
 
-from ..render.json import to_data
+from .._data import to_data
 from . import _transport
 from ._analysis import build_report
 from ._collect import collect_rank

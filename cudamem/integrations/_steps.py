@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 from .. import _backend
 from ..leaks import add_growth_hook, leak_settings, remove_growth_hook
 from ..span import MemorySpan
+from ._cpu import CpuStorageBackend
 
 if TYPE_CHECKING:
     from ..leaks import Growth
@@ -115,8 +116,6 @@ class StepMeter:
         self.device_index = index if mode == "cuda" else None
         self._stack = contextlib.ExitStack()
         if mode == "cpu":
-            from ._cpu import CpuStorageBackend
-
             self._stack.enter_context(_backend.use(CpuStorageBackend()))
         if mode != "off":
             add_growth_hook(self._on_growth)
