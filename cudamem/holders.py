@@ -23,12 +23,12 @@ import types
 import warnings
 import weakref
 from dataclasses import dataclass
-from numbers import Real
 from typing import Any, ClassVar
 
 import torch
 
 from . import _autograd, _heap, _search
+from ._args import check_int, check_seconds
 from ._autograd import StorageKey
 from ._format import format_bytes
 from ._frames import own_frame
@@ -651,14 +651,8 @@ def _check_graph_args(device: Any, max_tensors: Any, timeout: Any) -> str | None
         raise TypeError(
             f"device must be a str such as 'cuda:0' or 'cpu', not {type(device).__name__}"
         )
-    if type(max_tensors) is bool or not isinstance(max_tensors, int):
-        raise TypeError(f"max_tensors must be an int, not {type(max_tensors).__name__}")
-    if max_tensors < 1:
-        raise ValueError(f"max_tensors must be >= 1, got {max_tensors}")
-    if type(timeout) is bool or not isinstance(timeout, Real):
-        raise TypeError(f"timeout must be a number of seconds, not {type(timeout).__name__}")
-    if not float(timeout) >= 0:
-        raise ValueError(f"timeout must be >= 0 seconds, got {timeout!r}")
+    check_int("max_tensors", max_tensors, minimum=1)
+    check_seconds("timeout", timeout)
     return device
 
 

@@ -42,6 +42,9 @@ class LeakReport:
     def __str__(self) -> str:
         return present(self)
 
+    def _repr_html_(self) -> str:
+        return present(self, "html")
+
 
 @dataclass(frozen=True, slots=True)
 class Growth:

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import _backend, census
+from ._args import check_bool
 from ._present import present
 from .leaks import add_growth_hook, remove_growth_hook
 
@@ -308,8 +309,7 @@ def dump_snapshot(
     """
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path must be a str or os.PathLike, not {type(path).__name__}")
-    if not isinstance(holders, bool):
-        raise TypeError(f"holders must be a bool, not {type(holders).__name__}")
+    check_bool("holders", holders)
     return _dump(Path(os.fspath(path)).expanduser(), holders=holders, reason="dump_snapshot()")
 
 
@@ -465,8 +465,7 @@ def auto_dump(
         ("holders", holders),
         ("record_history", record_history),
     ):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, not {type(flag).__name__}")
+        check_bool(name, flag)
     previous = _active
     if previous is not None:
         previous.uninstall()

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from . import _backend, _nvml, census
+from ._args import check_bool, check_int
 from ._device_arg import DeviceLike, resolve_device
 from ._format import format_bytes
 from ._present import present
@@ -177,13 +178,9 @@ def _kept(device: int) -> tuple[CacheSplit | None, PoolBlocks | None]:
 
 
 def _validate(top: Any, clear_cublas: Any, holders: Any) -> None:
-    if isinstance(top, bool) or not isinstance(top, int):
-        raise TypeError(f"top must be an int, not {type(top).__name__}")
-    if top < 0:
-        raise ValueError(f"top must be >= 0, got {top}")
-    for name, value in (("clear_cublas", clear_cublas), ("holders", holders)):
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be a bool, not {type(value).__name__}")
+    check_int("top", top, minimum=0)
+    check_bool("clear_cublas", clear_cublas)
+    check_bool("holders", holders)
 
 
 def release(

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
 from . import _backend, _history
+from ._args import check_int
 from ._frames import own_frame
 from ._present import present
 from .census import Census, listing_order, live_storages, live_tensors
@@ -337,10 +338,7 @@ def run_script(
         raise TypeError(f"path must be a str, not {type(path).__name__}")
     if isinstance(args, str) or not all(isinstance(a, str) for a in args):
         raise TypeError("args must be a sequence of str")
-    if not isinstance(top, int) or isinstance(top, bool):
-        raise TypeError(f"top must be an int, not {type(top).__name__}")
-    if top < 0:
-        raise ValueError(f"top must be 0 or more, got {top}")
+    check_int("top", top, minimum=0)
 
     old_main = sys.modules.get("__main__")
     old_argv = sys.argv

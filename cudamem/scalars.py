@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from . import _backend
+from ._args import check_int
 from ._format import format_bytes
 from ._present import present
 from ._warn import warn_once
@@ -617,8 +618,7 @@ class ScalarLogger:
     def __init__(
         self, flush_every: int = 64, *, maxlen: int | None = None, name: str = _DEFAULT_NAME
     ) -> None:
-        if isinstance(flush_every, bool) or not isinstance(flush_every, int):
-            raise TypeError(f"flush_every must be an int, not {type(flush_every).__name__}")
+        check_int("flush_every", flush_every)
         if not 1 <= flush_every <= MAX_FLUSH_EVERY:
             raise ValueError(f"flush_every must be in 1..{MAX_FLUSH_EVERY}, got {flush_every}")
         if maxlen is not None and (

@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any
 
 from .._present import present
 from ..holders import Holder, Holders, who_holds
-from ..render.notebook import pre_html
 from ..span import track
 from .results import IPythonHold, NotebookHolders
 
@@ -181,9 +180,8 @@ def _show(shell: Any, span: MemorySpan, *, leaks: bool) -> None:
 
     text, html = str(span), present(span, "html")
     if leaks and span.closed:
-        report = str(span.leaks)
-        text += "\n" + report
-        html += pre_html(report)
+        text += "\n" + str(span.leaks)
+        html += present(span.leaks, "html")
     display({"text/plain": text, "text/html": html}, raw=True)  # type: ignore[no-untyped-call,unused-ignore]
 
 

@@ -15,14 +15,17 @@ from .._format import format_bytes, format_duration
 from .._present import renders
 from ..holders import Holders
 from ..integrations.results import NotebookHolders
+from ..leak_report import LeakReport
 from ..ledger import DeviceLedger, Explanation
 from ..span import MemorySpan, SpanRecord
 from .holders import render_holder
+from .leaks import render_leak_report
 from .ledger import _title
 
 __all__ = [
     "explanation_html",
     "holders_html",
+    "leak_report_html",
     "ledger_html",
     "notebook_holders_html",
     "pre_html",
@@ -58,6 +61,12 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], numeric: Seque
 def pre_html(text: str) -> str:
     """Preformatted text, escaped."""
     return f"<pre>{_e(text)}</pre>"
+
+
+@renders(LeakReport, "html")
+def leak_report_html(report: LeakReport) -> str:
+    """A span's left-behind storages as the text report, preformatted."""
+    return pre_html(render_leak_report(report))
 
 
 def _notes(notes: Sequence[str]) -> str:
