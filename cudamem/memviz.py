@@ -349,7 +349,7 @@ class AutoDump:
         self.installed = False
         self.dumps: list[SnapshotDump] = []
         self.errors: list[str] = []
-        self._history_on = False
+        self._history = _backend.HistoryLease()
         self._busy = threading.Lock()
 
     @property
@@ -395,9 +395,7 @@ class AutoDump:
                 return
             self.installed = False
             remove_growth_hook(self._on_growth)
-            if self._history_on:
-                _backend.get().set_history(False, 0, None)
-                self._history_on = False
+            self._history.give_back()
             if _active is self:
                 _active = None
 
@@ -486,6 +484,6 @@ def auto_dump(
             _observed.add(backend)
         if leaks:
             add_growth_hook(guard._on_growth)
-    if record_history and not backend.is_recording_history():
-        guard._history_on = backend.set_history(True, max_entries, guard._wanted)
+    if record_history:
+        guard._history.take(max_entries, guard._wanted)
     return guard

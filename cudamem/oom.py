@@ -633,7 +633,7 @@ class OomGuard:
         self._thread_hook_ref = self._thread_hook
         self._ipython: Any = None
         self._ipython_prev: tuple[Any, Any] | None = None
-        self._history_on = False
+        self._history = _backend.HistoryLease()
 
     @property
     def events(self) -> tuple[OomEvent, ...]:
@@ -683,11 +683,8 @@ class OomGuard:
         # Installed before asking for history: with CUDA already initialised the request
         # runs at once and checks _wanted(), which reads this flag.
         self.installed = True
-        if self.record_history:
-            if backend.is_recording_history():
-                self.notes.append("allocation history was already on: left as it is")
-            else:
-                self._history_on = backend.set_history(True, self.max_entries, self._wanted)
+        if self.record_history and self._history.take(self.max_entries, self._wanted):
+            self.notes.append("allocation history was already on: left as it is")
 
     def _wanted(self) -> bool:
         """Checked by a history request queued until CUDA initialises."""
@@ -731,9 +728,7 @@ class OomGuard:
             if self._ipython is not None and self._ipython_prev is not None:
                 self._ipython.custom_exceptions, self._ipython.CustomTB = self._ipython_prev
                 self._ipython = self._ipython_prev = None
-            if self._history_on:
-                _backend.get().set_history(False, 0, None)
-                self._history_on = False
+            self._history.give_back()
             if _guard is self:
                 _guard = None
                 _observer_active = False
