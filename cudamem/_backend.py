@@ -698,3 +698,32 @@ def use(backend: Backend) -> Iterator[Backend]:
     finally:
         with _lock:
             _active = previous
+
+
+class HistoryLease:
+    """Allocation-history recording borrowed by an installed hook (OOM post-mortems,
+    automatic snapshot dumps): turned on only when nobody had it on, and off again only by
+    the lease that turned it on, so a user's own ``_record_memory_history`` is left alone."""
+
+    __slots__ = ("active",)
+
+    def __init__(self) -> None:
+        #: This lease turned recording on and has not given it back.
+        self.active = False
+
+    def take(self, max_entries: int, still_wanted: Callable[[], bool]) -> bool:
+        """Turn recording on unless it already is; ``True`` when it already was (untouched).
+
+        ``still_wanted`` is asked if the request waits for CUDA to initialise.
+        """
+        backend = get()
+        if backend.is_recording_history():
+            return True
+        self.active = backend.set_history(True, max_entries, still_wanted)
+        return False
+
+    def give_back(self) -> None:
+        """Turn recording off if this lease turned it on."""
+        if self.active:
+            get().set_history(False, 0, None)
+            self.active = False

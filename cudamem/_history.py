@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 from . import span as _span
+from ._present import present
 
 if TYPE_CHECKING:
     from .span import RawSpan, SpanRecord
@@ -198,9 +199,7 @@ class History:
         return tuple(r for r in self.spans if r.name == name)
 
     def __str__(self) -> str:
-        from .render.history import render_history
-
-        return render_history(self)
+        return present(self)
 
 
 class _Ring:

@@ -37,13 +37,15 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast, overload
 from typing_extensions import ParamSpec
 
 from . import _backend
+from ._data import to_data
 from ._device_arg import DeviceLike, resolve_device
+from ._format import format_bytes, format_duration
+from ._present import present
 from ._warn import warn_once
-from .render.text import format_bytes, format_duration
 from .stats import DeviceCounters, device_name
 
 if TYPE_CHECKING:
-    from .leaks import LeakReport
+    from .leak_report import LeakReport
 
 __all__ = [
     "DeviceSpan",
@@ -233,9 +235,7 @@ class SpanRecord:
         raise KeyError(f"span {self.name!r} saw no {device_name(index)} (devices: {seen})")
 
     def _repr_html_(self) -> str:
-        from .render.notebook import record_html
-
-        return record_html(self)
+        return present(self, "html")
 
     def __str__(self) -> str:
         body = "; ".join(str(d) for d in self.devices) or f"n/a ({self.unmeasured or 'no data'})"
@@ -1133,7 +1133,6 @@ class MemorySpan:
 
     def to_dict(self) -> dict[str, Any]:
         """The finished span's ``SpanRecord`` as JSON data (``render.json.to_data``)."""
-        from .render.json import to_data
 
         data: dict[str, Any] = to_data(self.record)
         return data
@@ -1148,9 +1147,7 @@ class MemorySpan:
         return f"<MemorySpan {self}>"
 
     def _repr_html_(self) -> str:
-        from .render.notebook import span_html
-
-        return span_html(self)
+        return present(self, "html")
 
 
 _Opts = tuple[str, "int | None", bool, bool, bool]
