@@ -42,7 +42,7 @@ import torch
 from _common import emit, median
 
 import cudamem
-from cudamem.render.json import to_data
+from cudamem._data import to_data
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda:0" if CUDA else "cpu")
@@ -412,7 +412,7 @@ def main() -> None:
 
 
 def cudamem_bytes(n: int, *, signed: bool = True) -> str:
-    from cudamem.render.text import format_bytes
+    from cudamem._format import format_bytes
 
     return format_bytes(n, signed=signed)
 

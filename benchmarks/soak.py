@@ -34,7 +34,8 @@ from _common import machine
 
 import cudamem
 from cudamem import _backend
-from cudamem.render.text import format_bytes, render_table
+from cudamem._format import format_bytes
+from cudamem.render.text import render_table
 
 CUDA = torch.cuda.is_available()
 MiB = 1024**2

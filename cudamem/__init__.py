@@ -28,6 +28,9 @@ from .scalars import ScalarLogger, log_scalar
 from .snapshot import UnsafeSnapshotError, load_snapshot
 from .span import MemorySpan, max_allocated, track
 
+# Last: every renderer registers itself for the results above (see cudamem._present).
+from . import render as _render  # noqa: F401  isort: skip
+
 __version__ = "0.1.0"
 
 __all__ = [

@@ -147,8 +147,9 @@ def _html(report: object) -> str:
 
 def _cmd_status(args: argparse.Namespace) -> int:
     from . import _backend
+    from ._data import to_data
     from .ledger import machine_status
-    from .render.json import to_data, to_json
+    from .render.json import to_json
 
     status = machine_status()
     reader = _backend.reader_status()

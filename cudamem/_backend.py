@@ -119,6 +119,10 @@ def stats_from_raw(device: int, raw: dict[str, Any], timestamp_ns: int) -> Alloc
 class Backend:
     """What cudamem needs from the allocator. ``TorchBackend`` is the real one."""
 
+    #: What ``initialized_devices()`` returns from now on, once that can no longer change
+    #: (every device has a context), else ``None``. Spans read it instead of asking.
+    settled_devices: tuple[int, ...] | None = None
+
     def device_count(self) -> int:
         """Number of CUDA devices visible to torch (0 without CUDA)."""
         raise NotImplementedError
@@ -332,6 +336,8 @@ class TorchBackend(Backend):
         found = tuple(i for i in range(count) if i in known or self.has_context(i))
         self._with_context = found
         self._all_contexts = len(found) == count
+        if self._all_contexts and found:
+            self.settled_devices = found
         self._next_probe_ns = now + REPROBE_NS
         return found
 
@@ -692,3 +698,32 @@ def use(backend: Backend) -> Iterator[Backend]:
     finally:
         with _lock:
             _active = previous
+
+
+class HistoryLease:
+    """Allocation-history recording borrowed by an installed hook (OOM post-mortems,
+    automatic snapshot dumps): turned on only when nobody had it on, and off again only by
+    the lease that turned it on, so a user's own ``_record_memory_history`` is left alone."""
+
+    __slots__ = ("active",)
+
+    def __init__(self) -> None:
+        #: This lease turned recording on and has not given it back.
+        self.active = False
+
+    def take(self, max_entries: int, still_wanted: Callable[[], bool]) -> bool:
+        """Turn recording on unless it already is; ``True`` when it already was (untouched).
+
+        ``still_wanted`` is asked if the request waits for CUDA to initialise.
+        """
+        backend = get()
+        if backend.is_recording_history():
+            return True
+        self.active = backend.set_history(True, max_entries, still_wanted)
+        return False
+
+    def give_back(self) -> None:
+        """Turn recording off if this lease turned it on."""
+        if self.active:
+            get().set_history(False, 0, None)
+            self.active = False

@@ -42,6 +42,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
+from ._present import present
+
 __all__ = [
     "CACHE_ENV",
     "SWITCH_ENV",
@@ -136,9 +138,7 @@ class ReaderStatus:
         return "C++" if self.active else "dict"
 
     def __str__(self) -> str:
-        from .render.reader import render_reader_status
-
-        return render_reader_status(self)
+        return present(self)
 
 
 # --------------------------------------------------------------------------- cache

@@ -33,7 +33,6 @@ import bisect
 import contextlib
 import functools
 import gc
-import math
 import sys
 import threading
 import time
@@ -41,12 +40,12 @@ import types
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from numbers import Real
 from typing import Any
 
 import torch
 
 from . import _autograd, _heap
+from ._args import check_int, check_seconds
 from ._autograd import StorageKey
 from ._frames import own_frame
 from ._naming import (
@@ -106,21 +105,12 @@ class SearchLimits:
         cls, *, max_depth: Any, max_nodes: Any, timeout: Any, max_paths: Any
     ) -> SearchLimits:
         """Limits from a user's arguments: ``TypeError``/``ValueError`` naming a bad one."""
-        for name, value in (
-            ("max_depth", max_depth),
-            ("max_nodes", max_nodes),
-            ("max_paths", max_paths),
-        ):
-            if type(value) is bool or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int, not {type(value).__name__}")
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-        if type(timeout) is bool or not isinstance(timeout, Real):
-            raise TypeError(f"timeout must be a number of seconds, not {type(timeout).__name__}")
-        seconds = float(timeout)
-        if math.isnan(seconds) or seconds < 0:
-            raise ValueError(f"timeout must be >= 0 seconds, got {timeout!r}")
-        return cls(int(max_depth), int(max_nodes), seconds, int(max_paths))
+        return cls(
+            max_depth=check_int("max_depth", max_depth, minimum=1),
+            max_nodes=check_int("max_nodes", max_nodes, minimum=1),
+            timeout=check_seconds("timeout", timeout),
+            max_paths=check_int("max_paths", max_paths, minimum=1),
+        )
 
 
 @dataclass

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 import cudamem
-from cudamem.render.json import to_data
+from cudamem._data import to_data
 
 from .demo import NaiveN
 

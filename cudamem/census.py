@@ -25,7 +25,10 @@ import torch
 from . import _autograd, _backend, _heap
 from ._autograd import StorageKey
 from ._device_arg import DeviceLike, resolve_device
+from ._format import format_bytes
 from ._frames import own_frame
+from ._naming import frame_locals
+from ._present import present
 from ._search import SearchLimits
 from ._sequence import ItemSequence
 from ._storages import StorageRef, ref_of
@@ -114,7 +117,6 @@ class LiveStorage:
         return what if self.python else f"saved by autograd {what}"
 
     def __str__(self) -> str:
-        from .render.text import format_bytes
 
         shape = "×".join(map(str, self.shape)) or "scalar"
         return f"{format_bytes(self.nbytes)} {self.dtype}[{shape}] on {self.device}"
@@ -153,9 +155,7 @@ class Census(ItemSequence[LiveStorage]):
         return out
 
     def __str__(self) -> str:
-        from .render.holders import render_census
-
-        return render_census(self)
+        return present(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,9 +180,7 @@ class Unaccounted:
     notes: tuple[str, ...] = ()
 
     def __str__(self) -> str:
-        from .render.holders import render_unaccounted
-
-        return render_unaccounted(self)
+        return present(self)
 
 
 # --------------------------------------------------------------------------- collection
@@ -284,8 +282,6 @@ def _discount_preserved(
     """
     import gc
     import types
-
-    from ._naming import frame_locals
 
     saved = {key for _o, _c, key, _n, _l in walk.saved}
     if not saved:

@@ -33,14 +33,14 @@ from __future__ import annotations
 import re
 from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from .census import LiveStorage
+from ._present import present
 
 __all__ = [
     "NO_HOLDER",
     "Culprit",
+    "HeldStorage",
     "container_of",
     "first_step",
     "group_culprits",
@@ -59,6 +59,17 @@ _FRAME_LABEL = re.compile(r"^.*?:\d+ in [^\s]*\(\)(?: \(suspended \w+\))?: ")
 #: ``<Tensor object>``: the label of an object no root explains.
 _UNROOTED = re.compile(r"^<[^<>\s]+ object>")
 _UNROOTED_KINDS = ("unknown", "cycle", "partial")
+
+
+class HeldStorage(Protocol):
+    """What grouping reads of a storage: its bytes and its holders (each a path string or
+    an object with ``path`` and ``root_kind``). ``cudamem.census.LiveStorage`` is one."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+    @property
+    def holders(self) -> Iterable[object] | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,9 +93,7 @@ class Culprit:
     patterns: tuple[str, ...] = ()
 
     def __str__(self) -> str:
-        from .render.leaks import render_culprit
-
-        return render_culprit(self)
+        return present(self)
 
 
 # --------------------------------------------------------------------------- path rules
@@ -179,7 +188,7 @@ def _unrooted(path: str, root_kind: str | None) -> bool:
 _LASTING_ROOTS = ("global", "class", "ipython")
 
 
-def _holder_paths(s: LiveStorage) -> list[tuple[str, bool, bool]]:
+def _holder_paths(s: HeldStorage) -> list[tuple[str, bool, bool]]:
     """``(path, rooted, lasting)`` of each holder of a storage, most direct first."""
     found = s.holders
     if found is None:
@@ -194,7 +203,7 @@ def _holder_paths(s: LiveStorage) -> list[tuple[str, bool, bool]]:
     return out
 
 
-def _candidates(s: LiveStorage) -> tuple[tuple[str, ...], str | None]:
+def _candidates(s: HeldStorage) -> tuple[tuple[str, ...], str | None]:
     """The paths a storage may be attributed to, and an unrooted example when none is.
 
     Rooted holders only (a view's base ``<Tensor object>`` is not a holder of its own);
@@ -236,7 +245,7 @@ class _Acc:
 
 
 def group_culprits(
-    storages: Iterable[LiveStorage], *, patterns: Collection[str] | None = None
+    storages: Iterable[HeldStorage], *, patterns: Collection[str] | None = None
 ) -> list[Culprit]:
     """Group storages by container; each storage counts once; most bytes first.
 

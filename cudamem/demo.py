@@ -19,7 +19,12 @@ from typing import Any
 import torch
 
 from . import _backend
-from .render.text import format_bytes
+from ._format import format_bytes
+from .census import live_storage_keys, live_tensors
+from .holders import who_holds
+from .host import to_host
+from .release import release
+from .scalars import ScalarLogger
 from .span import MemorySpan, track
 
 __all__ = ["Check", "Experiment", "experiments", "run_demo"]
@@ -160,7 +165,6 @@ def _user_module(name: str) -> Iterator[dict[str, Any]]:
 
 
 def _census_bytes(device_type: str) -> int:
-    from .census import live_storage_keys
 
     return sum(live_storage_keys(device_type).values())
 
@@ -186,9 +190,6 @@ class _Meter:
 
 def seed000_losses() -> Experiment:
     """Seed 000: what ten logged losses and outputs keep alive, and the fixes."""
-    from .holders import who_holds
-    from .host import to_host
-    from .scalars import ScalarLogger
 
     key = "seed000-losses"
     title = "Seed 000: ten losses of sigmoid(x * 2).mean() kept as tensors, numbers, outputs"
@@ -285,7 +286,6 @@ def seed000_losses() -> Experiment:
 
 def seed000_who_holds() -> Experiment:
     """Seed 000: ``del x`` while a list holds it; who_holds names the list."""
-    from .holders import who_holds
 
     key = "seed000-who-holds"
     title = "Seed 000: del x, yet something still holds it"
@@ -314,7 +314,7 @@ def seed000_who_holds() -> Experiment:
 _SEED001_SCRIPT = r"""
 import gc, json, sys, torch, cudamem
 from cudamem.ledger import machine_status
-from cudamem.render.json import to_data
+from cudamem._data import to_data
 dev = int(sys.argv[1])
 def used():
     for d in machine_status().devices:
@@ -457,7 +457,6 @@ class NaiveN(torch.nn.Module):
 
 def seed001_sequential() -> Experiment:
     """Seed 001: training twice in one process, with and without ``del optimizer``."""
-    from .release import release
 
     key = "seed001-sequential"
     title = "Seed 001: sequential training runs, with and without `del optimizer`"
@@ -531,7 +530,6 @@ def seed001_sequential() -> Experiment:
 
 def census_now() -> Experiment:
     """The live-tensor census of this process (CPU and GPU)."""
-    from .census import live_tensors
 
     key = "census"
     title = "The census: every live storage once, largest first"
@@ -657,6 +655,28 @@ def _first_lines(texts: Sequence[str]) -> str:
     return "; ".join(t.splitlines()[0] for t in texts) or "none"
 
 
+def _no_leak_warning(out: dict[str, Any], name: str) -> Check:
+    return Check(name, not out["leak_warnings"], _first_lines(out["leak_warnings"]))
+
+
+_Judge = Callable[[dict[str, Any], list[int]], tuple[list[Check], list[str]]]
+
+
+def _runs_experiment(
+    key: str, title: str, explanation: str, case: str, device: int, gpus: int, judge: _Judge
+) -> Experiment:
+    """An experiment over one fresh-process run of ``case``: the table of levels per run,
+    and the checks and notes ``judge`` reads off its output (skipped without ``gpus``)."""
+    skip = _needs(gpus)
+    if skip is not None:
+        return Experiment(key, title, explanation, skipped=skip)
+    out = _run(case, device)
+    checks, notes = judge(out, _levels(out))
+    return Experiment(
+        key, title, explanation, _RUN_HEADERS, _run_rows(out), tuple(checks), notes=tuple(notes)
+    )
+
+
 def _workspace_checks(out: dict[str, Any], device: int) -> list[Check]:
     """explain() puts the level in the cuBLAS workspace line; release() frees it."""
     levels = _levels(out)
@@ -685,36 +705,34 @@ def _seed001_stream(device: int, gpus: int, key: str) -> Experiment:
         "training on a new stream each run adds that run's workspaces (the forward thread's "
         "and autograd's, 65 MiB on an H200) to allocated, for good — one run's worth per loop."
     )
-    skip = _needs(gpus)
-    if skip is not None:
-        return Experiment(key, title, explanation, skipped=skip)
-    out = _run("stream", device)
-    levels = _levels(out)
-    rises = [levels[i + 1] - levels[i] for i in range(len(levels) - 1)]
-    per_stream = _ledger_says(out, device, r"per[^.;]{0,24}stream", "cublas")
-    checks = [
-        Check(
-            "allocated rises by the same amount every run",
-            bool(rises) and min(rises) >= MiB and max(rises) - min(rises) <= MiB,
-            ", ".join(format_bytes(r, signed=True) for r in rises),
-        ),
-        *_workspace_checks(out, device),
-        Check(
-            "explain() says the workspaces are kept per stream",
-            per_stream is not None,
-            per_stream or "no cuBLAS line mentions streams",
-        ),
-        Check(
-            "a LeakWarning names the cuBLAS workspaces",
-            any("cublas workspace" in w.lower() for w in out["leak_warnings"]),
-            _first_lines(out["leak_warnings"]),
-        ),
-    ]
-    notes = [_line_text(ln) for ln in _lines(out, device, "cublas") + _lines(out, device, "strand")]
-    notes += [f"LeakWarning: {w}" for w in out["leak_warnings"][:1]]
-    return Experiment(
-        key, title, explanation, _RUN_HEADERS, _run_rows(out), tuple(checks), notes=tuple(notes)
-    )
+
+    def judge(out: dict[str, Any], levels: list[int]) -> tuple[list[Check], list[str]]:
+        rises = [levels[i + 1] - levels[i] for i in range(len(levels) - 1)]
+        per_stream = _ledger_says(out, device, r"per[^.;]{0,24}stream", "cublas")
+        checks = [
+            Check(
+                "allocated rises by the same amount every run",
+                bool(rises) and min(rises) >= MiB and max(rises) - min(rises) <= MiB,
+                ", ".join(format_bytes(r, signed=True) for r in rises),
+            ),
+            *_workspace_checks(out, device),
+            Check(
+                "explain() says the workspaces are kept per stream",
+                per_stream is not None,
+                per_stream or "no cuBLAS line mentions streams",
+            ),
+            Check(
+                "a LeakWarning names the cuBLAS workspaces",
+                any("cublas workspace" in w.lower() for w in out["leak_warnings"]),
+                _first_lines(out["leak_warnings"]),
+            ),
+        ]
+        notes = [_line_text(ln) for ln in _lines(out, device, "cublas")]
+        notes += [_line_text(ln) for ln in _lines(out, device, "strand")]
+        notes += [f"LeakWarning: {w}" for w in out["leak_warnings"][:1]]
+        return checks, notes
+
+    return _runs_experiment(key, title, explanation, "stream", device, gpus, judge)
 
 
 def _seed001_thread(device: int, gpus: int, key: str) -> Experiment:
@@ -724,28 +742,20 @@ def _seed001_thread(device: int, gpus: int, key: str) -> Experiment:
         "thread once one ends, so a thread per run adds a workspace (32 MiB on an H200) once, "
         "then the level stays flat: not a leak, and no LeakWarning."
     )
-    skip = _needs(gpus)
-    if skip is not None:
-        return Experiment(key, title, explanation, skipped=skip)
-    out = _run("thread", device)
-    levels = _levels(out)
-    checks = [
-        Check(
-            "the level stops rising: the last three runs are equal (±1 MiB)",
-            _flat(levels, len(levels) - 3),
-            ", ".join(format_bytes(v) for v in levels),
-        ),
-        Check(
-            "no LeakWarning: growth that stops is not a leak",
-            not out["leak_warnings"],
-            _first_lines(out["leak_warnings"]),
-        ),
-        *_workspace_checks(out, device),
-    ]
-    notes = [_line_text(ln) for ln in _lines(out, device, "cublas")]
-    return Experiment(
-        key, title, explanation, _RUN_HEADERS, _run_rows(out), tuple(checks), notes=tuple(notes)
-    )
+
+    def judge(out: dict[str, Any], levels: list[int]) -> tuple[list[Check], list[str]]:
+        checks = [
+            Check(
+                "the level stops rising: the last three runs are equal (±1 MiB)",
+                _flat(levels, len(levels) - 3),
+                ", ".join(format_bytes(v) for v in levels),
+            ),
+            _no_leak_warning(out, "no LeakWarning: growth that stops is not a leak"),
+            *_workspace_checks(out, device),
+        ]
+        return checks, [_line_text(ln) for ln in _lines(out, device, "cublas")]
+
+    return _runs_experiment(key, title, explanation, "thread", device, gpus, judge)
 
 
 def seed001_stream_per_run() -> Experiment:
@@ -847,42 +857,34 @@ def seed001_gpu1_context_on_gpu0() -> Experiment:
 
 
 def _seed001_flat(case: str, key: str, title: str, explanation: str) -> Experiment:
-    skip = _needs(2)
-    if skip is not None:
-        return Experiment(key, title, explanation, skipped=skip)
-    out = _run(case, 1)
-    levels = _levels(out)
-    rel = out["release"]
-    checks = [
-        Check(
-            "allocated is the same after every run (±1 MiB)",
-            _flat(levels),
-            ", ".join(format_bytes(v) for v in levels),
-        ),
-        Check(
-            "no LeakWarning",
-            not out["leak_warnings"],
-            _first_lines(out["leak_warnings"]),
-        ),
-        Check(
-            "release(clear_cublas=True) leaves nothing allocated",
-            rel["still_allocated"] == 0,
-            f"freed {format_bytes(rel['freed_allocated'])}",
-        ),
-    ]
-    if case == "plain":
-        checks.append(
+    def judge(out: dict[str, Any], levels: list[int]) -> tuple[list[Check], list[str]]:
+        rel = out["release"]
+        checks = [
             Check(
-                "naming cuda:1 creates no context on cuda:0",
-                0 not in out["contexts"],
-                ", ".join(f"cuda:{d}" for d in out["contexts"]),
+                "allocated is the same after every run (±1 MiB)",
+                _flat(levels),
+                ", ".join(format_bytes(v) for v in levels),
+            ),
+            _no_leak_warning(out, "no LeakWarning"),
+            Check(
+                "release(clear_cublas=True) leaves nothing allocated",
+                rel["still_allocated"] == 0,
+                f"freed {format_bytes(rel['freed_allocated'])}",
+            ),
+        ]
+        if case == "plain":
+            checks.append(
+                Check(
+                    "naming cuda:1 creates no context on cuda:0",
+                    0 not in out["contexts"],
+                    ", ".join(f"cuda:{d}" for d in out["contexts"]),
+                )
             )
-        )
-    notes = [f"contexts: {', '.join(f'cuda:{d}' for d in out['contexts'])}"]
-    notes += [_line_text(ln) for ln in _lines(out, 1, "cublas")]
-    return Experiment(
-        key, title, explanation, _RUN_HEADERS, _run_rows(out), tuple(checks), notes=tuple(notes)
-    )
+        notes = [f"contexts: {', '.join(f'cuda:{d}' for d in out['contexts'])}"]
+        notes += [_line_text(ln) for ln in _lines(out, 1, "cublas")]
+        return checks, notes
+
+    return _runs_experiment(key, title, explanation, case, 1, 2, judge)
 
 
 def seed001_gpu1_plain_loop() -> Experiment:

@@ -21,8 +21,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from ._format import format_bytes
+from ._present import present
 from ._sequence import ItemSequence
-from .culprits import NO_HOLDER
+from .census import Census
+from .culprits import NO_HOLDER, container_of, group_culprits
+from .memviz import _LIVE, HOLDER_FILENAME, NOTE_FILENAME
+from .snapshot import load_snapshot
+from .span import MemorySpan, SpanRecord
 
 __all__ = ["DiffEntry", "MemoryDiff", "diff"]
 
@@ -94,9 +100,7 @@ class MemoryDiff(ItemSequence[DiffEntry]):
         raise KeyError(f"no changed group {holder!r}")
 
     def __str__(self) -> str:
-        from .render.diff import render_diff
-
-        return render_diff(self)
+        return present(self)
 
 
 # --------------------------------------------------------------------------- groups
@@ -130,7 +134,6 @@ def _join(
 
 
 def _census_groups(census: Any, notes: list[str]) -> dict[str, _Group]:
-    from .culprits import group_culprits
 
     items = list(census.storages)
     unsearched = sum(1 for s in items if s.holders is None)
@@ -159,8 +162,6 @@ def _library_dirs() -> tuple[str, ...]:
 
 def _block_group(frames: Any, skip: tuple[str, ...]) -> tuple[str, str]:
     """``(group, example)`` of one live block, from its frames."""
-    from .culprits import container_of
-    from .memviz import HOLDER_FILENAME, NOTE_FILENAME
 
     if not isinstance(frames, list):
         return _UNNAMED, _UNNAMED
@@ -186,7 +187,6 @@ def _block_group(frames: Any, skip: tuple[str, ...]) -> tuple[str, str]:
 
 def _snapshot_groups(snapshot: Mapping[str, Any]) -> tuple[dict[str, _Group], int, int]:
     """Groups of the live blocks, their bytes, and the reserved bytes."""
-    from .memviz import _LIVE
 
     skip = _library_dirs()
     groups: dict[str, _Group] = {}
@@ -210,7 +210,6 @@ def _snapshot_groups(snapshot: Mapping[str, Any]) -> tuple[dict[str, _Group], in
 
 
 def _span_side(span: Any, notes: list[str], side: str) -> tuple[dict[str, _Group], int]:
-    from .span import MemorySpan
 
     record = span.record if isinstance(span, MemorySpan) else span
     level = sum(d.after.allocated for d in record.devices)
@@ -239,8 +238,6 @@ def _span_side(span: Any, notes: list[str], side: str) -> tuple[dict[str, _Group
 
 
 def _kind(value: Any, name: str) -> str:
-    from .census import Census
-    from .span import MemorySpan, SpanRecord
 
     if isinstance(value, Census):
         return "census"
@@ -259,7 +256,6 @@ def _kind(value: Any, name: str) -> str:
 def _load(value: Any) -> Mapping[str, Any]:
     if isinstance(value, Mapping):
         return value
-    from .snapshot import load_snapshot
 
     return load_snapshot(value)
 
@@ -292,8 +288,6 @@ def diff(a: Any, b: Any) -> MemoryDiff:
         ga, live_a, res_a = _snapshot_groups(sa)
         gb, live_b, res_b = _snapshot_groups(sb)
         if res_a != res_b:
-            from .render.text import format_bytes
-
             notes.append(
                 f"reserved {format_bytes(res_a)} → {format_bytes(res_b)} "
                 f"({format_bytes(res_b - res_a, signed=True)})"
@@ -308,8 +302,6 @@ def diff(a: Any, b: Any) -> MemoryDiff:
     gb, level_b = _span_side(b, notes, "second")
     kept = {h: g.nbytes for h, g in gb.items() if g.nbytes and ga.get(h, _Group()).nbytes}
     if kept:
-        from .render.text import format_bytes
-
         top = max(kept, key=lambda h: kept[h])
         notes.append(
             f"both spans left memory behind in {top} ({format_bytes(kept[top])} in the "

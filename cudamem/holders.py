@@ -23,15 +23,17 @@ import types
 import warnings
 import weakref
 from dataclasses import dataclass
-from numbers import Real
 from typing import Any, ClassVar
 
 import torch
 
 from . import _autograd, _heap, _search
+from ._args import check_int, check_seconds
 from ._autograd import StorageKey
+from ._format import format_bytes
 from ._frames import own_frame
-from ._naming import Seg, is_sub
+from ._naming import Seg, is_sub, type_name
+from ._present import present
 from ._search import RawHolder, Search, SearchLimits
 from ._sequence import ItemSequence
 from .culprits import container_of
@@ -83,9 +85,7 @@ class Holder:
         return self.via not in ("itself", "object")
 
     def __str__(self) -> str:
-        from .render.holders import render_holder
-
-        return render_holder(self)
+        return present(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,14 +119,10 @@ class Holders(ItemSequence[Holder]):
         return [h.path for h in self.holders]
 
     def __str__(self) -> str:
-        from .render.holders import render_holders
-
-        return render_holders(self)
+        return present(self)
 
     def _repr_html_(self) -> str:
-        from .render.notebook import holders_html
-
-        return holders_html(self)
+        return present(self, "html")
 
 
 def who_holds(
@@ -290,7 +286,6 @@ def _device_text(key: StorageKey | None) -> str | None:
 
 
 def _describe(obj: Any) -> str:
-    from ._naming import type_name
 
     tp = type(obj)
     if is_sub(tp, torch.Tensor):
@@ -524,7 +519,6 @@ class GraphHolder:
         return self.graph_bytes + self.tensor_bytes
 
     def __str__(self) -> str:
-        from .render.text import format_bytes
 
         where = ", ".join(self.devices) or "no device"
         return (
@@ -557,9 +551,7 @@ class GraphHolders(ItemSequence[GraphHolder]):
         return sum(h.graph_bytes for h in self.holders)
 
     def __str__(self) -> str:
-        from .render.holders import render_graph_holders
-
-        return render_graph_holders(self)
+        return present(self)
 
 
 class _Group:
@@ -659,14 +651,8 @@ def _check_graph_args(device: Any, max_tensors: Any, timeout: Any) -> str | None
         raise TypeError(
             f"device must be a str such as 'cuda:0' or 'cpu', not {type(device).__name__}"
         )
-    if type(max_tensors) is bool or not isinstance(max_tensors, int):
-        raise TypeError(f"max_tensors must be an int, not {type(max_tensors).__name__}")
-    if max_tensors < 1:
-        raise ValueError(f"max_tensors must be >= 1, got {max_tensors}")
-    if type(timeout) is bool or not isinstance(timeout, Real):
-        raise TypeError(f"timeout must be a number of seconds, not {type(timeout).__name__}")
-    if not float(timeout) >= 0:
-        raise ValueError(f"timeout must be >= 0 seconds, got {timeout!r}")
+    check_int("max_tensors", max_tensors, minimum=1)
+    check_seconds("timeout", timeout)
     return device
 
 

@@ -16,6 +16,7 @@ from typing import Any, Generic, Literal, TypeVar, cast, overload
 import torch
 
 from . import _backend
+from ._args import check_bool
 
 __all__ = ["HostCopy", "to_host"]
 
@@ -207,8 +208,7 @@ def to_host(obj: Any, *, non_blocking: bool = False, pin: bool | None = None) ->
         TypeError: ``non_blocking`` or ``pin`` is not a bool (``pin`` may be ``None``).
         ValueError: ``non_blocking=True`` with ``pin=False``.
     """
-    if not isinstance(non_blocking, bool):
-        raise TypeError(f"non_blocking must be a bool, not {type(non_blocking).__name__}")
+    check_bool("non_blocking", non_blocking)
     if pin is not None and not isinstance(pin, bool):
         raise TypeError(f"pin must be a bool or None, not {type(pin).__name__}")
     if non_blocking and pin is False:

@@ -54,11 +54,11 @@ from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from . import _backend, census
+from ._format import format_bytes
 from ._frames import is_library_file
 from ._storages import StorageRef, matches_type
-from .census import LiveStorage
 from .culprits import NO_HOLDER, Culprit, group_culprits
-from .render.text import format_bytes
+from .leak_report import Growth, LeakReport
 from .span import MemorySpan, add_entry_hook, add_exit_hook
 
 if TYPE_CHECKING:
@@ -182,57 +182,6 @@ def configure_leaks(**changes: Any) -> LeakSettings:
     _settings = new
     _detector.reset()
     return new
-
-
-# --------------------------------------------------------------------------- results
-
-
-@dataclass(frozen=True, slots=True)
-class LeakReport:
-    """Storages created during a span that were still alive after it, with holders."""
-
-    span: str
-    #: When the storages were checked: ``'at exit'`` or ``'now'``.
-    checked: str
-    count: int
-    nbytes: int
-    #: The largest ones (at most ``MAX_LISTED``); ``count``/``nbytes`` cover all.
-    storages: tuple[LiveStorage, ...]
-    culprits: tuple[Culprit, ...]
-    notes: tuple[str, ...] = ()
-
-    def __len__(self) -> int:
-        return self.count
-
-    def __bool__(self) -> bool:
-        return self.count > 0
-
-    def __str__(self) -> str:
-        from .render.leaks import render_leak_report
-
-        return render_leak_report(self)
-
-
-@dataclass(frozen=True, slots=True)
-class Growth:
-    """A sustained rise of a repeated span's allocated level, and who holds it."""
-
-    name: str
-    #: Robust per-call growth of the allocated level (bytes).
-    per_call: int
-    #: Calls of the span observed so far.
-    calls: int
-    #: Exit levels of the window that triggered the finding, oldest first.
-    levels: tuple[int, ...]
-    culprits: tuple[Culprit, ...]
-    #: Bytes the captured call created that outlived the next call (the named part).
-    retained: int | None
-    notes: tuple[str, ...] = ()
-
-    def __str__(self) -> str:
-        from .render.leaks import render_growth
-
-        return render_growth(self)
 
 
 # --------------------------------------------------------------------------- span capture
@@ -820,14 +769,12 @@ def remove_growth_hook(hook: Callable[[Growth], None]) -> None:
 
 def _emit(growth: Growth) -> None:
     """One warning, and the same text to logging when anyone listens."""
-    from .render.leaks import render_growth
-
     for hook in _growth_hooks:
         try:
             hook(growth)
         except Exception as exc:  # an integration's hook must not stop the warning
             logger.debug("cudamem: growth hook %r failed: %r", hook, exc)
-    text = render_growth(growth)
+    text = str(growth)
     warnings.warn(LeakWarning(text, growth), stacklevel=_stacklevel())
     # Only when logging is configured: Python's last-resort handler would otherwise print
     # the same text a second time under the warning.

@@ -39,7 +39,8 @@ from typing import ClassVar, NamedTuple
 
 from . import _backend, _nvml, census
 from ._device_arg import DeviceLike, resolve_device
-from .render.text import format_bytes
+from ._format import format_bytes
+from ._present import present
 from .snapshot import (
     CacheSplit,
     PrivatePool,
@@ -215,14 +216,10 @@ class DeviceLedger:
         return tuple(line for line in self.lines if line.key.startswith(prefix))
 
     def __str__(self) -> str:
-        from .render.ledger import render_ledger
-
-        return render_ledger(self)
+        return present(self)
 
     def _repr_html_(self) -> str:
-        from .render.notebook import ledger_html
-
-        return ledger_html(self)
+        return present(self, "html")
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,14 +237,10 @@ class Explanation:
         raise KeyError(f"no ledger for {device_name(device)}")
 
     def __str__(self) -> str:
-        from .render.ledger import render_explanation
-
-        return render_explanation(self)
+        return present(self)
 
     def _repr_html_(self) -> str:
-        from .render.notebook import explanation_html
-
-        return explanation_html(self)
+        return present(self, "html")
 
 
 # --------------------------------------------------------------------------- the arithmetic
@@ -1045,9 +1038,7 @@ class MachineStatus:
         return rows
 
     def __str__(self) -> str:
-        from .render.ledger import render_machine_status
-
-        return render_machine_status(self)
+        return present(self)
 
 
 def machine_status() -> MachineStatus:

@@ -37,7 +37,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import _backend
+from . import _backend, census
+from ._args import check_bool
+from ._present import present
+from .leaks import add_growth_hook, remove_growth_hook
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -81,9 +84,7 @@ class SnapshotDump:
     notes: tuple[str, ...] = ()
 
     def __str__(self) -> str:
-        from .render.memviz import render_dump
-
-        return render_dump(self)
+        return present(self)
 
 
 # --------------------------------------------------------------------------- annotation
@@ -213,7 +214,6 @@ def _empty_snapshot(devices: int) -> dict[str, Any]:
 
 
 def _storages(device_type: str, notes: list[str]) -> list[LiveStorage]:
-    from . import census
 
     try:
         return list(census.live_storages(device_type, holders=True))
@@ -309,8 +309,7 @@ def dump_snapshot(
     """
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path must be a str or os.PathLike, not {type(path).__name__}")
-    if not isinstance(holders, bool):
-        raise TypeError(f"holders must be a bool, not {type(holders).__name__}")
+    check_bool("holders", holders)
     return _dump(Path(os.fspath(path)).expanduser(), holders=holders, reason="dump_snapshot()")
 
 
@@ -350,7 +349,7 @@ class AutoDump:
         self.installed = False
         self.dumps: list[SnapshotDump] = []
         self.errors: list[str] = []
-        self._history_on = False
+        self._history = _backend.HistoryLease()
         self._busy = threading.Lock()
 
     @property
@@ -390,16 +389,13 @@ class AutoDump:
     def uninstall(self) -> None:
         """Stop dumping; turn history recording off again if this turned it on."""
         global _active
-        from .leaks import remove_growth_hook
 
         with _lock:
             if not self.installed:
                 return
             self.installed = False
             remove_growth_hook(self._on_growth)
-            if self._history_on:
-                _backend.get().set_history(False, 0, None)
-                self._history_on = False
+            self._history.give_back()
             if _active is self:
                 _active = None
 
@@ -455,7 +451,6 @@ def auto_dump(
     A second call replaces the first. Returns the ``AutoDump`` (``uninstall()`` it).
     """
     global _active
-    from .leaks import add_growth_hook
 
     if not isinstance(directory, (str, os.PathLike)):
         raise TypeError(f"directory must be a str or os.PathLike, not {type(directory).__name__}")
@@ -468,8 +463,7 @@ def auto_dump(
         ("holders", holders),
         ("record_history", record_history),
     ):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, not {type(flag).__name__}")
+        check_bool(name, flag)
     previous = _active
     if previous is not None:
         previous.uninstall()
@@ -490,6 +484,6 @@ def auto_dump(
             _observed.add(backend)
         if leaks:
             add_growth_hook(guard._on_growth)
-    if record_history and not backend.is_recording_history():
-        guard._history_on = backend.set_history(True, max_entries, guard._wanted)
+    if record_history:
+        guard._history.take(max_entries, guard._wanted)
     return guard

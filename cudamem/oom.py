@@ -37,11 +37,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, TextIO
 
 from . import _backend, census
+from ._format import format_bytes
 from ._frames import is_library_file
+from ._present import present
 from .census import LiveStorage
 from .culprits import NO_HOLDER, Culprit, group_culprits
 from .leaks import leak_settings
-from .render.text import format_bytes
 from .snapshot import Frame, allocated_blocks, largest_free, segments_of, split_cache
 from .span import add_exit_hook
 
@@ -212,9 +213,7 @@ class OomReport:
         return self.reserved - self.allocated
 
     def __str__(self) -> str:
-        from .render.oom import render_oom
-
-        return render_oom(self)
+        return present(self)
 
 
 # --------------------------------------------------------------------------- building
@@ -506,13 +505,11 @@ def _resolve_file(file: str | os.PathLike[str]) -> Path:
 
 
 def _write(report: OomReport, *, stderr: bool, file: str | os.PathLike[str] | None) -> OomReport:
-    from .render.oom import render_oom
-
     path: Path | None = None
     if file is not None:
         path = _resolve_file(file)
         report = replace(report, file=str(path))
-    text = render_oom(report)
+    text = str(report)
     if stderr:
         stream: TextIO | None = sys.stderr
         if stream is not None:
@@ -571,7 +568,7 @@ def _on_span_exit(span: RawSpan) -> None:
         _report_from_span(span.record())
 
 
-add_exit_hook(_on_span_exit)
+add_exit_hook(_on_span_exit, errors_only=True)
 
 
 def _report_exception(exc: BaseException | None, source: str) -> None:
@@ -636,7 +633,7 @@ class OomGuard:
         self._thread_hook_ref = self._thread_hook
         self._ipython: Any = None
         self._ipython_prev: tuple[Any, Any] | None = None
-        self._history_on = False
+        self._history = _backend.HistoryLease()
 
     @property
     def events(self) -> tuple[OomEvent, ...]:
@@ -686,11 +683,8 @@ class OomGuard:
         # Installed before asking for history: with CUDA already initialised the request
         # runs at once and checks _wanted(), which reads this flag.
         self.installed = True
-        if self.record_history:
-            if backend.is_recording_history():
-                self.notes.append("allocation history was already on: left as it is")
-            else:
-                self._history_on = backend.set_history(True, self.max_entries, self._wanted)
+        if self.record_history and self._history.take(self.max_entries, self._wanted):
+            self.notes.append("allocation history was already on: left as it is")
 
     def _wanted(self) -> bool:
         """Checked by a history request queued until CUDA initialises."""
@@ -734,9 +728,7 @@ class OomGuard:
             if self._ipython is not None and self._ipython_prev is not None:
                 self._ipython.custom_exceptions, self._ipython.CustomTB = self._ipython_prev
                 self._ipython = self._ipython_prev = None
-            if self._history_on:
-                _backend.get().set_history(False, 0, None)
-                self._history_on = False
+            self._history.give_back()
             if _guard is self:
                 _guard = None
                 _observer_active = False

@@ -14,8 +14,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from . import _backend, _nvml, census
+from ._args import check_bool, check_int
 from ._device_arg import DeviceLike, resolve_device
-from .render.text import format_bytes
+from ._format import format_bytes
+from ._present import present
 from .snapshot import CacheSplit, PoolBlocks, has_private_pools, pool_blocks_of, split_cache
 from .stats import AllocatorStats, device_name
 
@@ -112,9 +114,7 @@ class ReleaseResult:
         raise KeyError(f"no release record for {device_name(device)}")
 
     def __str__(self) -> str:
-        from .render.ledger import render_release
-
-        return render_release(self)
+        return present(self)
 
 
 def largest_storages(
@@ -178,13 +178,9 @@ def _kept(device: int) -> tuple[CacheSplit | None, PoolBlocks | None]:
 
 
 def _validate(top: Any, clear_cublas: Any, holders: Any) -> None:
-    if isinstance(top, bool) or not isinstance(top, int):
-        raise TypeError(f"top must be an int, not {type(top).__name__}")
-    if top < 0:
-        raise ValueError(f"top must be >= 0, got {top}")
-    for name, value in (("clear_cublas", clear_cublas), ("holders", holders)):
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be a bool, not {type(value).__name__}")
+    check_int("top", top, minimum=0)
+    check_bool("clear_cublas", clear_cublas)
+    check_bool("holders", holders)
 
 
 def release(

@@ -27,9 +27,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
-from . import _backend
+from . import _backend, _history
+from ._args import check_int
 from ._frames import own_frame
-from .span import ExceptionInfo, MemorySpan
+from ._present import present
+from .census import Census, listing_order, live_storages, live_tensors
+from .culprits import group_culprits
+from .leaks import LeakWarning
+from .ledger import explain
+from .oom import oom_report
+from .span import ExceptionInfo, MemorySpan, max_allocated
 
 __all__ = ["RunReport", "ScriptError", "StepWatcher", "Unlisted", "run_script"]
 
@@ -96,9 +103,7 @@ class RunReport:
         return bool(self.peaks)
 
     def __str__(self) -> str:
-        from .render.report import render_report
-
-        return render_report(self)
+        return present(self)
 
 
 class StepWatcher:
@@ -161,7 +166,6 @@ class _LeakCollector:
             warnings.showwarning = self._show
 
     def _record(self, message: Any, category: Any, *args: Any, **kwargs: Any) -> None:
-        from .leaks import LeakWarning
 
         if isinstance(category, type) and issubclass(category, LeakWarning):
             self.messages.append(str(message))
@@ -193,7 +197,6 @@ def _by_container(storages: Sequence[Any]) -> tuple[Any, ...]:
     """The listed storages grouped by the container that holds them, largest first, by the
     one culprit rule (``cudamem.culprits``: a list of ten losses is one holder; a storage
     Python names directly belongs to that name, not to an autograd path through it)."""
-    from .culprits import group_culprits
 
     return tuple(group_culprits(storages))
 
@@ -208,8 +211,6 @@ class _Collected:
 
 
 def _collect(top: int, with_ledger: bool, notes: list[str]) -> _Collected:
-    from .census import Census, listing_order, live_storages, live_tensors
-    from .span import max_allocated
 
     live = ledger = None
     groups: tuple[Any, ...] = ()
@@ -237,8 +238,6 @@ def _collect(top: int, with_ledger: bool, notes: list[str]) -> _Collected:
             notes.append(f"peak of cuda:{d} unavailable: {exc}")
     if with_ledger and backend.initialized_devices():
         try:
-            from .ledger import explain
-
             ledger = explain()
         except Exception as exc:
             notes.append(f"explain() failed: {type(exc).__name__}: {exc}")
@@ -334,17 +333,12 @@ def run_script(
     The script's own exceptions never propagate: they become the report's ``exception``,
     ``traceback`` and ``exit_code`` (1, as Python's; ``SystemExit`` keeps its code).
     """
-    from . import _history
-    from .leaks import LeakWarning
 
     if not isinstance(path, str):
         raise TypeError(f"path must be a str, not {type(path).__name__}")
     if isinstance(args, str) or not all(isinstance(a, str) for a in args):
         raise TypeError("args must be a sequence of str")
-    if not isinstance(top, int) or isinstance(top, bool):
-        raise TypeError(f"top must be an int, not {type(top).__name__}")
-    if top < 0:
-        raise ValueError(f"top must be 0 or more, got {top}")
+    check_int("top", top, minimum=0)
 
     old_main = sys.modules.get("__main__")
     old_argv = sys.argv
@@ -385,8 +379,6 @@ def run_script(
                 tb_text = _script_traceback(exc)
                 if is_oom:
                     try:
-                        from .oom import oom_report
-
                         oom = oom_report(exc)
                     except Exception as err:
                         notes.append(f"OOM post-mortem failed: {type(err).__name__}: {err}")

@@ -33,6 +33,9 @@ import numpy as np
 import torch
 
 from . import _backend
+from ._args import check_int
+from ._format import format_bytes
+from ._present import present
 from ._warn import warn_once
 
 __all__ = [
@@ -203,7 +206,6 @@ class LoggerStats:
     host_bytes: int = 0
 
     def __str__(self) -> str:
-        from .render.text import format_bytes
 
         buffers = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.buffer_bytes.items())
         return (
@@ -616,8 +618,7 @@ class ScalarLogger:
     def __init__(
         self, flush_every: int = 64, *, maxlen: int | None = None, name: str = _DEFAULT_NAME
     ) -> None:
-        if isinstance(flush_every, bool) or not isinstance(flush_every, int):
-            raise TypeError(f"flush_every must be an int, not {type(flush_every).__name__}")
+        check_int("flush_every", flush_every)
         if not 1 <= flush_every <= MAX_FLUSH_EVERY:
             raise ValueError(f"flush_every must be in 1..{MAX_FLUSH_EVERY}, got {flush_every}")
         if maxlen is not None and (
@@ -909,9 +910,7 @@ class ScalarLogger:
             }
 
     def __str__(self) -> str:
-        from .render.scalars import render_logger
-
-        return render_logger(self.summary())
+        return present(self)
 
     def __repr__(self) -> str:
         with self._lock:

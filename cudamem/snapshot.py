@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO, ClassVar, NamedTuple
 
 from . import _backend
+from ._args import check_bool, check_int
 from ._backend import PoolOwners
 from ._device_arg import DeviceLike, resolve_device
 
@@ -187,10 +188,7 @@ def load_snapshot(
         TypeError: ``source`` is not a path or a binary file, or ``max_bytes`` is not an int.
         OSError: the file cannot be read (missing, a directory, no permission).
     """
-    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int):
-        raise TypeError(f"max_bytes must be an int, not {type(max_bytes).__name__}")
-    if max_bytes < 0:
-        raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+    check_int("max_bytes", max_bytes, minimum=0)
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
         if not isinstance(path, str):
@@ -818,8 +816,7 @@ def graph_pool_blocks(device: DeviceLike = "cuda", *, owners: bool = True) -> Po
     Returns:
         ``PoolBlocks``; ``pool_of(address)`` maps a storage's ``data_ptr`` to its pool.
     """
-    if not isinstance(owners, bool):
-        raise TypeError(f"owners must be a bool, not {type(owners).__name__}")
+    check_bool("owners", owners)
     index = resolve_device(device)
     be = _backend.get()
     if not be.has_context(index):

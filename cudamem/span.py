@@ -37,13 +37,15 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast, overload
 from typing_extensions import ParamSpec
 
 from . import _backend
+from ._data import to_data
 from ._device_arg import DeviceLike, resolve_device
+from ._format import format_bytes, format_duration
+from ._present import present
 from ._warn import warn_once
-from .render.text import format_bytes, format_duration
 from .stats import DeviceCounters, device_name
 
 if TYPE_CHECKING:
-    from .leaks import LeakReport
+    from .leak_report import LeakReport
 
 __all__ = [
     "DeviceSpan",
@@ -233,9 +235,7 @@ class SpanRecord:
         raise KeyError(f"span {self.name!r} saw no {device_name(index)} (devices: {seen})")
 
     def _repr_html_(self) -> str:
-        from .render.notebook import record_html
-
-        return record_html(self)
+        return present(self, "html")
 
     def __str__(self) -> str:
         body = "; ".join(str(d) for d in self.devices) or f"n/a ({self.unmeasured or 'no data'})"
@@ -294,52 +294,68 @@ class RawSpan:
         "xfold",
     )
 
-    # Set by the span's entry and exit before anything reads them (the hot path stores
-    # each once): devices and counters of both edges, times, totals, the closing thread.
+    # The hot path stores each field once, where it is known: ``_open`` the span's options,
+    # its links and the entry counters; ``_close`` everything a hook reads (below). Fields
+    # that stay at their default in almost every span (``dropped``, ``notes``,
+    # ``unmeasured``) are not stored at all until they change: cudamem reads them with
+    # ``getattr(span, field, default)``.
+    name: str
+    device: int | None
+    sync: bool
+    peak: bool
+    #: The span was asked to record which storages it leaves behind (``leaks=True``).
+    leaks: bool
+    parent: RawSpan | None
+    children: list[RawSpan] | None
+    closed: bool
+    #: Per-span data of the features' hooks (``leaks`` keeps its capture under ``'leaks'``).
+    extras: dict[str, Any] | None
+    #: Peaks folded in by later spans of the opening thread (written without a lock)
+    #: and by spans of other threads (under the fold lock): two slots, so that no
+    #: write can lose another. Created by the first fold.
+    fold: dict[int, int] | None
+    xfold: dict[int, int] | None
     #: Devices read at entry and ``(allocated, reserved, peak counter)`` of each.
     devs: tuple[int, ...]
     before: tuple[tuple[int, int, int], ...]
+    start_ns: int
+    #: Only for spans with ``peak=True`` (set before the span is announced to other threads).
+    owner: int
+    armed: bool
+    solo: bool
+    # Set by the span's exit, before any hook runs.
     #: Devices read at exit and their counters.
     exit_devs: tuple[int, ...]
     after: tuple[tuple[int, int, int], ...]
-    start_ns: int
     end_ns: int
     thread: str
     level: int
     alloc_delta: int
     res_delta: int
-    #: Only for spans with ``peak=True`` (set before the span is announced to other threads).
-    owner: int
-    armed: bool
-    solo: bool
+    peak_total: int | None
+    peak_delta: int | None
+    top_level: bool
+    exception: ExceptionInfo | None
+    #: The frozen result, once built.
+    _record: SpanRecord | None
+    # Stored only where they carry more than the fields above.
+    #: The span's own peak per exit device (``None`` with ``peak=False``; over one device
+    #: it is ``(peak_total,)`` and the exit does not store it).
+    peaks: tuple[int, ...] | None
+    dropped: int
+    notes: list[str] | None
+    unmeasured: str | None
 
     def __init__(self, name: str, device: int | None, sync: bool, peak: bool, leaks: bool) -> None:
+        # ``_open`` makes its spans with the same stores inlined (the call of ``__init__``
+        # costs as much as they do).
         self.name = name
         self.device = device
         self.sync = sync
         self.peak = peak
-        #: The span was asked to record which storages it leaves behind (``leaks=True``).
         self.leaks = leaks
-        #: The span's own peak per exit device (``None`` with ``peak=False``).
-        self.peaks: tuple[int, ...] | None = None
-        #: Peaks folded in by later spans of the opening thread (written without a lock)
-        #: and by spans of other threads (under the fold lock): two slots, so that no
-        #: write can lose another. Created by the first fold.
-        self.fold: dict[int, int] | None = None
-        self.xfold: dict[int, int] | None = None
-        self.parent: RawSpan | None = None
-        self.children: list[RawSpan] | None = None
-        self.dropped = 0
+        self.parent = self.children = self.extras = self.fold = self.xfold = self._record = None
         self.closed = False
-        self.top_level = False
-        self.exception: ExceptionInfo | None = None
-        self.notes: list[str] | None = None
-        #: Per-span data of the features' hooks (``leaks`` keeps its capture under ``'leaks'``).
-        self.extras: dict[str, Any] | None = None
-        self.unmeasured: str | None = None
-        self.peak_total: int | None = None
-        self.peak_delta: int | None = None
-        self._record: SpanRecord | None = None
 
     @property
     def measured(self) -> bool:
@@ -359,9 +375,10 @@ class RawSpan:
 
     def note(self, text: str) -> None:
         """Record a bookkeeping problem in the span's result."""
-        if self.notes is None:
-            self.notes = []
-        self.notes.append(text)
+        notes = getattr(self, "notes", None)
+        if notes is None:
+            notes = self.notes = []
+        notes.append(text)
 
     def record(self) -> SpanRecord:
         """The frozen result, built on first call (only valid once the span has closed)."""
@@ -372,7 +389,9 @@ class RawSpan:
 
     def _build(self) -> SpanRecord:
         before = dict(zip(self.devs, self.before, strict=True))
-        peaks = self.peaks
+        peaks = getattr(self, "peaks", None)
+        if peaks is None and self.peak_total is not None and len(self.after) == 1:
+            peaks = (self.peak_total,)  # one device: the exit did not store it
         devices = []
         for i, (d, (a, r, p)) in enumerate(zip(self.exit_devs, self.after, strict=True)):
             b = before.get(d, _NOTHING)
@@ -385,6 +404,7 @@ class RawSpan:
                 )
             )
         children = self.children
+        notes = getattr(self, "notes", None)
         return SpanRecord(
             self.name,
             tuple(devices),
@@ -399,9 +419,9 @@ class RawSpan:
             self.res_delta,
             self.peak_total,
             self.peak_delta,
-            self.dropped,
-            tuple(self.notes) if self.notes else (),
-            self.unmeasured,
+            getattr(self, "dropped", 0),
+            tuple(notes) if notes else (),
+            getattr(self, "unmeasured", None),
         )
 
 
@@ -421,8 +441,12 @@ _process_peak: dict[int, int] = {}
 _peak_inbox: deque[tuple[int, int]] = deque()
 _entry_hooks: tuple[EntryHook, ...] = ()
 _exit_hooks: tuple[tuple[ExitHook, tuple[type[BaseException], ...]], ...] = ()
-#: The exit hooks alone, what every close iterates (rebuilt on each registration).
+#: The exit hooks alone, what the close of a span whose block raised iterates, and those
+#: a span that did not raise needs (``errors_only`` left out); rebuilt on each registration.
 _exit_calls: tuple[ExitHook, ...] = ()
+_exit_calls_ok: tuple[ExitHook, ...] = ()
+#: Exit hooks registered with ``errors_only=True``.
+_errors_only: frozenset[ExitHook] = frozenset()
 #: The innermost span opened in this thread or task (its ``parent`` chain is the stack).
 _top: ContextVar[RawSpan | None] = ContextVar("cudamem_span", default=None)
 #: Per-thread cache of the thread's name (looked up once per thread, not once per span;
@@ -430,6 +454,7 @@ _top: ContextVar[RawSpan | None] = ContextVar("cudamem_span", default=None)
 _tls = threading.local()
 _get_ident = threading.get_ident
 _now_ns = time.perf_counter_ns
+_new_raw = object.__new__
 
 
 def _reset_state() -> None:
@@ -459,26 +484,43 @@ def remove_entry_hook(hook: EntryHook) -> None:
         _entry_hooks = tuple(h for h in _entry_hooks if h is not hook)
 
 
-def add_exit_hook(hook: ExitHook, *, propagate: tuple[type[BaseException], ...] = ()) -> None:
+def add_exit_hook(
+    hook: ExitHook,
+    *,
+    propagate: tuple[type[BaseException], ...] = (),
+    errors_only: bool = False,
+) -> None:
     """Call ``hook(raw_span)`` after every span closes, in registration order.
 
     Errors are swallowed (a warning says so once), except instances of ``propagate``: a
     warning class that the user may turn into an error (``-W error``). After every hook has
     run, the first of those is raised from the span's exit, unless the block itself raised.
+    With ``errors_only``, the hook runs only for spans whose block raised (``exception`` is
+    set), and the spans that did not raise do not pay for calling it.
     """
-    global _exit_hooks, _exit_calls
+    global _exit_hooks, _errors_only
     with _hooks_lock:
         if all(h is not hook for h, _ in _exit_hooks):
             _exit_hooks = (*_exit_hooks, (hook, tuple(propagate)))
-            _exit_calls = tuple(h for h, _ in _exit_hooks)
+            if errors_only:
+                _errors_only = _errors_only | {hook}
+            _rebuild_exit_calls()
 
 
 def remove_exit_hook(hook: ExitHook) -> None:
     """Undo ``add_exit_hook``."""
-    global _exit_hooks, _exit_calls
+    global _exit_hooks, _errors_only
     with _hooks_lock:
         _exit_hooks = tuple((h, p) for h, p in _exit_hooks if h is not hook)
-        _exit_calls = tuple(h for h, _ in _exit_hooks)
+        _errors_only = _errors_only - {hook}
+        _rebuild_exit_calls()
+
+
+def _rebuild_exit_calls() -> None:
+    """Derive what closes iterate from the registry; caller holds ``_hooks_lock``."""
+    global _exit_calls, _exit_calls_ok
+    _exit_calls = tuple(h for h, _ in _exit_hooks)
+    _exit_calls_ok = tuple(h for h in _exit_calls if h not in _errors_only)
 
 
 def _exit_hook_failed(
@@ -587,10 +629,11 @@ def _tally(span: RawSpan) -> None:
             peak_total += peak
             peakd += peak - a0
     span.level, span.alloc_delta, span.res_delta = level, alloc, res
-    if track_peak:
-        span.peaks = tuple(peaks)
-        if span.after:
-            span.peak_total, span.peak_delta = peak_total, peakd
+    span.peaks = tuple(peaks) if track_peak else None
+    if track_peak and span.after:
+        span.peak_total, span.peak_delta = peak_total, peakd
+    else:
+        span.peak_total = span.peak_delta = None
 
 
 def max_allocated(device: DeviceLike = 0) -> int:
@@ -631,10 +674,21 @@ def _open(
     """Open a span: read the counters, join this thread's (or task's) stack, run the entry
     hooks (``hooks=False``: a measurement of cudamem's own, which no feature sees, e.g. the
     pytest plugin's per-test peak). Never raises."""
-    span = RawSpan(name, device, sync, peak, leaks)
+    span = _new_raw(RawSpan)  # RawSpan.__init__, inlined
+    span.name = name
+    span.device = device
+    span.sync = sync
+    span.peak = peak
+    span.leaks = leaks
+    span.parent = span.children = span.extras = span.fold = span.xfold = span._record = None
+    span.closed = False
     try:
         backend = _backend._active
-        devs = span.devs = (device,) if device is not None else backend.initialized_devices()
+        devs: tuple[int, ...]
+        if device is not None:
+            devs = span.devs = (device,)
+        else:
+            devs = span.devs = backend.settled_devices or backend.initialized_devices()
         if sync:
             for d in devs:
                 backend.synchronize(d)
@@ -678,9 +732,10 @@ def _open(
         warn_once("span:enter", f"cudamem: span entry measurement failed: {exc!r}", stacklevel=3)
     if nest:
         parent = _top.get()
-        if parent is not None and parent.closed:
-            parent = _live(parent)
-        span.parent = parent
+        if parent is not None:
+            if parent.closed:
+                parent = _live(parent)
+            span.parent = parent
         if push:
             _top.set(span)
     if hooks:
@@ -717,13 +772,15 @@ def _close(
         after: tuple[tuple[int, int, int], ...]
         try:
             devs = span.devs
-            if span.device is None:
-                now = backend.initialized_devices()
-                if now is not devs and now != devs:
-                    # A device appeared during the span (or none was in use at entry).
-                    devs = tuple(sorted(set(now) | set(devs))) if devs else now
+            device = span.device
+            if device is None:
+                if devs is not backend.settled_devices:
+                    now = backend.initialized_devices()
+                    if now is not devs and now != devs:
+                        # A device appeared during the span (or none was in use at entry).
+                        devs = tuple(sorted(set(now) | set(devs))) if devs else now
             elif not devs:  # the entry measurement failed
-                devs = (span.device,)
+                devs = (device,)
             if span.sync:
                 try:
                     for d in devs:
@@ -764,14 +821,16 @@ def _close(
                     d = span.devs[0]
                     top = max(top, (span.fold or {}).get(d, 0), (span.xfold or {}).get(d, 0))
                     span.fold = span.xfold = None
-                span.peaks = (top,)
-                span.peak_total = top
+                span.peak_total = top  # ``peaks`` is then ``(peak_total,)``, left unstored
                 span.peak_delta = top - a0
+            else:
+                span.peak_total = span.peak_delta = None
         else:
             _tally(span)
             span.fold = span.xfold = None
-        if exc is not None:
-            span.exception = ExceptionInfo.from_exception(exc, is_oom=backend.is_oom(exc))
+        span.exception = (
+            None if exc is None else ExceptionInfo.from_exception(exc, is_oom=backend.is_oom(exc))
+        )
         try:
             span.thread = _tls.name
         except AttributeError:
@@ -783,18 +842,19 @@ def _close(
         if _top.get() is span:
             _top.set(parent)
         if parent is not None:
+            span.top_level = False
             children = parent.children
             if children is None:
                 parent.children = [span]
             elif len(children) < MAX_CHILDREN:
                 children.append(span)
             else:
-                parent.dropped += 1
+                parent.dropped = getattr(parent, "dropped", 0) + 1
         else:
             span.top_level = True
             if span.parent is not None or span.children:
                 _unlink(span)
-        for hook in _exit_calls if hooks else ():
+        for hook in () if not hooks else _exit_calls_ok if exc is None else _exit_calls:
             try:
                 hook(span)
             except Exception as err:
@@ -822,7 +882,12 @@ _EXIT_FIELDS: tuple[tuple[str, Any], ...] = (
     ("level", 0),
     ("alloc_delta", 0),
     ("res_delta", 0),
+    ("peaks", None),
+    ("peak_total", None),
+    ("peak_delta", None),
+    ("exception", None),
     ("thread", ""),
+    ("top_level", False),
 )
 
 
@@ -1068,7 +1133,6 @@ class MemorySpan:
 
     def to_dict(self) -> dict[str, Any]:
         """The finished span's ``SpanRecord`` as JSON data (``render.json.to_data``)."""
-        from .render.json import to_data
 
         data: dict[str, Any] = to_data(self.record)
         return data
@@ -1083,9 +1147,7 @@ class MemorySpan:
         return f"<MemorySpan {self}>"
 
     def _repr_html_(self) -> str:
-        from .render.notebook import span_html
-
-        return span_html(self)
+        return present(self, "html")
 
 
 _Opts = tuple[str, "int | None", bool, bool, bool]

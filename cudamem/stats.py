@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from ._format import format_bytes
+
 __all__ = ["AllocatorStats", "DeviceCounters", "device_name"]
 
 
@@ -64,7 +66,6 @@ class AllocatorStats(NamedTuple):
         return self.reserved - self.allocated
 
     def __str__(self) -> str:
-        from .render.text import format_bytes
 
         return (
             f"{device_name(self.device)}: allocated {format_bytes(self.allocated)}, "

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import cudamem
+from cudamem import _history
 from cudamem import span as _span
 
 
@@ -34,8 +35,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(autouse=True)
 def _clean_cudamem_state() -> Iterator[None]:
-    """Every test starts with an empty history and no folded peaks."""
+    """Every test starts with an empty history of the default size and no folded peaks."""
     cudamem.clear_history()
     _span._reset_state()
     yield
+    cudamem.set_history_size(_history.DEFAULT_SIZE)
     cudamem.clear_history()

@@ -27,9 +27,9 @@ import torch.distributed as dist
 import cudamem
 import cudamem.distributed as cdist
 from cudamem import _backend, _history
+from cudamem._data import to_data
 from cudamem.distributed import _transport
 from cudamem.leaks import LeakWarning
-from cudamem.render.json import to_data
 from tests.fakes import CpuStorageBackend
 
 STEPS = 8

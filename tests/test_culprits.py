@@ -10,6 +10,7 @@ import torch
 
 import cudamem
 from cudamem import census
+from cudamem._data import to_data
 from cudamem._storages import StorageRef, ref_of
 from cudamem.census import LiveStorage
 from cudamem.culprits import (
@@ -23,7 +24,6 @@ from cudamem.culprits import (
     through_graph,
 )
 from cudamem.holders import Holder, Holders
-from cudamem.render.json import to_data
 from cudamem.render.leaks import render_culprit
 
 M = "tests.test_culprits"

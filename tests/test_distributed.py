@@ -23,6 +23,7 @@ import torch
 import cudamem
 import cudamem.distributed as cdist
 from cudamem import _history, _nvml
+from cudamem._data import to_data
 from cudamem.distributed import (
     HostGpu,
     RankDevice,
@@ -38,7 +39,7 @@ from cudamem.distributed import (
 from cudamem.distributed._results import absent_row
 from cudamem.ledger import LedgerLine
 from cudamem.render.distributed import render_distributed
-from cudamem.render.json import to_data, to_json
+from cudamem.render.json import to_json
 
 MiB = 1024**2
 ROOT = Path(__file__).resolve().parent.parent

@@ -24,6 +24,7 @@ import torch
 
 from cudamem import _backend, _fastread
 from cudamem.__main__ import main
+from cudamem._data import to_data
 from cudamem._fastread import (
     BuildSpec,
     FastReader,
@@ -31,7 +32,6 @@ from cudamem._fastread import (
     ReaderUnavailable,
     cache_key,
 )
-from cudamem.render.json import to_data
 
 from .fakes import FakeAllocator
 

@@ -10,7 +10,7 @@ import torch
 
 import cudamem
 from cudamem import holders as _holders
-from cudamem.render.json import to_data
+from cudamem._data import to_data
 from cudamem.scalars import ScalarLogger
 
 graph_history: list[torch.Tensor] = []

@@ -22,6 +22,7 @@ import torch
 
 import cudamem
 from cudamem import _backend, census
+from cudamem._data import to_data
 from cudamem.census import LiveStorage
 from cudamem.culprits import NO_HOLDER, Culprit, container_of, group_culprits
 from cudamem.holders import Holder, Holders
@@ -32,7 +33,7 @@ from cudamem.leaks import (
     _detector,
     theil_sen,
 )
-from cudamem.render.json import to_data, to_json
+from cudamem.render.json import to_json
 
 from .fakes import FakeAllocator
 

@@ -15,8 +15,8 @@ import torch
 
 import cudamem
 from cudamem import _backend, on_oom, oom_report
+from cudamem._data import to_data
 from cudamem.oom import _advice, parse_oom_message
-from cudamem.render.json import to_data
 
 from .fakes import FakeAllocator
 

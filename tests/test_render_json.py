@@ -9,7 +9,8 @@ from typing import ClassVar
 
 import pytest
 
-from cudamem.render.json import SCHEMA, to_data, to_json
+from cudamem._data import to_data
+from cudamem.render.json import SCHEMA, to_json
 
 from .built import (
     MiB,

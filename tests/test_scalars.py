@@ -19,7 +19,8 @@ import torch
 import cudamem
 from cudamem import _backend, _warn
 from cudamem import scalars as _scalars
-from cudamem.render.json import to_data, to_json
+from cudamem._data import to_data
+from cudamem.render.json import to_json
 from cudamem.scalars import ScalarLogger, log_scalar
 
 # --------------------------------------------------------------------------- log_scalar

@@ -15,7 +15,7 @@ import torch
 import cudamem
 from cudamem import _backend, _warn
 from cudamem import span as _span
-from cudamem.render.json import to_data
+from cudamem._data import to_data
 from cudamem.span import (
     DeviceSpan,
     RawSpan,

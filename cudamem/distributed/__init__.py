@@ -31,7 +31,8 @@ import os
 import time
 from typing import Any
 
-from ..render.json import to_data
+from .._args import check_bool
+from .._data import to_data
 from . import _transport
 from ._analysis import build_report
 from ._collect import collect_rank
@@ -120,10 +121,8 @@ def gather_report(
     """
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    if not isinstance(all_ranks, bool):
-        raise TypeError(f"all_ranks must be a bool, not {type(all_ranks).__name__}")
-    if not isinstance(ledger, bool):
-        raise TypeError(f"ledger must be a bool, not {type(ledger).__name__}")
+    check_bool("all_ranks", all_ranks)
+    check_bool("ledger", ledger)
     if context_estimate is not None and (
         isinstance(context_estimate, bool)
         or not isinstance(context_estimate, int)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
-from ..render.text import format_bytes
+from .._format import format_bytes
+from ..leaks import leak_settings
 from ..stats import device_name
 from ._results import (
     DistributedReport,
@@ -133,8 +134,6 @@ def build_report(
     leak detector's ``min_bytes_per_call``, 64 KiB).
     """
     if min_growth is None:
-        from ..leaks import leak_settings
-
         min_growth = leak_settings().min_bytes_per_call
     ordered = tuple(rows)
     size = world_size if world_size is not None else len(ordered)

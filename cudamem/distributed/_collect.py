@@ -8,7 +8,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .. import _backend, _history, _nvml
-from ..ledger import LedgerLine
+from ..leaks import _detector as detector
+from ..leaks import theil_sen
+from ..ledger import LedgerLine, explain
+from ..span import max_allocated
 from ..stats import device_name
 from ._results import (
     CONTEXT_ESTIMATE,
@@ -34,7 +37,6 @@ MAX_LINES = 40
 
 
 def _growth_rate(levels: Sequence[int]) -> float | None:
-    from ..leaks import theil_sen
 
     if len(levels) < 3:
         return None
@@ -64,7 +66,6 @@ def _collect_spans() -> tuple[RankSpan, ...]:
 
 
 def _collect_growth() -> tuple[RankGrowth, ...]:
-    from ..leaks import _detector as detector
 
     # The detector's findings: the growth each LeakWarning reported (a bounded deque).
     with detector.lock:
@@ -135,7 +136,6 @@ def _device_row(
     nccl_in_use: bool,
     estimate: int,
 ) -> RankDevice:
-    from ..span import max_allocated
 
     notes: list[str] = []
     stats = be.read(device)
@@ -235,8 +235,6 @@ def collect_rank(
         ledgers: dict[int, Any] = {}
         if ledger and used:
             try:
-                from ..ledger import explain
-
                 explanation = explain()
                 ledgers = {lg.device: lg for lg in explanation.devices}
             except Exception as exc:

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import _nvml
+from .._format import format_bytes
+from .._present import present
 from ..ledger import LedgerLine
-from ..render.text import format_bytes
 from ..stats import device_name
 
 __all__ = [
@@ -341,9 +342,7 @@ class DistributedReport:
         return {r.rank: r.pid for r in self.ranks}
 
     def __str__(self) -> str:
-        from ..render.distributed import render_distributed
-
-        return render_distributed(self)
+        return present(self)
 
 
 def _opt_int(v: Any) -> int | None:

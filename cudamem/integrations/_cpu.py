@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 
 from .._backend import Backend
+from ..census import live_storage_keys
 from ..stats import AllocatorStats
 
 __all__ = ["CpuStorageBackend"]
@@ -38,7 +39,6 @@ class CpuStorageBackend(Backend):
         return device == 0
 
     def read(self, device: int) -> AllocatorStats:
-        from ..census import live_storage_keys
 
         now = time.perf_counter_ns()
         if device != 0:

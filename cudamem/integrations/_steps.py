@@ -33,8 +33,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .. import _backend
+from .._args import check_bool, check_int
 from ..leaks import add_growth_hook, leak_settings, remove_growth_hook
 from ..span import MemorySpan
+from ._cpu import CpuStorageBackend
 
 if TYPE_CHECKING:
     from ..leaks import Growth
@@ -70,12 +72,8 @@ class StepMeter:
             raise ValueError(f"device must be one of {MODES}, got {device!r}")
         if not isinstance(prefix, str):
             raise TypeError(f"prefix must be a str, not {type(prefix).__name__}")
-        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int):
-            raise TypeError(f"every_n_steps must be an int, not {type(every_n_steps).__name__}")
-        if every_n_steps < 1:
-            raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
-        if not isinstance(peak, bool):
-            raise TypeError(f"peak must be a bool, not {type(peak).__name__}")
+        check_int("every_n_steps", every_n_steps, minimum=1)
+        check_bool("peak", peak)
         self.requested = device
         self.prefix = prefix
         self.every_n_steps = every_n_steps
@@ -115,8 +113,6 @@ class StepMeter:
         self.device_index = index if mode == "cuda" else None
         self._stack = contextlib.ExitStack()
         if mode == "cpu":
-            from ._cpu import CpuStorageBackend
-
             self._stack.enter_context(_backend.use(CpuStorageBackend()))
         if mode != "off":
             add_growth_hook(self._on_growth)

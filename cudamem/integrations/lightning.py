@@ -36,6 +36,7 @@ import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from .. import _backend, oom
 from ..leaks import leak_settings
 from ._steps import StepMeter
 
@@ -210,7 +211,6 @@ class CudamemCallback(Callback):  # type: ignore[misc,unused-ignore]
     # -- failure ------------------------------------------------------------------------
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        from .. import _backend, oom
 
         span_was_open = self.meter.abort(exception)
         try:

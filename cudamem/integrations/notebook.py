@@ -24,11 +24,12 @@ import gc
 import re
 import shlex
 import sys
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .._present import present
 from ..holders import Holder, Holders, who_holds
 from ..span import track
+from .results import IPythonHold, NotebookHolders
 
 if TYPE_CHECKING:
     from ..span import MemorySpan
@@ -59,40 +60,6 @@ _FIX = {
     "traceback": "%forget error",
     "ipython": "%forget (the output cache and the last error), or %reset -f (everything)",
 }
-
-
-@dataclass(frozen=True, slots=True)
-class IPythonHold:
-    """Paths through which IPython itself keeps the object, and the fix."""
-
-    #: ``output`` (Out/_ cache), ``traceback`` (the last error), ``ipython`` (other).
-    kind: str
-    what: str
-    paths: tuple[str, ...]
-    fix: str
-
-
-@dataclass(frozen=True, slots=True)
-class NotebookHolders:
-    """``cudamem.who_holds`` read for a notebook: your holders, then IPython's."""
-
-    holders: Holders
-    #: Paths from your own variables (``__main__.`` dropped: ``losses[3]``).
-    user: tuple[str, ...]
-    ipython: tuple[IPythonHold, ...]
-
-    def __str__(self) -> str:
-        from ..render.notebook import render_notebook_holders
-
-        return render_notebook_holders(self)
-
-    def _repr_html_(self) -> str:
-        from ..render.notebook import notebook_holders_html
-
-        return notebook_holders_html(self)
-
-    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
-        p.text(str(self))
 
 
 def _short(path: str) -> str:
@@ -211,13 +178,10 @@ def _run_cell(shell: Any, cell: str) -> Any:
 def _show(shell: Any, span: MemorySpan, *, leaks: bool) -> None:
     from IPython.display import display
 
-    from ..render.notebook import pre_html, span_html
-
-    text, html = str(span), span_html(span)
+    text, html = str(span), present(span, "html")
     if leaks and span.closed:
-        report = str(span.leaks)
-        text += "\n" + report
-        html += pre_html(report)
+        text += "\n" + str(span.leaks)
+        html += present(span.leaks, "html")
     display({"text/plain": text, "text/html": html}, raw=True)  # type: ignore[no-untyped-call,unused-ignore]
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import gc
 import re
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar
+from typing import Any
 
 import pytest
 
@@ -33,6 +33,7 @@ from .. import _backend
 from .._storages import StorageRef
 from ..census import LiveStorage, live_refs, live_storages
 from ..span import RawSpan, _close, _open
+from .results import MemoryCheck
 
 __all__ = [
     "MemoryCheck",
@@ -82,56 +83,6 @@ def parse_size(value: Any, name: str = "limit") -> int:
 
 
 # --------------------------------------------------------------------------- results
-
-
-@dataclass(frozen=True, slots=True)
-class MemoryCheck:
-    """What one test left behind and how high it went. Bytes are ints."""
-
-    json_properties: ClassVar[tuple[str, ...]] = ("failed",)
-
-    test: str
-    #: ``cuda`` or ``cpu``: which storages were counted.
-    device: str
-    #: Storages created by the test and alive after it (the largest first), with holders.
-    leaked: tuple[LiveStorage, ...]
-    leaked_bytes: int
-    #: The ``limit_gpu_leaks`` limit, ``None`` when leaks were not checked.
-    leak_limit: int | None
-    #: ``(device, bytes)``: allocated growth no live storage accounts for (CUDA only).
-    unexplained: tuple[tuple[str, int], ...]
-    #: ``(device, bytes)``: the most allocated at once beyond the start, ``()`` if unknown.
-    peaks: tuple[tuple[str, int], ...]
-    #: The ``limit_gpu_memory`` limit, ``None`` when the peak was not checked.
-    memory_limit: int | None
-    notes: tuple[str, ...] = ()
-
-    @property
-    def failed(self) -> bool:
-        """Whether a limit was passed."""
-        if self.leak_limit is not None:
-            if self.leaked_bytes > self.leak_limit:
-                return True
-            if any(b > self.leak_limit for _, b in self.unexplained):
-                return True
-        if self.memory_limit is not None:
-            return any(b > self.memory_limit for _, b in self.peaks)
-        return False
-
-    @property
-    def peak(self) -> int | None:
-        """The highest per-device peak, ``None`` when not measured."""
-        return max((b for _, b in self.peaks), default=None)
-
-    def __str__(self) -> str:
-        from ..render.integrations import render_memory_check
-        from ..render.text import format_bytes
-
-        text = render_memory_check(self)
-        if text:
-            return text
-        peak = "" if self.peak is None else f", peak {format_bytes(self.peak)}"
-        return f"cudamem: {self.test}: no {self.device} storage outlived the test{peak}"
 
 
 # --------------------------------------------------------------------------- measuring

@@ -38,14 +38,18 @@ import gc
 import re
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 from transformers import TrainerCallback
 
+from .. import _backend
+from .._autograd import storage_of
 from .._storages import StorageRef, ref_of
-from ..culprits import NO_HOLDER
+from ..census import live_storages
+from ..culprits import NO_HOLDER, Culprit, container_of
+from ..release import release
 from ._steps import StepMeter
+from .results import TrainerRelease
 
 if TYPE_CHECKING:
     from ..culprits import Culprit
@@ -101,8 +105,6 @@ class CudamemTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-ignor
         kind = str(getattr(device, "type", "cpu"))
         index = getattr(device, "index", None)
         if kind == "cuda" and not isinstance(index, int):
-            from .. import _backend
-
             index = _backend.get().current_device()
         self._pending.clear()
         self.meter.begin_run(kind, index if isinstance(index, int) else None)
@@ -152,37 +154,6 @@ def attach(trainer: Any, **kwargs: Any) -> CudamemTrainerCallback:
 # --------------------------------------------------------------------------- release
 
 
-@dataclass(frozen=True, slots=True)
-class TrainerRelease:
-    """What ``release_trainer`` dropped, freed, and could not free. Bytes are ints."""
-
-    json_properties: ClassVar[tuple[str, ...]] = ("remaining_bytes",)
-
-    #: The references it set to ``None`` or cleared (``trainer.optimizer``, ...).
-    dropped: tuple[str, ...]
-    #: Storages of the model, its gradients and the optimizer state before the release.
-    tracked: int
-    tracked_bytes: int
-    #: Those of them that are gone now.
-    freed: int
-    freed_bytes: int
-    #: Those still alive, grouped by what holds them.
-    remaining: tuple[Culprit, ...]
-    #: ``cudamem.release`` (per GPU: cache returned to CUDA, still allocated).
-    release: ReleaseResult | None
-    notes: tuple[str, ...] = ()
-
-    @property
-    def remaining_bytes(self) -> int:
-        """Bytes of tracked storages still alive."""
-        return self.tracked_bytes - self.freed_bytes
-
-    def __str__(self) -> str:
-        from ..render.integrations import render_trainer_release
-
-        return render_trainer_release(self)
-
-
 def _tensors(model: Any, optimizer: Any) -> Iterator[Any]:
     """Parameters, buffers and gradients of ``model``, tensors of ``optimizer``'s state."""
     import torch
@@ -205,7 +176,6 @@ def _tensors(model: Any, optimizer: Any) -> Iterator[Any]:
 
 def _track(model: Any, optimizer: Any) -> tuple[dict[StorageRef, int], list[str]]:
     """Each storage's identity (a weak reference) -> bytes: keeps nothing alive."""
-    from .._autograd import storage_of
 
     tracked: dict[StorageRef, int] = {}
     notes: list[str] = []
@@ -247,7 +217,6 @@ def release_trainer(trainer: Any, *, keep_model: bool = False) -> TrainerRelease
     handler = getattr(trainer, "callback_handler", None)
     if handler is None or not hasattr(trainer, "args"):
         raise TypeError(f"trainer must be a transformers.Trainer, not {type(trainer).__name__}")
-    from ..release import release
 
     model = getattr(trainer, "model", None)
     tracked, notes = _track(None if keep_model else model, getattr(trainer, "optimizer", None))
@@ -321,15 +290,12 @@ def _owner(holder: Any) -> str:
         m = _FIRST_STEP.match(path[len(root) :])
         if m is not None:
             return root + m.group(0)
-    from ..culprits import container_of
 
     return container_of(path)
 
 
 def _holders_of(alive: dict[StorageRef, int], notes: list[str]) -> tuple[Culprit, ...]:
     """Still-alive storages grouped by the variable that holds them, the largest first."""
-    from ..census import live_storages
-    from ..culprits import Culprit
 
     try:
         found = live_storages(None, holders=True, among=alive.keys())

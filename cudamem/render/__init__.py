@@ -1,5 +1,39 @@
-"""Renderers: results in, strings out. Nothing here collects data or prints."""
+"""Renderers: results in, strings out. Nothing here collects data or prints.
 
-from .text import format_bytes, format_duration, render_table
+Each module registers its renderers for the result types it draws
+(``cudamem._present.renders``); importing this package registers them all, and
+``import cudamem`` does that. Results reach them through ``cudamem._present.present``
+and never import a renderer.
+"""
 
-__all__ = ["format_bytes", "format_duration", "render_table"]
+from . import (
+    diff,
+    distributed,
+    history,
+    holders,
+    integrations,
+    leaks,
+    ledger,
+    memviz,
+    notebook,
+    oom,
+    reader,
+    report,
+    scalars,
+)
+
+__all__ = [
+    "diff",
+    "distributed",
+    "history",
+    "holders",
+    "integrations",
+    "leaks",
+    "ledger",
+    "memviz",
+    "notebook",
+    "oom",
+    "reader",
+    "report",
+    "scalars",
+]

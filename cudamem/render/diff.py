@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from .text import format_bytes, render_table
-
-if TYPE_CHECKING:
-    from ..diff import MemoryDiff
+from .._format import format_bytes
+from .._present import renders
+from ..diff import MemoryDiff
+from .text import render_table
 
 __all__ = ["render_diff"]
 
@@ -18,6 +16,7 @@ _WHAT = {
 }
 
 
+@renders(MemoryDiff)
 def render_diff(d: MemoryDiff, *, limit: int = 20) -> str:
     """A header with both totals, one row per changed holder group (largest growth first),
     then the example path of each group that grew, and notes."""

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
-from .text import format_bytes, render_table
-
-if TYPE_CHECKING:
-    from ..distributed import DistributedReport, RankReport
+from .._format import format_bytes
+from .._present import renders
+from ..distributed._results import DistributedReport, RankReport
+from .text import render_table
 
 __all__ = ["render_distributed", "render_rank"]
 
@@ -188,6 +187,7 @@ def render_rank(row: RankReport) -> str:
     return "\n".join(lines)
 
 
+@renders(DistributedReport)
 def render_distributed(report: DistributedReport) -> str:
     """The whole report: a summary row per rank, the outliers, the GPU map, stray memory with
     its causes, then one block per rank."""

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from .text import format_bytes, format_duration, render_table
-
-if TYPE_CHECKING:
-    from .._history import History
+from .._format import format_bytes, format_duration
+from .._history import History
+from .._present import renders
+from .text import render_table
 
 __all__ = ["render_history"]
 
@@ -16,6 +14,7 @@ def _mib(value: float | None, *, signed: bool = False) -> str:
     return "n/a" if value is None else format_bytes(round(value), signed=signed)
 
 
+@renders(History)
 def render_history(history: History) -> str:
     """One row per span name: calls, mean/max allocated delta, reserved delta, peak, time."""
     if not history.stats:

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from .text import format_bytes, render_table
-
-if TYPE_CHECKING:
-    from ..census import Census, Unaccounted
-    from ..holders import GraphHolders, Holder, Holders
+from .._format import format_bytes
+from .._present import renders
+from ..census import Census, Unaccounted
+from ..holders import GraphHolders, Holder, Holders
+from .text import render_table
 
 __all__ = [
     "render_census",
@@ -37,6 +35,7 @@ def holder_text(holder: Holder) -> str:
     return holder.pattern if holder.count > 1 and holder.pattern else holder.path
 
 
+@renders(Holder)
 def render_holder(holder: Holder) -> str:
     """``__main__.saved[0]  (view)``: the path (a group's pattern), how many references it
     stands for, what it holds if not the tensor itself, and whether it is the caller's own
@@ -57,6 +56,7 @@ def render_holder(holder: Holder) -> str:
     return holder_text(holder) + (f"  ({'; '.join(marks)})" if marks else "")
 
 
+@renders(Holders)
 def render_holders(holders: Holders) -> str:
     """A header naming the target and its bytes, one line per holder, then notes."""
     size = "" if holders.nbytes is None else f", {format_bytes(holders.nbytes)}"
@@ -77,6 +77,7 @@ def render_holders(holders: Holders) -> str:
     return "\n".join(lines)
 
 
+@renders(Census)
 def render_census(census: Census, *, limit: int = 30) -> str:
     """One row per storage, largest first: bytes, device, dtype, shape, tensors, holders."""
     if not census.storages:
@@ -110,6 +111,7 @@ def render_census(census: Census, *, limit: int = 30) -> str:
     return "\n".join(lines)
 
 
+@renders(Unaccounted)
 def render_unaccounted(u: Unaccounted) -> str:
     """The allocated bytes of one device, split by what holds them."""
     rows = [
@@ -125,6 +127,7 @@ def render_unaccounted(u: Unaccounted) -> str:
     return "\n".join(lines)
 
 
+@renders(GraphHolders)
 def render_graph_holders(result: GraphHolders) -> str:
     """One row per container holding tensors with graphs, then the notes."""
     if not result.holders:

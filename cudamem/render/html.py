@@ -12,10 +12,10 @@ from __future__ import annotations
 from html import escape
 from typing import TYPE_CHECKING, Any
 
+from .._format import escape_invisible, format_bytes, format_duration
 from .report import command_line, leak_line, unmeasured
 from .series import nothing_to_plot, points
 from .svg import memory_chart
-from .text import escape_invisible, format_bytes, format_duration
 
 if TYPE_CHECKING:
     from ..runner import RunReport

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from .._format import format_bytes
+from .._present import renders
+from ..integrations.results import MemoryCheck, TrainerRelease
 from .leaks import render_culprit
-from .text import format_bytes
-
-if TYPE_CHECKING:
-    from ..integrations.pytest_plugin import MemoryCheck
-    from ..integrations.transformers import TrainerRelease
 
 __all__ = ["render_memory_check", "render_trainer_release"]
 
 
+@renders(TrainerRelease)
 def render_trainer_release(r: TrainerRelease) -> str:
     """What was dropped, what of the model and optimizer state was freed, who holds the rest."""
     lines = [
@@ -40,6 +37,7 @@ def render_trainer_release(r: TrainerRelease) -> str:
     return "\n".join(lines)
 
 
+@renders(MemoryCheck)
 def render_memory_check(check: MemoryCheck) -> str:
     """The failure text of a test: leaked storages with their holders, peaks over the limit."""
     lines: list[str] = []
@@ -72,4 +70,7 @@ def render_memory_check(check: MemoryCheck) -> str:
                 f"over the limit of {format_bytes(check.memory_limit)}"
             )
     lines.extend(f"  note: {n}" for n in check.notes)
+    if not lines:
+        top = "" if check.peak is None else f", peak {format_bytes(check.peak)}"
+        return f"cudamem: {check.test}: no {check.device} storage outlived the test{top}"
     return "\n".join(lines)

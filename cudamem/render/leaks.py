@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from .text import format_bytes, render_table
-
-if TYPE_CHECKING:
-    from ..culprits import Culprit
-    from ..leaks import Growth, LeakReport
+from .._format import format_bytes
+from .._present import renders
+from ..culprits import Culprit
+from ..leaks import Growth, LeakReport
+from .text import render_table
 
 __all__ = ["render_culprit", "render_growth", "render_leak_report"]
 
@@ -17,6 +15,7 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
+@renders(Culprit)
 def render_culprit(c: Culprit) -> str:
     """``__main__.loss_history: 10 tensors, 40.0 MiB held through autograd graphs``.
 
@@ -67,6 +66,7 @@ def _culprit_lines(c: Culprit) -> list[str]:
     return [f"  {render_culprit(c)}", *([f"    as {', '.join(inner)}"] if inner else [])]
 
 
+@renders(Growth)
 def render_growth(g: Growth) -> str:
     """The text of a ``cudamem.LeakWarning``: the rate, then one line per culprit."""
     lines = [
@@ -91,6 +91,7 @@ def _holders_text(holders: tuple[str, ...]) -> str:
     return holders[0] + more
 
 
+@renders(LeakReport)
 def render_leak_report(r: LeakReport) -> str:
     """Storages a span left behind: a summary line, culprits, the largest storages."""
     if not r.count:

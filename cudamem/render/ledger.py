@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from .text import format_bytes, render_table
-
-if TYPE_CHECKING:
-    from ..ledger import DeviceLedger, Explanation, MachineStatus
-    from ..release import DeviceRelease, ReleaseResult
-    from ..snapshot import CacheSplit
+from .._format import format_bytes
+from .._present import renders
+from ..ledger import DeviceLedger, Explanation, MachineStatus
+from ..release import DeviceRelease, ReleaseResult
+from ..snapshot import CacheSplit
+from .text import render_table
 
 __all__ = [
     "render_explanation",
@@ -39,6 +37,7 @@ def _title(ledger: DeviceLedger) -> str:
     return head
 
 
+@renders(DeviceLedger)
 def render_ledger(ledger: DeviceLedger) -> str:
     """One device's ledger: a line per item, grouped, with what frees each, then notes."""
     rows: list[list[str]] = []
@@ -77,6 +76,7 @@ def render_ledger(ledger: DeviceLedger) -> str:
     return "\n".join([table, *details, *notes])
 
 
+@renders(Explanation)
 def render_explanation(explanation: Explanation) -> str:
     """Every device's ledger, then the process-wide notes."""
     parts = [render_ledger(d) for d in explanation.devices]
@@ -154,6 +154,7 @@ def _device_release(r: DeviceRelease) -> str:
     return "\n".join(lines)
 
 
+@renders(ReleaseResult)
 def render_release(result: ReleaseResult) -> str:
     """What ``cudamem.release`` freed per device and who holds what is left."""
     parts = [_device_release(r) for r in result.devices]
@@ -163,6 +164,7 @@ def render_release(result: ReleaseResult) -> str:
     return "\n".join([head, *parts, *(f"note: {n}" for n in result.notes)])
 
 
+@renders(MachineStatus)
 def render_machine_status(status: MachineStatus) -> str:
     """``cudamem status``: one table per GPU whose lines add up to NVML's used."""
     if not status.nvml.available:

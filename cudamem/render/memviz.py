@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from .text import format_bytes
-
-if TYPE_CHECKING:
-    from ..memviz import SnapshotDump
+from .._format import format_bytes
+from .._present import renders
+from ..memviz import SnapshotDump
 
 __all__ = ["render_dump"]
 
 
+@renders(SnapshotDump)
 def render_dump(dump: SnapshotDump) -> str:
     """``wrote snap.pickle (oom): 12 live blocks, 40.0 MiB; 10 named by holder (39.0 MiB)``,
     then notes and where to open it."""

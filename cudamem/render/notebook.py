@@ -9,19 +9,23 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from html import escape
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .text import format_bytes, format_duration
-
-if TYPE_CHECKING:
-    from ..holders import Holders
-    from ..integrations.notebook import NotebookHolders
-    from ..ledger import DeviceLedger, Explanation
-    from ..span import MemorySpan, SpanRecord
+from .._format import format_bytes, format_duration
+from .._present import renders
+from ..holders import Holders
+from ..integrations.results import NotebookHolders
+from ..leak_report import LeakReport
+from ..ledger import DeviceLedger, Explanation
+from ..span import MemorySpan, SpanRecord
+from .holders import render_holder
+from .leaks import render_leak_report
+from .ledger import _title
 
 __all__ = [
     "explanation_html",
     "holders_html",
+    "leak_report_html",
     "ledger_html",
     "notebook_holders_html",
     "pre_html",
@@ -59,10 +63,17 @@ def pre_html(text: str) -> str:
     return f"<pre>{_e(text)}</pre>"
 
 
+@renders(LeakReport, "html")
+def leak_report_html(report: LeakReport) -> str:
+    """A span's left-behind storages as the text report, preformatted."""
+    return pre_html(render_leak_report(report))
+
+
 def _notes(notes: Sequence[str]) -> str:
     return "".join(f"<div><small>note: {_e(n)}</small></div>" for n in notes)
 
 
+@renders(SpanRecord, "html")
 def record_html(record: SpanRecord) -> str:
     """A span's devices as a table (allocated and reserved change, peak), its duration and
     exception."""
@@ -93,6 +104,7 @@ def record_html(record: SpanRecord) -> str:
     return f"<div>{title}{table}{_notes(record.notes)}</div>"
 
 
+@renders(MemorySpan, "html")
 def span_html(span: MemorySpan) -> str:
     """``record_html`` of a closed span; one line while it is open or unused."""
     if not span.closed:
@@ -100,11 +112,11 @@ def span_html(span: MemorySpan) -> str:
     return record_html(span.record)
 
 
+@renders(Holders, "html")
 def holders_html(holders: Holders) -> str:
     """The target, its bytes, one row per holder path (how it holds it), then notes."""
     size = "" if holders.nbytes is None else f", {format_bytes(holders.nbytes)}"
     title = f"<div><b>{_e(holders.target)}</b>{_e(size)}: {len(holders)} holder(s)</div>"
-    from .holders import render_holder
 
     items = "".join(f"<li><code>{_e(render_holder(h))}</code></li>" for h in holders)
     if not holders.holders:
@@ -112,9 +124,9 @@ def holders_html(holders: Holders) -> str:
     return f"<div>{title}<ul>{items}</ul>{_notes(holders.notes)}</div>"
 
 
+@renders(DeviceLedger, "html")
 def ledger_html(ledger: DeviceLedger) -> str:
     """One device's ledger lines (bytes, measured or inferred, what frees them)."""
-    from .ledger import _title
 
     rows = [
         [line.label, format_bytes(line.nbytes), line.basis, line.frees] for line in ledger.lines
@@ -124,6 +136,7 @@ def ledger_html(ledger: DeviceLedger) -> str:
     return f"<div><b>{_e(_title(ledger))}</b>{table}{_notes(ledger.notes)}</div>"
 
 
+@renders(Explanation, "html")
 def explanation_html(explanation: Explanation) -> str:
     """Every device's ledger, then the notes."""
     parts = [ledger_html(d) for d in explanation.devices]
@@ -132,6 +145,7 @@ def explanation_html(explanation: Explanation) -> str:
     return "<div>" + "".join(parts) + _notes(explanation.notes) + "</div>"
 
 
+@renders(NotebookHolders, "html")
 def notebook_holders_html(found: NotebookHolders) -> str:
     """``%who_holds``: your holders first, then what IPython keeps, each with its fix."""
     h = found.holders
@@ -152,6 +166,7 @@ def notebook_holders_html(found: NotebookHolders) -> str:
     return "<div>" + "".join(parts) + "</div>"
 
 
+@renders(NotebookHolders)
 def render_notebook_holders(found: NotebookHolders) -> str:
     """The text of ``%who_holds``: your holders, then each IPython holder with its fix."""
     h = found.holders

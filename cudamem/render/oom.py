@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import datetime
-from typing import TYPE_CHECKING
 
+from .._format import format_bytes
+from .._present import renders
+from ..oom import OomReport
 from .leaks import render_culprit
-from .text import format_bytes, render_table
-
-if TYPE_CHECKING:
-    from ..oom import OomReport
+from .text import render_table
 
 __all__ = ["render_oom"]
 
@@ -18,6 +17,7 @@ def _b(n: int | None) -> str:
     return format_bytes(n)
 
 
+@renders(OomReport)
 def render_oom(r: OomReport) -> str:
     """The post-mortem as a person reads it: facts, the largest holders, then advice."""
     when = datetime.datetime.fromtimestamp(r.created_at).isoformat(timespec="seconds")

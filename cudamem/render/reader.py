@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .._fastread import ReaderStatus
+from .._fastread import ReaderStatus
+from .._present import renders
 
 __all__ = ["render_reader_status"]
 
@@ -15,6 +13,7 @@ _NAMES = {
 }
 
 
+@renders(ReaderStatus)
 def render_reader_status(status: ReaderStatus) -> str:
     """One line: ``reader: <which> [<state>]: <why>``."""
     if status.state == "cached":

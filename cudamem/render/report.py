@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .text import escape_invisible, format_bytes, format_duration, plural, render_table
-
-if TYPE_CHECKING:
-    from ..runner import RunReport
+from .._format import escape_invisible, format_bytes, format_duration, plural
+from .._present import renders
+from ..runner import RunReport
+from .text import render_table
 
 __all__ = ["command_line", "leak_line", "render_report", "render_storage_groups", "unmeasured"]
 
@@ -84,6 +84,7 @@ def render_storage_groups(report: RunReport) -> str:
     return "\n".join(lines)
 
 
+@renders(RunReport)
 def render_report(report: RunReport) -> str:
     """The end-of-run summary: outcome, peaks, leak warnings, live storages, the ledger."""
     lines = [f"== cudamem run: {command_line(report)}"]

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
+from .._present import renders
+from ..scalars import ScalarLogger, SeriesSummary
 from .text import render_table
 
-if TYPE_CHECKING:
-    from ..scalars import SeriesSummary
-
-__all__ = ["render_logger"]
+__all__ = ["render_logger", "render_scalar_logger"]
 
 
 def render_logger(summaries: Sequence[SeriesSummary]) -> str:
@@ -26,3 +24,9 @@ def render_logger(summaries: Sequence[SeriesSummary]) -> str:
         for s in summaries
     ]
     return render_table(["series", "count", "last", "mean", "min", "max", "NaN"], rows)
+
+
+@renders(ScalarLogger)
+def render_scalar_logger(logger: ScalarLogger) -> str:
+    """A live logger's series as they stand now (``str(logger)``)."""
+    return render_logger(logger.summary())

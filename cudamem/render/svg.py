@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from html import escape
 
+from .._format import escape_invisible, format_bytes
 from .series import Point
-from .text import escape_invisible, format_bytes
 
 __all__ = ["memory_chart"]
 

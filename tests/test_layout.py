@@ -1,0 +1,184 @@
+"""The package's shape: imports run one way, and every result reaches its renderer.
+
+Imports are read from the source (``ast``), all of them: module level, inside functions and
+under ``TYPE_CHECKING``. A result that imported its renderer while the renderer imported
+the result would be a circle even when one side is lazy or type-only.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import pkgutil
+from pathlib import Path
+
+import pytest
+
+import cudamem
+from cudamem import _present
+
+PACKAGE = Path(cudamem.__file__).resolve().parent
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    """cudamem modules ``name`` imports anywhere in its source."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name in MODULES)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            for alias in node.names:
+                sub = f"{module}.{alias.name}"
+                if sub in MODULES:
+                    found.add(sub)
+                elif module in MODULES:
+                    found.add(module)
+    found.discard(name)
+    return found
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                group = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    group.append(member)
+                    if member == node:
+                        break
+                if len(group) > 1:
+                    out.append(sorted(group))
+    return out
+
+
+def test_the_circle_finder_finds_a_circle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _circles(graph) == [["a", "b", "c"]]
+
+
+def test_imports_are_read_at_module_level_in_functions_and_for_types() -> None:
+    assert "cudamem.span" in _imports("cudamem.leaks", MODULES["cudamem.leaks"])  # top level
+    assert "cudamem.leak_report" in _imports("cudamem.span", MODULES["cudamem.span"])  # types
+    assert "cudamem._data" in _imports("cudamem.span", MODULES["cudamem.span"])  # in a function
+
+
+def test_no_import_circle_not_even_lazy_or_type_only() -> None:
+    graph = {name: _imports(name, path) for name, path in MODULES.items()}
+    assert _circles(graph) == []
+
+
+def test_results_never_import_a_renderer() -> None:
+    # The modules whose results the renderers draw (what cudamem.render imports).
+    drawn = set().union(
+        *(_imports(n, p) for n, p in MODULES.items() if n.startswith("cudamem.render"))
+    )
+    drawn = {m for m in drawn if not m.startswith("cudamem.render")}
+    offenders = {
+        m: sorted(i for i in _imports(m, MODULES[m]) if i.startswith("cudamem.render"))
+        for m in drawn
+    }
+    assert {m: r for m, r in offenders.items() if r} == {}
+
+
+def _presented() -> list[tuple[type, str]]:
+    """Every cudamem class whose ``__str__``/``_repr_html_`` asks ``present``."""
+    found = []
+    for info in pkgutil.walk_packages(cudamem.__path__, "cudamem."):
+        try:
+            module = importlib.import_module(info.name)
+        except ImportError:  # an integration whose framework is not installed
+            continue
+        for _, cls in inspect.getmembers(module, inspect.isclass):
+            if cls.__module__ != module.__name__:
+                continue
+            for method, fmt in (("__str__", "text"), ("_repr_html_", "html")):
+                fn = cls.__dict__.get(method)
+                if fn is not None and "present(" in inspect.getsource(fn):
+                    found.append((cls, fmt))
+    return found
+
+
+def test_every_presented_result_has_its_renderer_after_import_cudamem() -> None:
+    presented = _presented()
+    assert len(presented) >= 25  # the finder finds them
+    missing = [
+        f"{c.__module__}.{c.__qualname__} ({fmt})"
+        for c, fmt in presented
+        if _present.renderer_for(c, fmt) is None
+    ]
+    assert missing == []
+
+
+def test_present_uses_the_nearest_registered_class_and_never_raises() -> None:
+    class Base:
+        pass
+
+    class Child(Base):
+        pass
+
+    class Alone:
+        pass
+
+    _present.renders(Base)(lambda obj: f"base renderer for {type(obj).__name__}")
+    try:
+        assert _present.present(Child()) == "base renderer for Child"
+        assert _present.present(Child(), "html").startswith("<")  # no html renderer: repr
+        assert _present.present(Alone()).startswith("<") and "Alone object" in _present.present(
+            Alone()
+        )
+    finally:
+        del _present._renderers[("text", Base)]
+
+
+def test_renders_names_a_bad_argument() -> None:
+    with pytest.raises(TypeError, match="cls must be a class"):
+        _present.renders("Holders")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="fmt must be 'text' or 'html', not 'markdown'"):
+        _present.renders(int, "markdown")  # type: ignore[arg-type]
