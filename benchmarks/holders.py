@@ -26,6 +26,9 @@ Runs on CPU (the search is about Python objects); on a GPU machine the model run
     PYTHONPATH=. python3 benchmarks/holders.py [--quick] [--repeat 5]
         [--out benchmarks/results/holders.json]
 
+The figures in ``docs/guide/who-holds.md`` come from ``OMP_NUM_THREADS=1`` runs (CPU
+seconds count torch's worker threads too; the JSON says how many there were).
+
 ``--quick`` (fewer repeats and samples, a 1.5 M-object first heap) finishes in about a
 minute on a fast machine.
 """
@@ -325,7 +328,9 @@ def main() -> None:
         args.objects = min(args.objects, 1_500_000)
 
     rows: list[list[str]] = []
-    data: dict[str, Any] = {"args": vars(args)}
+    # CPU seconds count every thread: on a busy machine torch's spinning OpenMP workers add
+    # up to 0.6 s to a 4 ms step; OMP_NUM_THREADS=1 keeps the step rows about cudamem.
+    data: dict[str, Any] = {"args": vars(args), "torch_threads": torch.get_num_threads()}
     big_heap(args, rows, data)
     small_heap(args, rows, data)
     data["cpu_s"] = CPU

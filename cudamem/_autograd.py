@@ -283,11 +283,20 @@ def all_tensors() -> list[Any]:
     import gc
 
     types_ = tensor_types()
-    return [
-        o
-        for o in gc.get_referrers(*types_)
-        if is_sub(type(o), torch.Tensor) and not _is_our_wrapper(o) and has_memory(o)
-    ]
+    found = gc.get_referrers(*types_)
+    # Most referrers of the tensor types are not tensors (module dicts, MRO tuples): decide
+    # once per type, by identity (the objects keep their types alive meanwhile).
+    is_tensor = {id(tp): True for tp in types_}
+    out = []
+    for o in found:
+        tp = type(o)
+        yes = is_tensor.get(id(tp))
+        if yes is None:
+            yes = is_tensor[id(tp)] = is_sub(tp, torch.Tensor)
+        if yes and not _is_our_wrapper(o) and has_memory(o):
+            out.append(o)
+    found.clear()
+    return out
 
 
 # Reading a saved tensor (``SavedTensor.data``, ``AccumulateGrad.variable``) makes a Python

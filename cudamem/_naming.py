@@ -68,10 +68,16 @@ class Seg(NamedTuple):
 
 def is_sub(tp: type, base: type) -> bool:
     """``issubclass`` by identity over the stored MRO (no metaclass ``__subclasscheck__``)."""
+    if tp is base:
+        return True
     try:
-        return any(b is base for b in _MRO.__get__(tp))
+        mro = _MRO.__get__(tp)
     except Exception:
         return False
+    for b in mro:  # noqa: SIM110 (a plain loop: any() over a generator costs 2-3x here)
+        if b is base:
+            return True
+    return False
 
 
 def type_name(tp: type) -> str:

@@ -75,6 +75,12 @@ _PARTIAL_PER_TARGET = 3
 #: Builtin iterator types: a running ``for`` loop's iterator lives on the frame's value
 #: stack, which gc cannot see, so it looks like an object nothing holds.
 _ITERATORS = frozenset({"enumerate", "zip", "map", "filter", "reversed"})
+#: Objects asked about beside a level's own in one scan, at most (see Search._referrers),
+#: and functions whose closures are indexed for guessing them.
+_LIKELY = 16
+_CLOSURE_FUNCS = 256
+_CLOSURE: Any = vars(types.FunctionType)["__closure__"]
+_CELL: Any = vars(types.CellType)["cell_contents"]
 _TEMPORARY_TYPES: tuple[type, ...] = (tuple, dict, functools.partial, types.MethodType)
 
 _NONE: dict[int, Ref] = {}
@@ -179,6 +185,12 @@ class Search:
         self._groups: list[dict[tuple[Any, ...], Group]] = []
         self.reader = PathReader({}, {}, {}, limits.max_paths, self._read_late)
         self.nbytes: list[int | None] = [None] * len(keys)
+        # The last gc.get_referrers scan: what it asked about (ids) and found (see _referrers).
+        self._ask: list[Any] = []
+        self._asked: set[int] = set()
+        self._pool: list[Any] | None = None
+        self._refers: list[set[int] | None] = []
+        self._closures: tuple[dict[int, list[int]], dict[int, Any]] | None = None
 
     # -- bookkeeping --------------------------------------------------------------------
     def _own(self, container: Any) -> Any:
@@ -206,6 +218,10 @@ class Search:
         self.caller = None
         self.not_inspected = []
         self.frames = _Frames()
+        self._ask = []
+        self._pool = None
+        self._refers = []
+        self._closures = None
 
     def timed_out(self) -> bool:
         return time.perf_counter() > self.deadline
@@ -493,15 +509,13 @@ class Search:
             self.next.clear()
             arrays = first
             if not arrays and self._scan_is_cheaper(need):
-                objs = self._own([self.nodes[i] for i in self.current])
-                found = self._own(gc.get_referrers(*objs))
+                found = self._referrers()
                 for n, ref in enumerate(found):
                     if not n & 0xFFF and self.timed_out():
                         self._stop("timeout")
                         break
                     self._hit(ref)
                 found.clear()
-                objs.clear()
                 need = None  # what it found was never looked for: a full pass next
             else:
                 if self.heap is None:
@@ -522,6 +536,107 @@ class Search:
                 need = last + 1 if whole or last < 0 else None
             first = False
             self.current, self.next = self.next, self.current
+
+    def _referrers(self) -> list[Any]:
+        """Every referrer of the objects in ``current``, in heap order, as one
+        ``gc.get_referrers`` scan of them would list them.
+
+        The scan also asks about the objects likely to join the search in the next levels
+        (the cell, tuple and function of a closure that one of them is in); a level whose
+        objects were all asked about by the last scan picks its referrers out of that scan's
+        answer (which holds every referrer of each of them) instead of scanning the whole
+        heap for one or two objects. Either way the level sees exactly the referrers of its
+        own objects, in the same order, so the search runs as if each level had scanned.
+        """
+        if self._pool is None or not self.current <= self._asked:
+            if self._pool is not None:
+                self._pool.clear()
+                self._ask.clear()
+            ask = self._ask = self._own([self.nodes[i] for i in self.current])
+            level = len(ask)
+            ask += self._likely_parents()
+            asked = self._asked = {id(o) for o in ask}
+            pool: list[Any] = self._own(gc.get_referrers(*ask))
+            self._pool = pool
+            if len(ask) == level:  # nothing else asked: the very answer, and no later level's
+                self._asked, self._refers = set(), []
+                return pool
+            # Which asked objects each referrer refers to (ids): one look at each, not one
+            # per level (a referrer may be a large container). cudamem's own containers (the
+            # heap snapshot refers to everything) go to every level, whose _hit skips them.
+            get = gc.get_referents
+            self._refers = [
+                None if id(r) in _OURS else asked.intersection(map(id, get(r))) for r in pool
+            ]
+        cur = self.current  # as at the start of the level: the level adds to it as it goes
+        picked: list[Any] = self._own(
+            [
+                r
+                for r, ids in zip(self._pool, self._refers, strict=True)
+                if ids is None or not cur.isdisjoint(ids)
+            ]
+        )
+        return picked
+
+    def _likely_parents(self) -> list[Any]:
+        """Objects not yet found that probably hold what ``current`` holds, a few levels up:
+        through the closures of the functions that running frames hold (a cell's holder is
+        its closure tuple, whose holder is the function, which may sit in another cell)."""
+        if self._closures is None:
+            self._closures = self._closure_index()
+        parents, objs = self._closures
+        if not parents:
+            return []
+        out: list[Any] = []
+        seen = set(self.current)
+        queue = list(self.current)
+        while queue and len(out) < _LIKELY:
+            for pid in parents.get(queue.pop(), ()):
+                if pid not in seen and pid not in self.nodes:
+                    seen.add(pid)
+                    out.append(objs[pid])
+                    queue.append(pid)
+        return out
+
+    def _closure_index(self) -> tuple[dict[int, list[int]], dict[int, Any]]:
+        """``child id → ids of what holds it`` through closures (a cell's contents → the
+        cell → its closure tuple → the function), for the functions in running frames'
+        locals and the functions in their cells; and ``id → object`` of those holders.
+        Ints only in the first dict: our bookkeeping must not refer to what it indexes."""
+        parents: dict[int, list[int]] = self._own({})
+        objs: dict[int, Any] = self._own({})
+        funcs = [v for v in self.frames.values.values() if type(v) is types.FunctionType]
+        done: set[int] = set()
+        try:
+            while funcs and len(done) < _CLOSURE_FUNCS:
+                f = funcs.pop()
+                if id(f) in done:
+                    continue
+                done.add(id(f))
+                closure = _CLOSURE.__get__(f)
+                if type(closure) is not tuple:
+                    continue
+                objs[id(f)] = f
+                objs[id(closure)] = closure
+                parents.setdefault(id(closure), []).append(id(f))
+                for cell in closure:
+                    if type(cell) is not types.CellType:
+                        continue
+                    objs[id(cell)] = cell
+                    parents.setdefault(id(cell), []).append(id(closure))
+                    try:
+                        value = _CELL.__get__(cell)
+                    except ValueError:  # an empty cell
+                        continue
+                    parents.setdefault(id(value), []).append(id(cell))
+                    if type(value) is types.FunctionType:
+                        funcs.append(value)
+                    del value
+                del f, closure
+        except Exception:
+            pass  # a guess only: what it indexed so far is as good
+        funcs.clear()
+        return parents, objs
 
     def _reserve(self, seconds: float) -> None:
         """Keep ``seconds`` at the end of the timeout for letting go of the snapshot."""

@@ -625,7 +625,7 @@ class _Detector:
         culprits: list[Culprit] = []
         if not notes:
             try:
-                culprits = _name_culprits(pending)
+                culprits = _name_culprits(pending, notes)
             except Exception as exc:  # never into the user's step
                 notes.append(f"naming the culprits failed: {type(exc).__name__}: {exc}")
         growth = Growth(
@@ -653,20 +653,39 @@ class _Detector:
         _emit(growth)
 
 
-def _name_culprits(pending: Refs) -> list[Culprit]:
+def _name_culprits(pending: Refs, notes: list[str]) -> list[Culprit]:
     """Culprits for the storages a captured call left alive, with container totals.
 
-    The containers are named from the survivors; each is then totalled over every live
-    storage it holds through the same paths: "loss_history: 10 tensors, 40 MiB" rather
-    than the one captured call's share.
+    The containers are named from the survivors, by a holder search of their own: what
+    else lives on the device (in a long process, storages an earlier step or test left
+    behind, hanging off structures of hundreds of thousands of objects) cannot use up that
+    search's limits. Each container is then totalled over every live storage it holds
+    through the same paths: "loss_history: 10 tensors, 40 MiB" rather than the one captured
+    call's share. When the search over every storage stopped at a limit before it reached a
+    container, that container keeps the survivors' figures and a note says so.
     """
     device_type = _backend.get().storage_device_type()
-    everything = census.live_storages(device_type, holders=True)
-    survivors = [s for s in everything if s.ref is not None and s.ref in pending]
+    survivors = census.live_storages(device_type, holders=True, among=pending)
     named = group_culprits(survivors)
     wanted = {p for c in named for p in c.patterns}
-    totals = {c.holder: c for c in group_culprits(everything, patterns=wanted)}
-    culprits = [c if c.holder == NO_HOLDER else totals.get(c.holder, c) for c in named]
+    totals: dict[str, Culprit] = {}
+    stopped: set[str] = set()
+    if wanted:
+        everything = census.live_storages(device_type, holders=True)
+        totals = {c.holder: c for c in group_culprits(everything, patterns=wanted)}
+        stopped = {s.holders.stopped for s in everything if s.holders and s.holders.stopped}
+    culprits = []
+    for c in named:
+        total = totals.get(c.holder)
+        if c.holder != NO_HOLDER and total is not None and total.nbytes >= c.nbytes:
+            culprits.append(total)
+            continue
+        culprits.append(c)
+        if c.holder != NO_HOLDER and stopped:
+            notes.append(
+                f"{c.holder}: the storages this call left only; the holder search over every "
+                f"storage (for the totals) stopped at its {'/'.join(sorted(stopped))} limit"
+            )
     # A group holding less in all than the smallest growth counted per call is not where the
     # growth goes (a framework's latest logged scalar, say): name it only if nothing else is.
     floor = _settings.min_bytes_per_call

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 
@@ -30,11 +31,21 @@ loss_history: list[torch.Tensor] = []
 outputs: list[torch.Tensor] = []
 
 
+def _forget_failed_tests() -> None:
+    """pytest keeps the last failed test's traceback (``sys.last_traceback``, for
+    post-mortems), and with it that test's frames and globals: the CUDA tensors of an
+    earlier test that failed (or of a pytester run in this process) would stay alive."""
+    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+        if hasattr(sys, name):
+            delattr(sys, name)
+
+
 @pytest.fixture(autouse=True)
 def _clean() -> Iterator[None]:
     cudamem.configure_leaks()
     loss_history.clear()
     outputs.clear()
+    _forget_failed_tests()
     gc.collect()
     torch.cuda.empty_cache()
     yield
@@ -61,14 +72,14 @@ def test_loss_history_caught_within_five_calls() -> None:
     found = _leak_warnings(record)
     assert len(found) == 1, [str(w) for w in found]
     growth = found[0].growth
-    assert growth is not None and growth.calls <= 5
+    assert growth is not None and growth.calls <= 5, str(found[0])
     # 4 MiB saved by SigmoidBackward0 + one 512 B block for the loss scalar.
-    assert abs(growth.per_call - 4 * MiB) <= 4096
+    assert abs(growth.per_call - 4 * MiB) <= 4096, str(found[0])
     top = growth.culprits[0]
-    assert top.holder == "tests.test_leaks_cuda.loss_history"
-    assert top.tensors == len(loss_history)
-    assert top.autograd_bytes >= 4 * MiB * len(loss_history)
-    assert "SigmoidBackward0 saved result" in top.example
+    assert top.holder == "tests.test_leaks_cuda.loss_history", str(found[0])
+    assert top.tensors == len(loss_history), str(found[0])
+    assert top.autograd_bytes >= 4 * MiB * len(loss_history), str(found[0])
+    assert "SigmoidBackward0 saved result" in top.example, str(found[0])
     assert str(found[0]).startswith("train_step retains +4.0 MiB per call")
     assert "held through autograd graphs" in str(found[0])
 
@@ -85,12 +96,12 @@ def test_detached_outputs_caught_within_five_calls() -> None:
     found = _leak_warnings(record)
     assert len(found) == 1, [str(w) for w in found]
     growth = found[0].growth
-    assert growth is not None
-    assert abs(growth.per_call - 4 * MiB) <= 4096
+    assert growth is not None and growth.calls <= 5, str(found[0])
+    assert abs(growth.per_call - 4 * MiB) <= 4096, str(found[0])
     top = growth.culprits[0]
-    assert top.holder == "tests.test_leaks_cuda.outputs"
-    assert top.nbytes == 4 * MiB * len(outputs)
-    assert top.autograd_bytes == 0
+    assert top.holder == "tests.test_leaks_cuda.outputs", str(found[0])
+    assert top.nbytes == 4 * MiB * len(outputs), str(found[0])
+    assert top.autograd_bytes == 0, str(found[0])
 
 
 def test_clean_loop_with_scalar_logger_never_warns() -> None:

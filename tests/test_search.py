@@ -381,6 +381,74 @@ def test_100k_deep_nesting_stops_at_max_depth_without_recursion(g: Globals) -> N
             node = node[0]
 
 
+# --------------------------------------------------------------------------- closures
+
+
+def _closure_paths(monkeypatch: pytest.MonkeyPatch, guess: bool) -> tuple[list[str], int]:
+    """Holders of a parameter that a chain of closures in this running frame reaches, and
+    how many levels read the last ``gc.get_referrers`` scan's answer instead of scanning;
+    ``guess=False`` turns off asking about a closure's likely holders ahead of time."""
+    from cudamem import _search
+
+    model = torch.nn.Linear(3, 5)
+
+    def step() -> torch.Tensor:
+        return model(torch.ones(3))
+
+    def tracked() -> torch.Tensor:
+        return step()
+
+    other = torch.ones(2)
+
+    def unrelated() -> torch.Tensor:  # a closure in this frame that does not hold it
+        return other
+
+    reread: list[bool] = []
+    real = _search.Search._referrers
+
+    def counting(search: _search.Search) -> list[Any]:
+        before = search._pool
+        found = real(search)
+        # the last scan's answer read again: no new scan
+        reread.append(before is not None and search._pool is before)
+        return found
+
+    with monkeypatch.context() as m:
+        m.setattr(_search.Search, "_referrers", counting)
+        if not guess:
+            m.setattr(_search.Search, "_likely_parents", lambda self: [])
+        found = cudamem.who_holds(model.weight)
+    assert tracked is not None and unrelated is not None
+    return [h.path for h in mine(found)], sum(reread)
+
+
+def test_closures_of_running_frames_are_named_through_every_level(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    paths, _ = _closure_paths(monkeypatch, guess=True)
+    where = "in _closure_paths(): "
+    assert any(p.endswith(f"{where}model.weight") for p in paths), paths
+    assert any(p.endswith(f"{where}step (closure 'model').weight") for p in paths), paths
+    assert any(
+        p.endswith(f"{where}tracked (closure 'step') (closure 'model').weight") for p in paths
+    ), paths
+    assert not any("unrelated" in p or "other" in p for p in paths), paths
+
+
+def test_guessing_a_closures_holders_saves_scans_and_changes_no_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A cell, its closure tuple, the function and the next cell are one level each; asking
+    about them in the scan that finds the cell answers the next levels without scanning the
+    heap again for one object at a time, with the same paths in the same order."""
+    guessed, reread = _closure_paths(monkeypatch, guess=True)
+    plain, none = _closure_paths(monkeypatch, guess=False)
+    assert guessed == plain
+    # One level each, all answered by the scan that found the Linear: the cell of 'model',
+    # step's closure tuple, step, the cell of 'step', tracked's closure tuple, tracked.
+    assert (reread, none) == (6, 0), (reread, none)
+
+
 # --------------------------------------------------------------------------- threads
 
 
