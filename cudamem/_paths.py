@@ -164,14 +164,7 @@ def _chain_ranges(
     prev: dict[int, tuple[int, Ref] | None], node: int, into: dict[int, tuple[int, int]]
 ) -> None:
     """Add the single list indices on the first path down to ``node`` to ``into``."""
-    steps: list[Ref] = []
-    while True:
-        step = prev[node]
-        if step is None:
-            break
-        steps.append(step[1])
-        node = step[0]
-    for depth, r in enumerate(reversed(steps)):
+    for depth, r in enumerate(_chain(prev, node)[0]):
         if r.times == 1 and _collapsible(r.segs[0]):
             v = int(r.segs[0].text)
             _merge(into, {depth: (v, v)}, 0)
