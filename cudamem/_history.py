@@ -94,21 +94,27 @@ class _Aggregate:
         self.alloc_sum += a
         self.res_sum += res
         self.dur_sum += dur
-        if a > self.alloc_max:
-            self.alloc_max = a
+        self._maxima(a, res, dur)
+        peak, peakd = r.peak_total, r.peak_delta
+        if peak is not None and peakd is not None:
+            self._peaks(1, peak, peakd, peak, peakd)
+
+    def _maxima(self, alloc: int, res: int, dur: float) -> None:
+        if alloc > self.alloc_max:
+            self.alloc_max = alloc
         if res > self.res_max:
             self.res_max = res
         if dur > self.dur_max:
             self.dur_max = dur
-        peak, peakd = r.peak_total, r.peak_delta
-        if peak is not None and peakd is not None:
-            self.peak_calls += 1
-            self.peak_sum += peak
-            self.peakd_sum += peakd
-            if peak > self.peak_max:
-                self.peak_max = peak
-            if peakd > self.peakd_max:
-                self.peakd_max = peakd
+
+    def _peaks(self, calls: int, peak_sum: int, peakd_sum: int, peak: int, peakd: int) -> None:
+        self.peak_calls += calls
+        self.peak_sum += peak_sum
+        self.peakd_sum += peakd_sum
+        if peak > self.peak_max:
+            self.peak_max = peak
+        if peakd > self.peakd_max:
+            self.peakd_max = peakd
 
     def add(self, spans: list[RawSpan]) -> None:
         """Fold a batch of spans of one name in: one list comprehension per column (the
@@ -129,13 +135,7 @@ class _Aggregate:
         self.alloc_sum += sum(allocs)
         self.res_sum += sum(ress)
         self.dur_sum += sum(durs) / 1e9
-        a, res, dur = max(allocs), max(ress), max(durs) / 1e9
-        if a > self.alloc_max:
-            self.alloc_max = a
-        if res > self.res_max:
-            self.res_max = res
-        if dur > self.dur_max:
-            self.dur_max = dur
+        self._maxima(max(allocs), max(ress), max(durs) / 1e9)
         missing = peaks.count(None)
         if missing < n:
             kept = spans
@@ -144,14 +144,7 @@ class _Aggregate:
                 peaks = [r.peak_total for r in kept]
             tops = cast("list[int]", peaks)
             tops_d = cast("list[int]", [r.peak_delta for r in kept])
-            self.peak_calls += len(tops)
-            self.peak_sum += sum(tops)
-            self.peakd_sum += sum(tops_d)
-            peak, peakd = max(tops), max(tops_d)
-            if peak > self.peak_max:
-                self.peak_max = peak
-            if peakd > self.peakd_max:
-                self.peakd_max = peakd
+            self._peaks(len(tops), sum(tops), sum(tops_d), max(tops), max(tops_d))
 
     def freeze(self, name: str) -> SpanStats:
         n, pn = self.calls, self.peak_calls

@@ -346,16 +346,8 @@ class RawSpan:
     notes: list[str] | None
     unmeasured: str | None
 
-    def __init__(self, name: str, device: int | None, sync: bool, peak: bool, leaks: bool) -> None:
-        # ``_open`` makes its spans with the same stores inlined (the call of ``__init__``
-        # costs as much as they do).
-        self.name = name
-        self.device = device
-        self.sync = sync
-        self.peak = peak
-        self.leaks = leaks
-        self.parent = self.children = self.extras = self.fold = self.xfold = self._record = None
-        self.closed = False
+    # No ``__init__``: ``_open`` is the one maker of spans and stores the fields itself (a
+    # call of ``__init__`` would cost as much as the stores do).
 
     @property
     def measured(self) -> bool:
@@ -674,7 +666,7 @@ def _open(
     """Open a span: read the counters, join this thread's (or task's) stack, run the entry
     hooks (``hooks=False``: a measurement of cudamem's own, which no feature sees, e.g. the
     pytest plugin's per-test peak). Never raises."""
-    span = _new_raw(RawSpan)  # RawSpan.__init__, inlined
+    span = _new_raw(RawSpan)  # no __init__: the stores below are the constructor
     span.name = name
     span.device = device
     span.sync = sync
