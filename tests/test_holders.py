@@ -581,3 +581,44 @@ def test_render_and_json() -> None:
         assert isinstance(result[0], Holder) and len(result[0:2]) == 2
     finally:
         _clear("shown")
+
+
+def test_no_cyclic_collection_runs_inside_a_search_and_gc_is_back_on_after(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # With a threshold of one allocation, any moment of the search with gc enabled collects:
+    # a full collection of a large heap there would eat the search's timeout.
+    from cudamem import holders as holders_module
+
+    t = torch.zeros(8)
+    held = {"t": t}
+    inside: list[bool] = []
+    events: list[bool] = []
+    search = holders_module._find_holders
+
+    def marked(*args: Any) -> Any:
+        inside.append(True)
+        try:
+            return search(*args)
+        finally:
+            inside.clear()
+
+    def note(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            events.append(bool(inside))
+
+    monkeypatch.setattr(holders_module, "_find_holders", marked)
+    before = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)
+    gc.callbacks.append(note)
+    try:
+        found = cudamem.who_holds(t)
+        assert gc.isenabled()
+        _ = [[] for _ in range(10)]  # and it collects again once the search has returned
+    finally:
+        gc.callbacks.remove(note)
+        gc.set_threshold(*before)
+    assert any("held['t']" in p for p in found.paths), found.paths
+    assert held["t"] is t
+    assert True not in events
+    assert False in events
