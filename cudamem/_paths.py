@@ -61,10 +61,14 @@ class Path(NamedTuple):
 class Group:
     """Paths of one target, root and shape (list indices aside), while they are read."""
 
-    __slots__ = ("count", "first", "ranges", "stars")
+    __slots__ = ("count", "first", "ranges", "rank", "stars")
 
-    def __init__(self, first: RawHolder) -> None:
+    def __init__(
+        self, first: RawHolder, rank: tuple[bool, bool, bool, int] = (False, False, False, 0)
+    ) -> None:
         self.first = first
+        #: How good a path it is when ``max_paths`` must cut (``_rank``; lower is better).
+        self.rank = rank
         self.count = 0
         self.ranges: dict[int, tuple[int, int]] = {}
         self.stars: set[int] = set()
@@ -182,6 +186,18 @@ def _shape(seg: Seg) -> tuple[str, str, str]:
     return (seg.kind, "*" if _collapsible(seg) else seg.text, seg.extra)
 
 
+#: Holders no root explains (``cudamem._search``): kept only while there is room.
+_UNROOTED = frozenset({"unknown", "cycle", "partial"})
+
+
+def _rank(kind: str, refs: list[Ref], caller: bool) -> tuple[bool, bool, bool, int]:
+    """Which paths ``max_paths`` keeps first (lower first): rooted before unrooted, direct
+    holders before paths through an autograd graph, then the shorter; the caller's own
+    reference (which the caller knows of) last."""
+    graph = any(seg.kind == "autograd" for r in refs for seg in r.segs)
+    return (caller, kind in _UNROOTED, graph, len(refs))
+
+
 class PathReader:
     """Walks down the recorded edges of one search (see the module notes)."""
 
@@ -210,17 +226,26 @@ class PathReader:
         path: Path,
         caller: bool,
     ) -> None:
-        """Count ``path`` (below ``head``, the root's own steps) into its group in ``per``;
-        a new group only while there are fewer than ``max_paths``."""
+        """Count ``path`` (below ``head``, the root's own steps) into its group in ``per``.
+
+        At most ``max_paths`` groups: past that, a new group replaces the worst kept one
+        when it ranks better (``_rank``: rooted first, direct before through an autograd
+        graph, then shorter, the caller's own reference last), so the paths cut are the longest ones
+        through graphs, not the frame or variable that holds the object itself, whichever
+        order the roots are read in."""
         refs = head + path.refs
         key = (kind, root, path.via, caller, tuple(_shape(r.seg) for r in refs))
         group = per.get(key)
         if group is None:
+            rank = _rank(kind, refs, caller)
             if len(per) >= self.max_paths:
                 self.cut = True
-                return
+                worst = max(per, key=lambda k: per[k].rank)
+                if per[worst].rank <= rank:
+                    return
+                del per[worst]
             raw = RawHolder(path.target, kind, root, refs, path.via, caller)
-            group = per[key] = Group(raw)
+            group = per[key] = Group(raw, rank)
         group.add(path, len(head))
 
     def walk_down(self, oid: int) -> list[Path]:

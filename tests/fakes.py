@@ -7,11 +7,21 @@ first used, and call counts (to assert that nothing syncs or resets what it shou
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import threading
+import warnings
 from collections import Counter
+from collections.abc import Iterator
+from typing import Any, TypeVar
 
+import cudamem
+from cudamem import _backend
 from cudamem._backend import Backend
+from cudamem.leaks import LeakWarning
 from cudamem.stats import AllocatorStats
+
+_B = TypeVar("_B", bound=Backend)
 
 
 class FakeAllocator(Backend):
@@ -117,3 +127,25 @@ class CpuStorageBackend(FakeAllocator):
             self.reserved[device] = max(self.reserved[device], total)
             self.peak[device] = max(self.peak[device], total)
         return super().read(device)
+
+
+@contextlib.contextmanager
+def leak_detection(backend: _B, *lists: list[Any]) -> Iterator[_B]:
+    """``backend`` in use with the default leak settings; ``lists`` (a test module's loss
+    history, outputs, ...) emptied before and after."""
+    cudamem.configure_leaks()
+    for items in lists:
+        items.clear()
+    gc.collect()
+    try:
+        with _backend.use(backend):
+            yield backend
+    finally:
+        cudamem.configure_leaks()
+        for items in lists:
+            items.clear()
+
+
+def leak_warnings(record: list[warnings.WarningMessage]) -> list[LeakWarning]:
+    """The ``LeakWarning``s among caught warnings."""
+    return [w.message for w in record if isinstance(w.message, LeakWarning)]

@@ -622,3 +622,32 @@ def test_no_cyclic_collection_runs_inside_a_search_and_gc_is_back_on_after(
     assert held["t"] is t
     assert True not in events
     assert False in events
+
+
+def test_the_direct_holder_survives_max_paths_when_many_roots_reach_a_graph() -> None:
+    # Seventy modules reach one shared dict whose loss's graph reaches the leaf ``x``; the
+    # running frame that holds ``x`` directly is read after every module global. The cap on
+    # paths keeps direct paths before graph paths, so the real holder is never the one cut.
+    names = [f"_cudamem_test_root_{i}" for i in range(70)]
+
+    def ask(obj: torch.Tensor) -> Any:
+        return cudamem.who_holds(obj, max_paths=8)
+
+    def owner() -> Any:
+        x = torch.randn(64, requires_grad=True)
+        shared = {"losses": [torch.sigmoid(x * 2).mean()]}
+        for name in names:
+            module = types.ModuleType(name)
+            module.shared = shared  # type: ignore[attr-defined]
+            sys.modules[name] = module
+        return ask(x)
+
+    try:
+        found = owner()
+    finally:
+        for name in names:
+            sys.modules.pop(name, None)
+    assert len(found.holders) <= 8
+    assert any(p.endswith("in owner(): local 'x'") for p in found.paths), found.paths
+    assert any("AccumulateGrad" in p for p in found.paths)  # the graph paths fill the rest
+    assert "more paths than max_paths; the rest are not shown" in found.notes

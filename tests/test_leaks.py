@@ -35,7 +35,7 @@ from cudamem.leaks import (
 )
 from cudamem.render.json import to_json
 
-from .fakes import FakeAllocator
+from .fakes import FakeAllocator, leak_detection, leak_warnings
 
 MiB = 1024**2
 
@@ -79,19 +79,8 @@ class CpuFake(FakeAllocator):
 
 @pytest.fixture
 def fake() -> Iterator[CpuFake]:
-    alloc = CpuFake(devices=1, contexts=(0,))
-    cudamem.configure_leaks()
-    loss_history.clear()
-    outputs.clear()
-    with _backend.use(alloc):
+    with leak_detection(CpuFake(devices=1, contexts=(0,)), loss_history, outputs) as alloc:
         yield alloc
-    cudamem.configure_leaks()
-    loss_history.clear()
-    outputs.clear()
-
-
-def leak_warnings(record: list[warnings.WarningMessage]) -> list[LeakWarning]:
-    return [w.message for w in record if isinstance(w.message, LeakWarning)]
 
 
 @contextlib.contextmanager

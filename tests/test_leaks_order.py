@@ -26,10 +26,9 @@ import pytest
 import torch
 
 import cudamem
-from cudamem import _backend
 from cudamem.leaks import Growth, LeakWarning
 
-from .fakes import FakeAllocator
+from .fakes import FakeAllocator, leak_detection, leak_warnings
 
 MiB = 1024**2
 M = __name__
@@ -49,21 +48,8 @@ class CpuFake(FakeAllocator):
 
 @pytest.fixture
 def fake() -> Iterator[CpuFake]:
-    alloc = CpuFake(devices=1, contexts=(0,))
-    cudamem.configure_leaks()
-    loss_history.clear()
-    outputs.clear()
-    gc.collect()
-    with _backend.use(alloc):
+    with leak_detection(CpuFake(devices=1, contexts=(0,)), loss_history, outputs, left) as alloc:
         yield alloc
-    cudamem.configure_leaks()
-    loss_history.clear()
-    outputs.clear()
-    left.clear()
-
-
-def _leak_warnings(record: list[warnings.WarningMessage]) -> list[LeakWarning]:
-    return [w.message for w in record if isinstance(w.message, LeakWarning)]
 
 
 def _loss_history_loop(fake: CpuFake) -> tuple[list[LeakWarning], torch.Tensor]:
@@ -77,7 +63,7 @@ def _loss_history_loop(fake: CpuFake) -> tuple[list[LeakWarning], torch.Tensor]:
                 loss = torch.sigmoid(x * 2).mean()
                 loss_history.append(loss)
                 fake.alloc(MiB + 512)  # what the GPU shows: the output and the loss's block
-    return _leak_warnings(record), x
+    return leak_warnings(record), x
 
 
 def _detached_outputs_loop(fake: CpuFake) -> tuple[list[LeakWarning], torch.Tensor]:
@@ -91,7 +77,7 @@ def _detached_outputs_loop(fake: CpuFake) -> tuple[list[LeakWarning], torch.Tens
                 outputs.append(output.detach())
                 fake.alloc(MiB)
     assert output.grad_fn is not None  # the last output's graph is alive, as on the GPU
-    return _leak_warnings(record), x
+    return leak_warnings(record), x
 
 
 def _check_loss_history(found: list[LeakWarning]) -> None:
