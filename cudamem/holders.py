@@ -144,7 +144,8 @@ def who_holds(
         timeout: seconds the call may take (``>= 0``); it returns within about 20 % of it,
             with what it found so far and ``stopped='timeout'``.
         max_paths: most holders reported (``>= 1``); paths differing only in list indices
-            count as one.
+            count as one. Past it, the paths kept are rooted, direct (not through an
+            autograd graph) and short ones first; your own reference last.
 
     Returns:
         ``Holders``, a sequence of ``Holder`` (``print()`` it; JSON:
