@@ -1,4 +1,5 @@
-"""Shared helpers of the benchmark scripts: timing statistics, tables, JSON output."""
+"""Shared helpers of the benchmark scripts: timing statistics, tables, JSON output, the
+steps and the reader the span benchmarks time."""
 
 from __future__ import annotations
 
@@ -7,14 +8,18 @@ import os
 import platform
 import statistics
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from cudamem import _backend
 from cudamem.render.text import render_table
+
+CUDA = torch.cuda.is_available()
 
 
 def machine() -> dict[str, Any]:
@@ -54,3 +59,69 @@ def emit(
     with open(out, "w") as fh:
         json.dump(data, fh, indent=2)
     print(f"\nwrote {out}")
+
+
+class ConstantReader(_backend.Backend):
+    """One device whose counters never change: what is left is cudamem's own bookkeeping."""
+
+    def device_count(self) -> int:
+        return 1
+
+    def initialized_devices(self) -> tuple[int, ...]:
+        return (0,)
+
+    def has_context(self, device: int) -> bool:
+        return True
+
+    def counters(self, device: int) -> tuple[int, int, int]:
+        return (1 << 20, 2 << 20, 1 << 20)
+
+    def counters_reset_peak(self, device: int) -> tuple[int, int, int]:
+        return (1 << 20, 2 << 20, 1 << 20)
+
+    def synchronize(self, device: int) -> None:
+        pass
+
+    def reset_peak(self, device: int) -> None:
+        pass
+
+
+def matmul_step(size: int, count: int, device: Any) -> Callable[[], torch.Tensor]:
+    """A GPU-bound step: ``count`` square matmuls of ``size``."""
+    a = torch.randn(size, size, device=device)
+    b = torch.randn(size, size, device=device) / size**0.5
+
+    def step() -> torch.Tensor:
+        y = a
+        for _ in range(count):
+            y = torch.tanh(y @ b)
+        return y.mean()
+
+    return step
+
+
+def cpu_and_gpu_ms(
+    step: Callable[[], torch.Tensor], n: int, *, spin_cycles: int
+) -> tuple[float, float]:
+    """(CPU launch ms, GPU ms) of one step. The GPU time is measured behind a spin kernel
+    of ``spin_cycles`` so that the CPU has queued all ``n`` steps before the GPU starts
+    them; without CUDA both are the CPU time."""
+    for _ in range(3):
+        step()
+    if CUDA:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step()
+    cpu = (time.perf_counter() - t0) / n * 1e3
+    if not CUDA:
+        return cpu, cpu
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(spin_cycles)
+    start.record()
+    for _ in range(n):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    return cpu, start.elapsed_time(end) / n

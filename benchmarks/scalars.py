@@ -39,12 +39,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from _common import emit, median
+from _common import cpu_and_gpu_ms, emit, matmul_step, median
 
 import cudamem
 from cudamem._data import to_data
 
 CUDA = torch.cuda.is_available()
+#: Cycles of the spin kernel that holds the GPU back while the steps are queued.
+SPIN = int(2e9)
 DEVICE = torch.device("cuda:0" if CUDA else "cpu")
 METHODS = ("item", "detach", "ScalarLogger")
 
@@ -86,47 +88,11 @@ def mlp_step(width: int, batch: int, depth: int = 3) -> Callable[[], torch.Tenso
     return step
 
 
-def matmul_step(size: int, count: int) -> Callable[[], torch.Tensor]:
-    a = torch.randn(size, size, device=DEVICE)
-    b = torch.randn(size, size, device=DEVICE) / size**0.5
-
-    def step() -> torch.Tensor:
-        y = a
-        for _ in range(count):
-            y = torch.tanh(y @ b)
-        return y.mean()
-
-    return step
-
-
-def cpu_and_gpu_ms(step: Callable[[], torch.Tensor], n: int = 20) -> tuple[float, float]:
-    """(CPU launch ms, GPU ms) of one step. The GPU time is measured behind a spin kernel so
-    that the CPU has queued all ``n`` steps before the GPU starts them."""
-    for _ in range(3):
-        step()
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        step()
-    cpu = (time.perf_counter() - t0) / n * 1e3
-    sync()
-    if not CUDA:
-        return cpu, cpu
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(int(2e9))  # ~1 s of spinning: the CPU gets ahead of the GPU
-    start.record()
-    for _ in range(n):
-        step()
-    end.record()
-    torch.cuda.synchronize()
-    return cpu, start.elapsed_time(end) / n
-
-
 def calibrate_balanced(width: int) -> tuple[int, float, float]:
     """The batch at which the MLP's GPU time first reaches its CPU launch time."""
     best = (256, 0.0, 0.0)
     for batch in (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536):
-        cpu, gpu = cpu_and_gpu_ms(mlp_step(width, batch))
+        cpu, gpu = cpu_and_gpu_ms(mlp_step(width, batch), n=20, spin_cycles=SPIN)
         best = (batch, cpu, gpu)
         if gpu >= cpu:
             break
@@ -134,7 +100,7 @@ def calibrate_balanced(width: int) -> tuple[int, float, float]:
 
 
 def calibrate_gpu_bound(size: int, target_ms: float) -> int:
-    _cpu, gpu = cpu_and_gpu_ms(matmul_step(size, 1), n=5)
+    _cpu, gpu = cpu_and_gpu_ms(matmul_step(size, 1, DEVICE), n=5, spin_cycles=SPIN)
     return max(1, round(target_ms / max(gpu, 1e-3)))
 
 
@@ -296,7 +262,7 @@ def build_kinds(args: argparse.Namespace) -> list[StepKind]:
         return [
             StepKind("launch-bound", mlp_step(32, 8), {"width": 32, "batch": 8}),
             StepKind("balanced", mlp_step(64, 64), {"width": 64, "batch": 64}),
-            StepKind("gpu-bound", matmul_step(128, 4), {"size": 128, "count": 4}),
+            StepKind("gpu-bound", matmul_step(128, 4, DEVICE), {"size": 128, "count": 4}),
         ]
     torch.backends.cuda.matmul.allow_tf32 = False
     batch, cpu, gpu = calibrate_balanced(1024)
@@ -310,7 +276,7 @@ def build_kinds(args: argparse.Namespace) -> list[StepKind]:
         ),
         StepKind(
             "gpu-bound",
-            matmul_step(4096, count),
+            matmul_step(4096, count, DEVICE),
             {"size": 4096, "count": count, "dtype": "float32"},
         ),
     ]
@@ -351,7 +317,7 @@ def main() -> None:
 
     data["kinds"] = {}
     for kind in build_kinds(args):
-        cpu, gpu = cpu_and_gpu_ms(kind.step)
+        cpu, gpu = cpu_and_gpu_ms(kind.step, n=20, spin_cycles=SPIN)
         steps = args.gpu_bound_steps if kind.name == "gpu-bound" else args.steps
         result = per_step(kind, steps, args.rounds)
         bare = median(result["ms"]["none"])

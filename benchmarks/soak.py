@@ -30,7 +30,7 @@ import time
 from typing import Any
 
 import torch
-from _common import machine
+from _common import ConstantReader, machine
 
 import cudamem
 from cudamem import _backend
@@ -55,28 +55,6 @@ def rss() -> int:
 def settled_rss() -> int:
     gc.collect()
     return rss()
-
-
-class ConstantReader(_backend.Backend):
-    """One device whose counters never change (no GPU here): the bookkeeping alone."""
-
-    def device_count(self) -> int:
-        return 1
-
-    def initialized_devices(self) -> tuple[int, ...]:
-        return (0,)
-
-    def has_context(self, device: int) -> bool:
-        return True
-
-    def counters(self, device: int) -> tuple[int, int, int]:
-        return (MiB, 2 * MiB, MiB)
-
-    def synchronize(self, device: int) -> None:
-        pass
-
-    def reset_peak(self, device: int) -> None:
-        pass
 
 
 # --------------------------------------------------------------------------- 1 M spans

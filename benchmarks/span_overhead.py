@@ -46,43 +46,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from _common import machine
+from _common import ConstantReader, cpu_and_gpu_ms, machine, matmul_step
 
 import cudamem
 from cudamem import _backend
 from cudamem.render.text import render_table
 
 CUDA = torch.cuda.is_available()
+#: Cycles of the spin kernel that holds the GPU back while the steps are queued.
+SPIN = int(1e9)
 DEVICE = "cuda:0" if CUDA else "cpu"
 GPU_ONLY = "needs a CUDA GPU"
 
 
 # --------------------------------------------------------------------------- readers
-
-
-class ConstantReader(_backend.Backend):
-    """One device whose counters never change: what is left is cudamem's own bookkeeping."""
-
-    def device_count(self) -> int:
-        return 1
-
-    def initialized_devices(self) -> tuple[int, ...]:
-        return (0,)
-
-    def has_context(self, device: int) -> bool:
-        return True
-
-    def counters(self, device: int) -> tuple[int, int, int]:
-        return (1 << 20, 2 << 20, 1 << 20)
-
-    def counters_reset_peak(self, device: int) -> tuple[int, int, int]:
-        return (1 << 20, 2 << 20, 1 << 20)
-
-    def synchronize(self, device: int) -> None:
-        pass
-
-    def reset_peak(self, device: int) -> None:
-        pass
 
 
 def dict_counters(device: int) -> tuple[int, int, int]:
@@ -204,40 +181,6 @@ def mlp_step(width: int, batch: int, depth: int) -> Callable[[], torch.Tensor]:
     return step
 
 
-def matmul_step(size: int, count: int) -> Callable[[], torch.Tensor]:
-    a = torch.randn(size, size, device=DEVICE)
-    b = torch.randn(size, size, device=DEVICE) / size**0.5
-
-    def step() -> torch.Tensor:
-        y = a
-        for _ in range(count):
-            y = torch.tanh(y @ b)
-        return y.mean()
-
-    return step
-
-
-def cpu_and_gpu_ms(step: Callable[[], torch.Tensor], n: int = 10) -> tuple[float, float]:
-    """(CPU launch ms, GPU ms) per step; the GPU time is taken behind a spin kernel so that
-    every step is queued before the GPU starts them."""
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        step()
-    cpu = (time.perf_counter() - t0) / n * 1e3
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(int(1e9))
-    start.record()
-    for _ in range(n):
-        step()
-    end.record()
-    torch.cuda.synchronize()
-    return cpu, start.elapsed_time(end) / n
-
-
 @dataclass
 class StepKind:
     name: str
@@ -250,11 +193,11 @@ class StepKind:
 def build_kinds(quick: bool) -> list[StepKind]:
     torch.backends.cuda.matmul.allow_tf32 = False
     launch = mlp_step(1024, 256, 3)
-    cpu, gpu = cpu_and_gpu_ms(launch)
+    cpu, gpu = cpu_and_gpu_ms(launch, n=10, spin_cycles=SPIN)
     kinds = [StepKind("launch-bound", launch, 20, 8 if quick else 24, _p(1024, 256, 3, cpu, gpu))]
     batch, cpu, gpu = 256, 0.0, 0.0
     for batch in (256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192):
-        cpu, gpu = cpu_and_gpu_ms(mlp_step(1024, batch, 12), n=5)
+        cpu, gpu = cpu_and_gpu_ms(mlp_step(1024, batch, 12), n=5, spin_cycles=SPIN)
         if gpu >= 0.93 * cpu:
             break
     gc.collect()
@@ -263,10 +206,10 @@ def build_kinds(quick: bool) -> list[StepKind]:
     kinds.append(
         StepKind("balanced", balanced, 8, 6 if quick else 16, _p(1024, batch, 12, cpu, gpu))
     )
-    _, one = cpu_and_gpu_ms(matmul_step(4096, 1), n=5)
+    _, one = cpu_and_gpu_ms(matmul_step(4096, 1, DEVICE), n=5, spin_cycles=SPIN)
     count = max(1, round(47.0 / max(one, 1e-3)))
-    heavy = matmul_step(4096, count)
-    cpu, gpu = cpu_and_gpu_ms(heavy, n=3)
+    heavy = matmul_step(4096, count, DEVICE)
+    cpu, gpu = cpu_and_gpu_ms(heavy, n=3, spin_cycles=SPIN)
     kinds.append(
         StepKind(
             "GPU-bound",
