@@ -53,7 +53,8 @@ class CpuStorageBackend(Backend):
         """CPU work is synchronous: nothing to wait for."""
 
     def reset_peak(self, device: int) -> None:
-        self._peak = 0
+        """As CUDA's: the peak starts again from what is allocated now, never below it."""
+        self._peak = sum(live_storage_keys("cpu").values())
 
     def storage_device_type(self) -> str:
         return "cpu"
