@@ -148,6 +148,7 @@ def _html(report: object) -> str:
 def _cmd_status(args: argparse.Namespace) -> int:
     from . import _backend
     from ._data import to_data
+    from ._present import present
     from .ledger import machine_status
     from .render.json import to_json
 
@@ -156,7 +157,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(to_json({**to_data(status), "reader": reader}, kind="cudamem.status"))
     else:
-        print(f"{status}\n\n{reader}")
+        print(f"{status}\n\n{present(reader)}")
     return 0
 
 
@@ -178,12 +179,13 @@ def _demo_keys() -> list[str]:
 
 def _cmd_build_reader(args: argparse.Namespace) -> int:
     from . import _backend
+    from ._present import present
     from .render.json import to_json
 
     if not args.json:
         print("[cudamem] building the C++ counter reader ...", file=sys.stderr)
     status = _backend.build_reader(validate=not args.no_validate)
-    print(to_json(status, kind="cudamem.reader") if args.json else status)
+    print(to_json(status, kind="cudamem.reader") if args.json else present(status))
     return 0 if status.state in ("active", "ready", "cached") else 1
 
 

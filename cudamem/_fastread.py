@@ -21,8 +21,11 @@ A failed build and a disagreeing reader leave a marker in the cache so that late
 do not pay for the same failure again; ``python -m cudamem build-reader`` ignores the
 markers and builds afresh.
 
-Only the standard library is imported at module level: the build subprocess loads this file
-by path, without importing cudamem.
+This file imports no cudamem module, anywhere, and only the standard library at module
+level: the build subprocess loads it by path, where no package exists
+(``tests/test_layout.py`` enforces it; ``tests/test_fastread.py`` runs that load). So
+``ReaderStatus`` is plain data with no ``__str__`` of its own: its one line of text is
+``present(status)`` (``cudamem/render/reader.py``), made at the edge by whoever prints it.
 """
 
 from __future__ import annotations
@@ -41,8 +44,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
-
-from ._present import present
 
 __all__ = [
     "CACHE_ENV",
@@ -136,9 +137,6 @@ class ReaderStatus:
     def reader(self) -> str:
         """``"C++"`` or ``"dict"``: what answers a counter read now."""
         return "C++" if self.active else "dict"
-
-    def __str__(self) -> str:
-        return present(self)
 
 
 # --------------------------------------------------------------------------- cache

@@ -38,6 +38,7 @@ __all__ = [
     "ignored",
     "referrers",
     "snapshot",
+    "untracked_arrays",
 ]
 
 #: Objects asked about at once below which ``gc.get_referrers`` beats a chunked pass.
@@ -106,7 +107,7 @@ def chunked_pass(
     at_least: int | None = None,
     deadline: float | None = None,
     array_type: type | None = None,
-    on_arrays: Callable[[list[Any]], bool] | None = None,
+    on_arrays: Callable[[list[Any], list[tuple[Any, Any]]], bool] | None = None,
 ) -> tuple[bool, int, bool]:
     """Call ``on_hit(o)`` for every ``o`` in ``objs`` that refers to an object whose id is in
     ``wanted``; ``on_hit`` may grow ``wanted`` and returns whether it did.
@@ -119,8 +120,9 @@ def chunked_pass(
     ids added by such a shortened pass have been tested against part of the heap only.
 
     ``array_type`` and ``on_arrays``: objects of exactly that type among the referents
-    (numpy arrays, which gc does not track) are handed to ``on_arrays`` before the batch is
-    tested, so that it can add them to ``wanted`` (returning whether it did).
+    (numpy arrays, which gc does not track), also inside untracked dicts and tuples, are
+    handed to ``on_arrays`` with the edges to them (``untracked_arrays``) before the batch
+    is tested, so that it can add them to ``wanted`` (returning whether it did).
 
     Returns ``(finished, last, whole)``: ``finished`` is ``False`` when ``deadline`` stopped
     it; ``last`` is the index of the last batch at which something was added (``-1``:
@@ -139,8 +141,8 @@ def chunked_pass(
         chunk = objs[max(0, end - CHUNK) : end]
         refs = get(*chunk)
         if on_arrays is not None and array_type is not None:
-            found = list(compress(refs, map(is_, map(type, refs), repeat(array_type))))
-            if found and on_arrays(found):
+            found, edges = untracked_arrays(refs, array_type)
+            if found and on_arrays(found, edges):
                 last = k
         if isdisjoint(map(id, refs)):
             continue
@@ -154,6 +156,46 @@ def chunked_pass(
                     last = k
         del chunk
     return True, last, True
+
+
+def untracked_arrays(refs: list[Any], array_type: type) -> tuple[list[Any], list[tuple[Any, Any]]]:
+    """Objects of exactly ``array_type`` among ``refs``, and inside the dicts and tuples among
+    them that gc does not track, at any depth: ``(arrays, edges)``.
+
+    gc tracks no numpy array, and it stops tracking a dict (or, after a collection, a tuple)
+    that holds only untracked objects: ``{"arr": t.numpy()}`` is invisible to a heap
+    snapshot, so only the tracked object that refers to it (a module's dict, a frame)
+    shows it among its referents. ``edges`` are ``(container, child)`` pairs from such an
+    untracked container to an array or to another untracked container, so that the caller
+    can name the path from what the heap does see down to the array.
+    """
+    types_ = list(map(type, refs))
+    found = list(compress(refs, map(is_, types_, repeat(array_type))))
+    edges: list[tuple[Any, Any]] = []
+    level = [
+        r for r in compress(refs, map(_is_plain_container, types_)) if r and not gc.is_tracked(r)
+    ]
+    seen: set[int] = set()
+    while level:
+        deeper = []
+        for container in level:
+            if id(container) in seen:
+                continue
+            seen.add(id(container))
+            for child in gc.get_referents(container):
+                tp = type(child)
+                if tp is array_type:
+                    found.append(child)
+                    edges.append((container, child))
+                elif (tp is dict or tp is tuple) and child and not gc.is_tracked(child):
+                    deeper.append(child)
+                    edges.append((container, child))
+        level = deeper
+    return found, edges
+
+
+def _is_plain_container(tp: type) -> bool:
+    return tp is dict or tp is tuple
 
 
 def _isdisjoint(wanted: Collection[int]) -> Callable[[Any], bool]:

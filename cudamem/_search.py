@@ -38,7 +38,7 @@ import threading
 import time
 import types
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -332,9 +332,12 @@ class Search:
 
     def _arrays_for_cpu_targets(self, owned: bool) -> None:
         """Numpy arrays on the memory of CPU targets: those in frames now; the rest in the
-        first pass when a target's memory may belong to numpy (``owned``: a storage that is
-        not resizable, as ``torch.from_numpy`` makes), else only if the climb leaves a tensor
-        on a target's storage that nothing gc sees holds (``t.numpy()``'s array holds one)."""
+        first pass. gc tracks no array, so a container holding ``t.numpy()`` (which holds
+        ``t`` itself, gc cannot see that either) shows only among that container's
+        referents: nothing short of a pass over the heap finds it, whether or not ``t`` is
+        held elsewhere too (``owned``, a storage numpy may own, is no longer needed to
+        decide)."""
+        del owned
         regions = []
         for i, key in enumerate(self.keys):
             if key is not None and key[0] == "cpu":
@@ -347,7 +350,7 @@ class Search:
             return
         regions.sort()
         self._regions = regions
-        self._arrays_first = owned
+        self._arrays_first = True
         locals_ = [v for v in self.frames.values.values() if type(v) in self._arrays]
         self._on_arrays(locals_)
 
@@ -385,9 +388,11 @@ class Search:
             self._stop("timeout")
         return bool(self.current) and self.stopped is None
 
-    def _on_arrays(self, arrays: list[Any]) -> bool:
+    def _on_arrays(self, arrays: list[Any], edges: Sequence[tuple[Any, Any]] = ()) -> bool:
         """Numpy arrays whose data overlaps a CPU target's storage hold it; whether one
-        joined the search."""
+        joined the search. ``edges``: ``(container, child)`` from the untracked dicts and
+        tuples the arrays were found in (``_heap.untracked_arrays``), named here because
+        no heap pass can see those containers as referrers."""
         before = len(self.next)
         starts = [r[0] for r in self._regions]
         for arr in arrays:
@@ -407,7 +412,29 @@ class Search:
                         self.bases.add(id(base))
                     self._start(arr, target, Seg("storage", ""), "numpy")
                 pos += 1
+        if edges:
+            self._untracked_edges(edges)
         return len(self.next) > before
+
+    def _untracked_edges(self, edges: Sequence[tuple[Any, Any]]) -> None:
+        """Record the edges from untracked containers down to arrays now in the search,
+        innermost first, so that each container joins the search and its (tracked)
+        referrers are found by the climb."""
+        parents: dict[int, list[Any]] = {}
+        for container, child in edges:
+            parents.setdefault(id(child), []).append(container)
+        queue = [oid for oid in parents if oid in self.nodes]
+        while queue:
+            cid = queue.pop()
+            child = self.nodes.get(cid)
+            if child is None:
+                continue
+            for container in parents.pop(cid, ()):
+                names = name_children(container, {cid: child}, self.module_types, self.odd_keys)
+                for r in names.values():
+                    self._edge(container, child, r)
+                if id(container) in parents:
+                    queue.append(id(container))
 
     def _start(self, obj: Any, target: int, seg: Seg, via: str) -> None:
         self.start.setdefault(id(obj), []).append((target, seg, via))

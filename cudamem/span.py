@@ -1002,7 +1002,7 @@ class MemorySpan:
         not. ``staticmethod`` and ``classmethod`` objects are unwrapped and rewrapped.
         """
         if isinstance(func, (staticmethod, classmethod)):
-            return cast(Callable[P, R], type(func)(self(func.__func__)))
+            return cast(Callable[P, R], self._rewrap(func))
         if isinstance(func, type):
             raise TypeError(
                 f"cudamem.track cannot decorate a class ({func.__qualname__}): decorate its "
@@ -1034,6 +1034,24 @@ class MemorySpan:
             return result
 
         return wrapper
+
+    def _rewrap(self, method: staticmethod[Any, Any] | classmethod[Any, Any, Any]) -> Any:
+        """``method``'s function decorated, in a new object of ``method``'s own type; a
+        ``TypeError`` saying where ``@cudamem.track`` goes when that cannot be done."""
+        kind = type(method).__name__
+        hint = f"put @cudamem.track under @{kind}, directly on the function"
+        inner = method.__func__
+        if not callable(inner) or isinstance(inner, (staticmethod, classmethod)):
+            raise TypeError(
+                f"cudamem.track cannot decorate a {kind} of a {type(inner).__name__}: {hint}"
+            )
+        try:
+            rebuilt = type(method)(self(inner))
+        except Exception as exc:
+            raise TypeError(f"cudamem.track cannot rebuild this {kind} ({exc}): {hint}") from exc
+        if not isinstance(rebuilt, type(method)) or not callable(rebuilt.__func__):
+            raise TypeError(f"cudamem.track cannot rebuild this {kind}: {hint}")
+        return rebuilt
 
     # -- results --------------------------------------------------------------------
 

@@ -32,6 +32,7 @@ from cudamem._fastread import (
     ReaderUnavailable,
     cache_key,
 )
+from cudamem._present import present
 
 from .fakes import FakeAllocator
 
@@ -419,7 +420,7 @@ def test_environment_variable_turns_it_off(monkeypatch: pytest.MonkeyPatch, valu
     assert provided == [] and reader.state == "disabled"
     status = reader.status()
     assert f"CUDAMEM_FAST_READER={value}" in status.reason
-    assert str(status).startswith("reader: dict")
+    assert present(status).startswith("reader: dict")
     reader.build_now()
     assert provided == [] and reader.state == "disabled"
 
@@ -474,7 +475,7 @@ def test_cached_build_is_loaded_without_compiling(
     _compile_stand_in(Path(paths.library), spec.module_name)
     status = reader.status()
     assert status.state == "cached" and status.cache_dir == paths.directory
-    assert str(status).startswith("reader: C++ counter reader, once CUDA starts [cached]")
+    assert present(status).startswith("reader: C++ counter reader, once CUDA starts [cached]")
 
     def no_build(*args: Any) -> float:
         raise AssertionError("a cached build was compiled again")
@@ -627,12 +628,12 @@ def test_status_values_and_json() -> None:
         "reason": "built in 4.0 s; equal to the dict read",
         "cache_dir": "/c/k",
     }
-    assert str(status) == (
+    assert present(status) == (
         "reader: C++ counter reader (~0.2 µs a read) [active]: built in 4.0 s; "
         "equal to the dict read"
     )
     off = ReaderStatus(False, "failed", "the build failed (x)")
-    assert str(off).startswith("reader: dict (torch._C._cuda_memoryStats")
+    assert present(off).startswith("reader: dict (torch._C._cuda_memoryStats")
 
 
 # --------------------------------------------------------------------------- command line
@@ -650,7 +651,7 @@ def test_status_command_names_the_reader(capsys: pytest.CaptureFixture[str]) -> 
         data = json.loads(capsys.readouterr().out)
     last = text.strip().splitlines()[-1]
     expected = _backend.reader_status()
-    assert last == str(expected) and last.startswith("reader: ")
+    assert last == present(expected) and last.startswith("reader: ")
     assert "GPU 0 NVIDIA H200" in text
     assert data["reader"] == to_data(expected)
     assert data["devices"][0]["index"] == 0
@@ -700,3 +701,84 @@ def test_import_cudamem_compiles_nothing_and_starts_no_thread() -> None:
     assert "threads 0" in done.stdout
     assert "cpp_extension False" in done.stdout
     assert "state idle" in done.stdout
+
+
+# --------------------------------------------------------------------------- by-path build
+
+# Imported by the build subprocess at start-up (it is on its PYTHONPATH): cudamem cannot be
+# imported there, as in a process that loads _fastread.py by path from an installed wheel
+# whose package is not importable, and torch.utils.cpp_extension.load_inline is a stub that
+# writes the library file the real compiler would. Nothing else of the build is changed.
+_SITECUSTOMIZE = """
+import importlib.abc, os, sys, types
+
+class _NoCudamem(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "cudamem" or name.startswith("cudamem."):
+            raise ImportError(f"{name} is not importable in the build subprocess (test)")
+        return None
+
+sys.meta_path.insert(0, _NoCudamem())
+
+def load_inline(*, name, build_directory, **options):
+    with open(os.path.join(build_directory, name + ".so"), "w") as fh:
+        fh.write("stub library: " + ",".join(sorted(options)))
+
+torch = types.ModuleType("torch")
+torch.__path__ = []
+utils = types.ModuleType("torch.utils")
+utils.__path__ = []
+cpp = types.ModuleType("torch.utils.cpp_extension")
+cpp.load_inline = load_inline
+torch.utils, utils.cpp_extension = utils, cpp
+sys.modules.update({"torch": torch, "torch.utils": utils, "torch.utils.cpp_extension": cpp})
+"""
+
+
+@pytest.mark.skipif(os.name == "nt", reason="the stub writes a .so")
+def test_the_build_subprocess_loads_fastread_by_path_without_cudamem(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # The background build's own entry, run as it runs: the same interpreter, `python -c`
+    # with _BOOTSTRAP loading this very _fastread.py by path. Only the compiler is a stub.
+    # A module-level `from ._present import present` in _fastread.py failed here with
+    # "attempted relative import with no known parent package" (the H200 run of 7e81094).
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_SITECUSTOMIZE)
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    spec = _spec()
+    paths = _fastread._Paths.of(spec, str(tmp_path / "cache"))
+    seconds = _fastread.build_in_subprocess(spec, paths)
+    assert seconds > 0
+    library = Path(paths.library)
+    options = set(library.read_text().removeprefix("stub library: ").split(","))
+    assert {"cpp_sources", "with_cuda", "is_python_module"} <= options
+    assert library.name == spec.module_name + ".so"
+    assert (Path(paths.directory) / (spec.module_name + ".cpp")).read_text() == SOURCE
+    assert not Path(paths.failed).exists()
+    assert [p.name for p in Path(paths.directory).iterdir() if p.name.startswith("build-")] == []
+
+
+def test_the_build_subprocess_failing_to_load_fastread_is_reported(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # The same entry when the stub says no cudamem import may succeed and the compiler
+    # fails: the error reaches the reason and the failed marker, not an exception upward.
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        _SITECUSTOMIZE.replace(
+            "    with open(",
+            '    raise RuntimeError("error: stub compiler refused")\n    with open(',
+        )
+    )
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    spec = _spec()
+    paths = _fastread._Paths.of(spec, str(tmp_path / "cache"))
+    with pytest.raises(ReaderUnavailable) as caught:
+        _fastread.build_in_subprocess(spec, paths)
+    assert caught.value.state == "failed"
+    assert "stub compiler refused" in caught.value.reason
+    assert "stub compiler refused" in Path(paths.log).read_text()
+    assert json.loads(Path(paths.failed).read_text())["reason"] == caught.value.reason

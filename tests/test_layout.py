@@ -33,11 +33,12 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 
 
-def _imports(name: str, path: Path) -> set[str]:
-    """cudamem modules ``name`` imports anywhere in its source."""
+def _imports(name: str, path: Path, source: str | None = None) -> set[str]:
+    """cudamem modules ``name`` imports anywhere in its source (``path``'s, or ``source``)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    text = path.read_text(encoding="utf-8") if source is None else source
+    for node in ast.walk(ast.parse(text)):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name in MODULES)
         elif isinstance(node, ast.ImportFrom):
@@ -112,6 +113,28 @@ def test_imports_are_read_at_module_level_in_functions_and_for_types() -> None:
 def test_no_import_circle_not_even_lazy_or_type_only() -> None:
     graph = {name: _imports(name, path) for name, path in MODULES.items()}
     assert _circles(graph) == []
+
+
+def test_fastread_imports_no_cudamem_module_anywhere() -> None:
+    # The reader's build subprocess loads _fastread.py by path, where no package exists: any
+    # cudamem import in it, even in a function, fails there (the H200 run of 7e81094).
+    source = MODULES["cudamem._fastread"].read_text(encoding="utf-8")
+    relative = [
+        node.lineno
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.ImportFrom) and node.level
+    ]
+    assert relative == []
+    assert _imports("cudamem._fastread", MODULES["cudamem._fastread"]) == set()
+
+
+def test_the_layout_reader_sees_the_import_that_broke_the_build() -> None:
+    # The rule above can fail: the line that broke the build, in a function too.
+    path = MODULES["cudamem._fastread"]
+    line = "from ._present import present\n"
+    assert _imports("cudamem._fastread", path, line) == {"cudamem._present"}
+    lazy = "def f():\n    import cudamem.span\n"
+    assert _imports("cudamem._fastread", path, lazy) == {"cudamem.span"}
 
 
 def test_results_never_import_a_renderer() -> None:

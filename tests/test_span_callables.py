@@ -7,6 +7,7 @@ import asyncio
 import functools
 import inspect
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import pytest
 
@@ -214,3 +215,49 @@ def test_classes_and_non_callables_are_refused() -> None:
         cudamem.track("x")(Model)
     with pytest.raises(TypeError, match="non-callable property"):
         cudamem.track("x")(property(lambda self: 1))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "decorate",
+    [
+        cudamem.track,
+        cudamem.track(),
+        cudamem.track("named"),
+        cudamem.track(peak=False),
+        cudamem.MemorySpan("cls"),
+    ],
+    ids=["bare", "called", "named", "options", "MemorySpan"],
+)
+def test_track_over_a_classmethod_is_a_working_classmethod(
+    fake: FakeAllocator, decorate: Any
+) -> None:
+    class Model:
+        scale = 4
+
+        def build(cls: type[Model], n: int) -> int:  # type: ignore[misc]
+            fake.alloc(n)
+            return n * cls.scale
+
+        built = decorate(classmethod(build))
+
+    wrapped = Model.__dict__["built"]
+    assert wrapped is not None and isinstance(wrapped, classmethod)
+    assert Model.built(2) == 8 and Model().built(3) == 12
+    assert [r.allocated_delta for r in cudamem.history().spans] == [2, 3]
+
+
+class _Odd(classmethod):  # type: ignore[type-arg]
+    """A classmethod subclass whose constructor wants more than the function."""
+
+    def __init__(self, func: Any, tag: str) -> None:
+        super().__init__(func)
+        self.tag = tag
+
+
+def test_track_over_a_method_it_cannot_rebuild_says_where_it_goes() -> None:
+    with pytest.raises(TypeError, match=r"put @cudamem.track under @_Odd"):
+        cudamem.track(_Odd(lambda cls: 1, "x"))
+    with pytest.raises(TypeError, match=r"classmethod of a property: put @cudamem.track under"):
+        cudamem.track(classmethod(property(lambda self: 1)))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"staticmethod of a classmethod"):
+        cudamem.track(staticmethod(classmethod(lambda cls: 1)))
