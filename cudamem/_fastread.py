@@ -24,8 +24,7 @@ markers and builds afresh.
 This file imports no cudamem module, anywhere, and only the standard library at module
 level: the build subprocess loads it by path, where no package exists
 (``tests/test_layout.py`` enforces it; ``tests/test_fastread.py`` runs that load). So
-``ReaderStatus`` is plain data with no ``__str__`` of its own: its one line of text is
-``present(status)`` (``cudamem/render/reader.py``), made at the edge by whoever prints it.
+``ReaderStatus.__str__`` finds the renderer registry in ``sys.modules`` instead of importing it.
 """
 
 from __future__ import annotations
@@ -93,6 +92,10 @@ NOT_BUILT = "not built"
 _FINAL = frozenset({ACTIVE, DISABLED, UNSUPPORTED, FAILED, DROPPED})
 
 
+#: The module of cudamem's renderer registry, looked up (never imported) by ``__str__``.
+_REGISTRY = "cudamem._present"
+
+
 class Reader(Protocol):
     """What a loaded reader offers (the compiled module, or a fake in tests)."""
 
@@ -137,6 +140,12 @@ class ReaderStatus:
     def reader(self) -> str:
         """``"C++"`` or ``"dict"``: what answers a counter read now."""
         return "C++" if self.active else "dict"
+
+    def __str__(self) -> str:
+        # One line (cudamem/render/reader.py), through the renderer registry where cudamem
+        # has loaded it: this file imports no cudamem module (the build loads it by path).
+        registry = sys.modules.get(_REGISTRY)
+        return str(registry.present(self)) if registry is not None else repr(self)
 
 
 # --------------------------------------------------------------------------- cache

@@ -85,7 +85,7 @@ def test_write_then_check_a_verified_tree(tmp_path: Path) -> None:
     record = tmp_path / "gpu-verified.json"
     assert rec.write(_logs(tmp_path, 0, "cached"), record) == 0
     data = json.loads(record.read_text())
-    assert data["groups"]["core"] == {"rc": 0, "seconds": 12, "passed": 10, "skipped": 1}
+    assert data["groups"]["ledger"] == {"rc": 0, "seconds": 12, "passed": 10, "skipped": 1}
     assert data["cudamem_tree"] == rec.tree_id(ROOT / "cudamem") and data["passed"] is True
     assert rec.check(record) == 0
 

@@ -634,6 +634,8 @@ def test_status_values_and_json() -> None:
     )
     off = ReaderStatus(False, "failed", "the build failed (x)")
     assert present(off).startswith("reader: dict (torch._C._cuda_memoryStats")
+    # str() is the same line (the registry looked up, not imported, by _fastread).
+    assert str(status) == present(status) and str(off) == present(off)
 
 
 # --------------------------------------------------------------------------- command line
