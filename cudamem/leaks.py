@@ -402,6 +402,7 @@ class _Detector:
             self.series.clear()
             self.findings.clear()
             _armed = frozenset()
+            add_entry_hook(_on_span_enter, leaks_only=True)
 
     def _arm(self, name: str, s: _Series) -> None:
         global _armed
@@ -409,6 +410,8 @@ class _Detector:
         s.armed_exits = 0
         s.attempts = 0
         s.captured = None
+        if not _armed:  # every span now asks whether its name is armed
+            add_entry_hook(_on_span_enter)
         _armed = _armed | {name}
 
     def _disarm(self, name: str, s: _Series) -> None:
@@ -416,6 +419,8 @@ class _Detector:
         s.captured = None
         if name in _armed:
             _armed = _armed - {name}
+            if not _armed:  # back to spans opened with leaks=True alone
+                add_entry_hook(_on_span_enter, leaks_only=True)
 
     def _give_up(
         self, name: str, s: _Series, settings: LeakSettings, *, unexplained: bool = False
@@ -788,7 +793,10 @@ _START = "leaks.start"
 
 
 def _on_span_enter(span: RawSpan) -> None:
-    """The span entry hook: snapshot the storages for ``leaks=True`` or an armed name."""
+    """The span entry hook: snapshot the storages for ``leaks=True`` or an armed name.
+
+    Registered for ``leaks=True`` spans alone while no name is armed (``_Detector._arm``
+    widens it to every span, ``_disarm`` narrows it again): a plain span pays no call."""
     if span.leaks or (_armed and span.name in _armed):
         if span.extras is None:
             span.extras = {}
@@ -816,6 +824,6 @@ def _on_span_exit(span: RawSpan) -> None:
             _detector.on_exit(span.name, span.level, span.alloc_delta)
 
 
-add_entry_hook(_on_span_enter)
+add_entry_hook(_on_span_enter, leaks_only=True)
 # A LeakWarning the user turned into an error (-W error) reaches the user's code as itself.
 add_exit_hook(_on_span_exit, propagate=(LeakWarning,))

@@ -432,6 +432,10 @@ _process_peak: dict[int, int] = {}
 #: ``(device, value)`` not yet merged into ``_process_peak`` (appends are atomic).
 _peak_inbox: deque[tuple[int, int]] = deque()
 _entry_hooks: tuple[EntryHook, ...] = ()
+#: What a span opened with ``leaks=True`` calls: ``_entry_hooks`` and the hooks registered
+#: with ``leaks_only=True`` (which every other span skips without a call).
+_entry_hooks_leaks: tuple[EntryHook, ...] = ()
+_entry_registry: tuple[tuple[EntryHook, bool], ...] = ()
 _exit_hooks: tuple[tuple[ExitHook, tuple[type[BaseException], ...]], ...] = ()
 #: The exit hooks alone, what the close of a span whose block raised iterates, and those
 #: a span that did not raise needs (``errors_only`` left out); rebuilt on each registration.
@@ -460,20 +464,38 @@ def _reset_state() -> None:
 # -- hooks ------------------------------------------------------------------------------
 
 
-def add_entry_hook(hook: EntryHook) -> None:
+def add_entry_hook(hook: EntryHook, *, leaks_only: bool = False) -> None:
     """Call ``hook(raw_span)`` when every span opens, after its entry counters are read and
-    before the block runs. Errors are swallowed (a warning says so once)."""
-    global _entry_hooks
+    before the block runs. Errors are swallowed (a warning says so once).
+
+    With ``leaks_only``, only spans opened with ``leaks=True`` call it, and the others do not
+    pay for the call. Adding a hook that is registered already changes only its mode (it
+    keeps its place in the order).
+    """
+    global _entry_registry
     with _hooks_lock:
-        if all(h is not hook for h in _entry_hooks):
-            _entry_hooks = (*_entry_hooks, hook)
+        if any(h is hook for h, _ in _entry_registry):
+            _entry_registry = tuple(
+                (h, leaks_only if h is hook else only) for h, only in _entry_registry
+            )
+        else:
+            _entry_registry = (*_entry_registry, (hook, leaks_only))
+        _rebuild_entry_calls()
 
 
 def remove_entry_hook(hook: EntryHook) -> None:
     """Undo ``add_entry_hook``."""
-    global _entry_hooks
+    global _entry_registry
     with _hooks_lock:
-        _entry_hooks = tuple(h for h in _entry_hooks if h is not hook)
+        _entry_registry = tuple((h, o) for h, o in _entry_registry if h is not hook)
+        _rebuild_entry_calls()
+
+
+def _rebuild_entry_calls() -> None:
+    """Derive what opens iterate from the registry; caller holds ``_hooks_lock``."""
+    global _entry_hooks, _entry_hooks_leaks
+    _entry_hooks = tuple(h for h, only in _entry_registry if not only)
+    _entry_hooks_leaks = tuple(h for h, _ in _entry_registry)
 
 
 def add_exit_hook(
@@ -731,7 +753,7 @@ def _open(
         if push:
             _top.set(span)
     if hooks:
-        for hook in _entry_hooks:
+        for hook in _entry_hooks_leaks if leaks else _entry_hooks:
             try:
                 hook(span)
             except Exception as err:

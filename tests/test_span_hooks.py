@@ -125,7 +125,10 @@ def test_features_attach_as_hooks_in_import_order() -> None:
     oom = sys.modules["cudamem.oom"]
     exits = [hook for hook, _ in _span._exit_hooks]
     assert exits[:3] == [_history._on_span_exit, _leaks._on_span_exit, oom._on_span_exit]
-    assert _span._entry_hooks[:1] == (_leaks._on_span_enter,)
+    # Growth detection's entry hook runs for leaks=True spans alone while nothing is armed.
+    assert _span._entry_registry[:1] == ((_leaks._on_span_enter, True),)
+    assert _leaks._on_span_enter not in _span._entry_hooks
+    assert _span._entry_hooks_leaks[:1] == (_leaks._on_span_enter,)
     # Only growth detection's own warning may leave a span's exit.
     assert dict(_span._exit_hooks)[_leaks._on_span_exit] == (cudamem.LeakWarning,)
 
@@ -461,3 +464,20 @@ def test_nested_spans_leave_no_reference_cycles(fake: FakeAllocator) -> None:
         gc.set_debug(0)
         gc.garbage.clear()
     assert cycles == []  # freed by reference counting alone
+
+
+def test_arming_a_name_widens_the_leak_entry_hook_to_every_span_and_disarming_narrows_it() -> None:
+    detector = _leaks._detector
+    series = _leaks._Series(4)
+    try:
+        detector._arm("step", series)
+        assert _leaks._on_span_enter in _span._entry_hooks  # a leaks=False span asks too
+        detector._arm("eval", _leaks._Series(4))
+        detector._disarm("step", series)
+        assert _leaks._on_span_enter in _span._entry_hooks  # "eval" is still armed
+        detector._disarm("eval", series)
+        assert _leaks._on_span_enter not in _span._entry_hooks
+        assert _span._entry_hooks_leaks[:1] == (_leaks._on_span_enter,)
+    finally:
+        detector.reset()
+    assert _leaks._armed == frozenset() and _leaks._on_span_enter not in _span._entry_hooks
