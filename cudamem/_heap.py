@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Iterator
 from itertools import compress, repeat
-from operator import is_
+from operator import is_, not_
 from typing import Any
 
 __all__ = [
@@ -172,11 +172,15 @@ def untracked_arrays(refs: list[Any], array_type: type) -> tuple[list[Any], list
     types_ = list(map(type, refs))
     found = list(compress(refs, map(is_, types_, repeat(array_type))))
     edges: list[tuple[Any, Any]] = []
-    level = [
-        r for r in compress(refs, map(_is_plain_container, types_)) if r and not gc.is_tracked(r)
-    ]
+    level = _untracked_containers(refs, types_)
     seen: set[int] = set()
     while level:
+        # One C call for the whole level decides whether any of it can lead to an array;
+        # only then is each container looked at on its own (to know which holds what).
+        kids = gc.get_referents(*level)
+        kid_types = list(map(type, kids))
+        if array_type not in kid_types and not _untracked_containers(kids, kid_types):
+            break
         deeper = []
         for container in level:
             if id(container) in seen:
@@ -194,8 +198,14 @@ def untracked_arrays(refs: list[Any], array_type: type) -> tuple[list[Any], list
     return found, edges
 
 
-def _is_plain_container(tp: type) -> bool:
-    return tp is dict or tp is tuple
+def _untracked_containers(refs: list[Any], types_: list[type]) -> list[Any]:
+    """The non-empty dicts and tuples among ``refs`` that gc does not track."""
+    out = []
+    untracked = gc.is_tracked
+    for kind in (dict, tuple):  # C-level filters throughout: this runs for every referent
+        some = list(compress(refs, map(is_, types_, repeat(kind))))
+        out += compress(some, map(not_, map(untracked, some)))
+    return out
 
 
 def _isdisjoint(wanted: Collection[int]) -> Callable[[Any], bool]:
