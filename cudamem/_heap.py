@@ -29,6 +29,8 @@ from itertools import compress, repeat
 from operator import is_, not_
 from typing import Any
 
+from . import _heapscan
+
 __all__ = [
     "CHUNK",
     "OURS",
@@ -45,6 +47,9 @@ __all__ = [
 SMALL = 64
 #: Heap objects per ``gc.get_referents`` call in a chunked pass.
 CHUNK = 1024
+#: What a chunked pass costs per heap object, in ns: in Python, and compiled.
+PASS_NS = 100
+PASS_NS_COMPILED = 12
 _SUB = 32
 
 
@@ -108,6 +113,7 @@ def chunked_pass(
     deadline: float | None = None,
     array_type: type | None = None,
     on_arrays: Callable[[list[Any], list[tuple[Any, Any]]], bool] | None = None,
+    added: list[int] | None = None,
 ) -> tuple[bool, int, bool]:
     """Call ``on_hit(o)`` for every ``o`` in ``objs`` that refers to an object whose id is in
     ``wanted``; ``on_hit`` may grow ``wanted`` and returns whether it did.
@@ -124,10 +130,29 @@ def chunked_pass(
     handed to ``on_arrays`` with the edges to them (``untracked_arrays``) before the batch
     is tested, so that it can add them to ``wanted`` (returning whether it did).
 
+    ``added``: a list the caller appends each id it adds to ``wanted`` to. Given it, the
+    compiled pass (``cudamem._heapscan``), once active, runs the same pass in C: it reads
+    the new ids from ``added`` after each callback instead of testing ``wanted`` itself.
+
     Returns ``(finished, last, whole)``: ``finished`` is ``False`` when ``deadline`` stopped
     it; ``last`` is the index of the last batch at which something was added (``-1``:
     nothing); ``whole`` whether it ran over every batch.
     """
+    module = _heapscan.native() if added is not None else None
+    if module is not None:
+        seconds = None if deadline is None else deadline - time.perf_counter()
+        with gc_paused():
+            done, last, whole = module.scan(
+                objs,
+                wanted,
+                added,
+                on_hit,
+                at_least,
+                seconds,
+                array_type if on_arrays is not None else None,
+                on_arrays,
+            )
+        return bool(done), int(last), bool(whole)
     isdisjoint = _isdisjoint(wanted)
     get = gc.get_referents
     last = -1
@@ -200,7 +225,7 @@ def untracked_arrays(refs: list[Any], array_type: type) -> tuple[list[Any], list
 
 def _untracked_containers(refs: list[Any], types_: list[type]) -> list[Any]:
     """The non-empty dicts and tuples among ``refs`` that gc does not track."""
-    out = []
+    out: list[Any] = []
     untracked = gc.is_tracked
     for kind in (dict, tuple):  # C-level filters throughout: this runs for every referent
         some = list(compress(refs, map(is_, types_, repeat(kind))))
@@ -233,5 +258,5 @@ def referrers(
         out.append(o)
         return False
 
-    chunked_pass(heap if heap is not None else snapshot(), wanted, hit, deadline=deadline)
+    chunked_pass(heap if heap is not None else snapshot(), wanted, hit, deadline=deadline, added=[])
     return out

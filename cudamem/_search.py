@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from . import _autograd, _heap
+from . import _autograd, _heap, _heapscan
 from ._args import check_int, check_seconds
 from ._autograd import StorageKey
 from ._frames import own_frame
@@ -167,6 +167,8 @@ class Search:
         #: Tensors held by a view or numpy array of theirs (not holders in their own right).
         self.bases: set[int] = self._own(set())
         self.current: set[int] = self._own(set())
+        #: Every id added to ``current``, in order (a compiled pass reads the new ones).
+        self._added: list[int] = []
         self.next: set[int] = self._own(set())
         self.holders: list[RawHolder] = []
         self.module_types: tuple[type, ...] = (torch.nn.Module,)
@@ -383,6 +385,7 @@ class Search:
             deadline=self.deadline,
             array_type=self._arrays[0],
             on_arrays=self._on_arrays,
+            added=[],  # nothing is wanted in this pass: what it starts waits for the climb
         )
         if not done:
             self._stop("timeout")
@@ -444,6 +447,7 @@ class Search:
             if is_sub(type(obj), type):
                 self.roots.append(id(obj))
             self.current.add(id(obj))
+            self._added.append(id(obj))
             self.next.add(id(obj))  # found in mid-pass: the next pass looks behind it
 
     def _frames(self) -> _Frames:
@@ -556,6 +560,7 @@ class Search:
                     deadline=self.deadline,
                     array_type=self._arrays[0] if arrays else None,
                     on_arrays=self._on_arrays if arrays else None,
+                    added=self._added,
                 )
                 if not done:
                     self._stop("timeout")
@@ -680,7 +685,8 @@ class Search:
         if self.heap is None or need is None:
             return True
         scan_ns = len(self.heap) * (23 + 0.7 * k)
-        pass_ns = min(need * _heap.CHUNK, len(self.heap)) * 100
+        per_object = _heap.PASS_NS_COMPILED if _heapscan.native() is not None else _heap.PASS_NS
+        pass_ns = min(need * _heap.CHUNK, len(self.heap)) * per_object
         return scan_ns <= pass_ns
 
     def _hit(self, ref: Any) -> bool:
@@ -727,6 +733,7 @@ class Search:
             self.roots.append(rid)
             return  # a root: do not look further up
         self.current.add(rid)
+        self._added.append(rid)
         self.next.add(rid)
         for owner, seg in self.virtual.get(rid, ()):
             self._edge(owner, ref, Ref((seg,)))

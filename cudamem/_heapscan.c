@@ -1,0 +1,393 @@
+/* cudamem's compiled heap pass: the referrers of many objects at once, in one walk of a
+ * heap snapshot (cudamem/_heap.py's chunked_pass, in C).
+ *
+ * Each snapshot object's tp_traverse is called with a visitor that looks the referent's
+ * address up in an open-addressing hash set of wanted addresses: no Python object is made
+ * per edge, no Python code runs during a traversal, no user dunder is called. The pass
+ * holds the GIL between callbacks; the snapshot list keeps every object it visits alive.
+ *
+ * scan(objs, wanted, added, on_hit, at_least, seconds, array_type, on_arrays)
+ *   objs: the snapshot (oldest first; walked newest first, in batches of CHUNK objects);
+ *   wanted: iterable of ids (ints) asked about; added: a list the caller appends the ids it
+ *   adds to `wanted` to (read after each callback: the pass then also looks for them);
+ *   on_hit(o) -> bool: called for each object referring to a wanted id (True: it added ids);
+ *   at_least: batches to scan at most (None: all); seconds: time left (None: no limit);
+ *   array_type, on_arrays(found, edges) -> bool: objects of exactly array_type among a
+ *   batch's referents, also inside dicts and tuples gc does not track, with the
+ *   (container, child) edges to them, handed over before the batch is tested.
+ * Returns (finished, last, whole) exactly as chunked_pass does.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+#define CHUNK 1024
+#define MAX_DEPTH 64
+
+typedef struct {
+    uintptr_t *slots;
+    size_t mask;
+    size_t used;
+} PtrSet;
+
+static size_t mix(uintptr_t p) {
+    uint64_t x = (uint64_t)p;
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdULL;
+    x ^= x >> 33;
+    return (size_t)x;
+}
+
+static int set_init(PtrSet *s, size_t hint) {
+    size_t n = 64;
+    while (n < hint * 2 + 2) n <<= 1;
+    s->slots = (uintptr_t *)calloc(n, sizeof(uintptr_t));
+    if (!s->slots) return -1;
+    s->mask = n - 1;
+    s->used = 0;
+    return 0;
+}
+
+static int set_has(const PtrSet *s, uintptr_t p) {
+    size_t i = mix(p) & s->mask;
+    for (;;) {
+        uintptr_t v = s->slots[i];
+        if (v == p) return 1;
+        if (v == 0) return 0;
+        i = (i + 1) & s->mask;
+    }
+}
+
+static int set_add(PtrSet *s, uintptr_t p);
+
+static int set_grow(PtrSet *s) {
+    PtrSet bigger;
+    size_t old = s->mask + 1;
+    if (set_init(&bigger, old) < 0) return -1;
+    for (size_t i = 0; i < old; i++)
+        if (s->slots[i]) set_add(&bigger, s->slots[i]);
+    free(s->slots);
+    *s = bigger;
+    return 0;
+}
+
+static int set_add(PtrSet *s, uintptr_t p) {
+    if (p == 0) return 0;
+    if ((s->used + 1) * 2 > s->mask + 1 && set_grow(s) < 0) return -1;
+    size_t i = mix(p) & s->mask;
+    for (;;) {
+        uintptr_t v = s->slots[i];
+        if (v == p) return 0;
+        if (v == 0) {
+            s->slots[i] = p;
+            s->used++;
+            return 0;
+        }
+        i = (i + 1) & s->mask;
+    }
+}
+
+/* ids (ints) from an iterable into the set */
+static int set_add_ids(PtrSet *s, PyObject *iterable) {
+    PyObject *it = PyObject_GetIter(iterable);
+    if (!it) return -1;
+    PyObject *item;
+    while ((item = PyIter_Next(it))) {
+        void *p = PyLong_AsVoidPtr(item);
+        Py_DECREF(item);
+        if (p == NULL && PyErr_Occurred()) {
+            Py_DECREF(it);
+            return -1;
+        }
+        if (set_add(s, (uintptr_t)p) < 0) {
+            Py_DECREF(it);
+            PyErr_NoMemory();
+            return -1;
+        }
+    }
+    Py_DECREF(it);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+typedef struct {
+    const PtrSet *wanted;
+    int hit;
+    PyTypeObject *array_type; /* NULL: no array search */
+    PyObject *arrays;         /* list of arrays found (borrowed container) */
+    PyObject *containers;     /* untracked dicts/tuples met at the top level */
+    int error;
+} Visit;
+
+static int is_untracked_container(PyObject *o) {
+    PyTypeObject *tp = Py_TYPE(o);
+    if (tp == &PyDict_Type) return PyDict_GET_SIZE(o) > 0 && !PyObject_GC_IsTracked(o);
+    if (tp == &PyTuple_Type) return PyTuple_GET_SIZE(o) > 0 && !PyObject_GC_IsTracked(o);
+    return 0;
+}
+
+/* The visitor: only pointer compares and type checks. */
+static int visit_test(PyObject *o, void *arg) {
+    Visit *v = (Visit *)arg;
+    if (set_has(v->wanted, (uintptr_t)o)) {
+        v->hit = 1;
+        if (!v->array_type) return 1; /* one is enough: stop this traversal */
+    }
+    if (v->array_type && !v->error) {
+        if (Py_TYPE(o) == v->array_type) {
+            if (PyList_Append(v->arrays, o) < 0) v->error = 1;
+        } else if (is_untracked_container(o)) {
+            if (PyList_Append(v->containers, o) < 0) v->error = 1;
+        }
+    }
+    return 0;
+}
+
+typedef struct {
+    PyTypeObject *array_type;
+    PyObject *children; /* list */
+} Kids;
+
+static int visit_collect(PyObject *o, void *arg) {
+    Kids *k = (Kids *)arg;
+    if (Py_TYPE(o) == k->array_type || is_untracked_container(o))
+        return PyList_Append(k->children, o) < 0 ? -1 : 0;
+    return 0;
+}
+
+/* From untracked containers down to arrays: appends arrays to `arrays` and (container,
+ * child) tuples to `edges` for every step on the way; containers met twice are skipped. */
+static int descend(PyObject *level0, PyTypeObject *array_type, PyObject *arrays,
+                   PyObject *edges) {
+    PyObject *level = level0;
+    Py_INCREF(level);
+    PtrSet seen;
+    if (set_init(&seen, 64) < 0) {
+        Py_DECREF(level);
+        PyErr_NoMemory();
+        return -1;
+    }
+    int rc = 0;
+    for (int depth = 0; depth < MAX_DEPTH && PyList_GET_SIZE(level) > 0; depth++) {
+        PyObject *deeper = PyList_New(0);
+        if (!deeper) {
+            rc = -1;
+            break;
+        }
+        Py_ssize_t n = PyList_GET_SIZE(level);
+        for (Py_ssize_t i = 0; i < n && rc == 0; i++) {
+            PyObject *c = PyList_GET_ITEM(level, i);
+            if (set_has(&seen, (uintptr_t)c)) continue;
+            if (set_add(&seen, (uintptr_t)c) < 0) {
+                PyErr_NoMemory();
+                rc = -1;
+                break;
+            }
+            Kids k = {array_type, PyList_New(0)};
+            if (!k.children) {
+                rc = -1;
+                break;
+            }
+            traverseproc trav = Py_TYPE(c)->tp_traverse;
+            if (trav && trav(c, visit_collect, &k) < 0) rc = -1;
+            Py_ssize_t m = PyList_GET_SIZE(k.children);
+            for (Py_ssize_t j = 0; j < m && rc == 0; j++) {
+                PyObject *child = PyList_GET_ITEM(k.children, j);
+                PyObject *edge = PyTuple_Pack(2, c, child);
+                if (!edge || PyList_Append(edges, edge) < 0) rc = -1;
+                Py_XDECREF(edge);
+                if (rc == 0) {
+                    PyObject *into = Py_TYPE(child) == array_type ? arrays : deeper;
+                    if (PyList_Append(into, child) < 0) rc = -1;
+                }
+            }
+            Py_DECREF(k.children);
+        }
+        Py_DECREF(level);
+        level = deeper;
+        if (rc < 0) break;
+    }
+    Py_DECREF(level);
+    free(seen.slots);
+    return rc;
+}
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* Test one object: 1 it refers to a wanted id, 0 not, -1 error. */
+static int test_one(PyObject *o, Visit *v) {
+    traverseproc trav = Py_TYPE(o)->tp_traverse;
+    if (!trav) return 0;
+    v->hit = 0;
+    trav(o, visit_test, v);
+    if (v->error) return -1;
+    return v->hit;
+}
+
+static PyObject *scan(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *objs, *wanted, *added, *on_hit, *at_least_obj, *seconds_obj, *array_obj,
+        *on_arrays;
+    if (!PyArg_ParseTuple(args, "O!OO!OOOOO", &PyList_Type, &objs, &wanted, &PyList_Type,
+                          &added, &on_hit, &at_least_obj, &seconds_obj, &array_obj, &on_arrays))
+        return NULL;
+    Py_ssize_t at_least = -1;
+    if (at_least_obj != Py_None) {
+        at_least = PyLong_AsSsize_t(at_least_obj);
+        if (at_least == -1 && PyErr_Occurred()) return NULL;
+    }
+    double deadline = -1;
+    if (seconds_obj != Py_None) {
+        double secs = PyFloat_AsDouble(seconds_obj);
+        if (secs == -1.0 && PyErr_Occurred()) return NULL;
+        deadline = now_s() + secs;
+    }
+    PyTypeObject *array_type = NULL;
+    if (array_obj != Py_None && on_arrays != Py_None) {
+        if (!PyType_Check(array_obj)) {
+            PyErr_SetString(PyExc_TypeError, "array_type must be a type or None");
+            return NULL;
+        }
+        array_type = (PyTypeObject *)array_obj;
+    }
+    PtrSet set;
+    if (set_init(&set, 1024) < 0) return PyErr_NoMemory();
+    if (set_add_ids(&set, wanted) < 0) {
+        free(set.slots);
+        return NULL;
+    }
+    Py_ssize_t synced = PyList_GET_SIZE(added);
+    Py_INCREF(objs); /* the snapshot stays alive whatever the callbacks do */
+    Py_ssize_t n = PyList_GET_SIZE(objs);
+    Py_ssize_t n_batches = (n + CHUNK - 1) / CHUNK;
+    Py_ssize_t last = -1;
+    int finished = 1, whole = 1, failed = 0;
+    Visit v = {&set, 0, array_type, NULL, NULL, 0};
+
+    for (Py_ssize_t k = 0; k < n_batches && !failed; k++) {
+        if (at_least >= 0 && k >= at_least) {
+            whole = 0;
+            break;
+        }
+        if (deadline >= 0 && !(k & 7) && now_s() > deadline) {
+            finished = 0;
+            whole = 0;
+            break;
+        }
+        Py_ssize_t end = n - k * CHUNK;
+        if (end > PyList_GET_SIZE(objs)) end = PyList_GET_SIZE(objs);
+        Py_ssize_t start = end - CHUNK > 0 ? end - CHUNK : 0;
+        if (array_type) {
+            /* Arrays first, for the whole batch, as chunked_pass does. */
+            v.arrays = PyList_New(0);
+            v.containers = PyList_New(0);
+            PyObject *edges = PyList_New(0);
+            if (!v.arrays || !v.containers || !edges) failed = 1;
+            for (Py_ssize_t i = start; i < end && !failed; i++) {
+                PyObject *o = PyList_GET_ITEM(objs, i);
+                traverseproc trav = Py_TYPE(o)->tp_traverse;
+                v.hit = 0;
+                if (trav) trav(o, visit_test, &v);
+                if (v.error) failed = 1;
+            }
+            if (!failed && PyList_GET_SIZE(v.containers) &&
+                descend(v.containers, array_type, v.arrays, edges) < 0)
+                failed = 1;
+            if (!failed && PyList_GET_SIZE(v.arrays)) {
+                PyObject *r = PyObject_CallFunctionObjArgs(on_arrays, v.arrays, edges, NULL);
+                if (!r) {
+                    failed = 1;
+                } else {
+                    if (PyObject_IsTrue(r) == 1) last = k;
+                    Py_DECREF(r);
+                }
+            }
+            Py_XDECREF(v.arrays);
+            Py_XDECREF(v.containers);
+            Py_XDECREF(edges);
+            v.arrays = v.containers = NULL;
+            if (failed) break;
+            /* the callback may have added ids */
+            Py_ssize_t now_added = PyList_GET_SIZE(added);
+            for (Py_ssize_t j = synced; j < now_added; j++) {
+                void *p = PyLong_AsVoidPtr(PyList_GET_ITEM(added, j));
+                if ((p == NULL && PyErr_Occurred()) || set_add(&set, (uintptr_t)p) < 0) {
+                    failed = 1;
+                    break;
+                }
+            }
+            synced = now_added;
+            if (failed) break;
+        }
+        PyTypeObject *saved = v.array_type;
+        v.array_type = NULL; /* the test proper stops at the first wanted referent */
+        /* newest first within the batch, as chunked_pass's sub-batches go */
+        for (Py_ssize_t i = end - 1; i >= start; i--) {
+            if (i >= PyList_GET_SIZE(objs)) continue;
+            PyObject *o = PyList_GET_ITEM(objs, i);
+            int t = test_one(o, &v);
+            if (t < 0) {
+                failed = 1;
+                break;
+            }
+            if (!t) continue;
+            Py_INCREF(o);
+            PyObject *r = PyObject_CallOneArg(on_hit, o);
+            Py_DECREF(o);
+            if (!r) {
+                failed = 1;
+                break;
+            }
+            int grew = PyObject_IsTrue(r);
+            Py_DECREF(r);
+            if (grew < 0) {
+                failed = 1;
+                break;
+            }
+            if (grew) last = k;
+            Py_ssize_t now_added = PyList_GET_SIZE(added);
+            for (Py_ssize_t j = synced; j < now_added; j++) {
+                void *p = PyLong_AsVoidPtr(PyList_GET_ITEM(added, j));
+                if ((p == NULL && PyErr_Occurred()) || set_add(&set, (uintptr_t)p) < 0) {
+                    failed = 1;
+                    break;
+                }
+            }
+            synced = now_added;
+            if (failed) break;
+        }
+        v.array_type = saved;
+    }
+    Py_DECREF(objs);
+    free(set.slots);
+    if (failed) {
+        if (!PyErr_Occurred()) PyErr_NoMemory();
+        return NULL;
+    }
+    return Py_BuildValue("(OnO)", finished ? Py_True : Py_False, last, whole ? Py_True : Py_False);
+}
+
+static PyMethodDef methods[] = {
+    {"scan", scan, METH_VARARGS, "One pass over a heap snapshot (see the file's comment)."},
+    {NULL, NULL, 0, NULL},
+};
+
+#ifndef CUDAMEM_HEAPSCAN_NAME
+#define CUDAMEM_HEAPSCAN_NAME _cudamem_heapscan
+#endif
+#define STR2(x) #x
+#define STR(x) STR2(x)
+#define CAT2(a, b) a##b
+#define CAT(a, b) CAT2(a, b)
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, STR(CUDAMEM_HEAPSCAN_NAME), "cudamem's compiled heap pass.", -1,
+    methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC CAT(PyInit_, CUDAMEM_HEAPSCAN_NAME)(void) { return PyModule_Create(&module); }
