@@ -25,6 +25,8 @@ Runs on CPU (the search is about Python objects); on a GPU machine the model run
 
     PYTHONPATH=. python3 benchmarks/holders.py [--quick] [--repeat 5]
         [--out benchmarks/results/holders.json]
+    PYTHONPATH=. python3 benchmarks/holders.py --real [--quick]   (a real training heap:
+        transformers, lightning, GPT-2, against objgraph; see holders_real.py)
 
 The figures in ``docs/guide/who-holds.md`` come from ``OMP_NUM_THREADS=1`` runs (CPU
 seconds count torch's worker threads too; the JSON says how many there were).
@@ -320,8 +322,21 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--sample", type=int, default=3, help="objgraph chains timed for 2")
     parser.add_argument("--timeout", type=float, default=0.5)
-    parser.add_argument("--out", default="benchmarks/results/holders.json")
+    parser.add_argument("--out", default=None, help="default benchmarks/results/holders.json")
+    parser.add_argument(
+        "--real", action="store_true", help="the real training heap (holders_real.py) only"
+    )
     args = parser.parse_args()
+    if args.real:
+        import holders_real  # type: ignore[import-not-found]
+
+        if args.quick:
+            args.repeat = min(args.repeat, 3)
+        where = "gpu" if torch.cuda.is_available() else "cpu"
+        args.out = args.out or f"benchmarks/results/holders-real-{where}.json"
+        holders_real.real_heap(args)
+        return
+    args.out = args.out or "benchmarks/results/holders.json"
     if args.quick:
         args.repeat = min(args.repeat, 3)
         args.sample = min(args.sample, 2)
