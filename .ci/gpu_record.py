@@ -25,7 +25,17 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 RECORD = ROOT / "benchmarks" / "results" / "gpu-verified.json"
 #: pytest groups of .ci/gpu, in the order they run.
-GROUPS = ("trust", "integrations", "kernel", "expandable-kernel", "ledger", "expandable-ledger")
+GROUPS = (
+    "trust",
+    "integrations",
+    "frameworks",
+    "kernel",
+    "reader",
+    "reader-retry",
+    "expandable-kernel",
+    "ledger",
+    "expandable-ledger",
+)
 BENCHES = ("build_reader", "gen_outputs", "span_overhead", "soak", "scalars")
 _IGNORED_DIRS = {"__pycache__", ".mypy_cache", ".ruff_cache", ".pytest_cache"}
 _IGNORED_SUFFIXES = (".pyc", ".pyo")

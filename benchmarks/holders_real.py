@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.metadata
 import os
 import platform
 import subprocess
@@ -124,6 +125,12 @@ def plugin_case(repeat: int) -> dict[str, Any]:
         path = Path(tmp) / "test_tiny.py"
         path.write_text(textwrap.dedent(PLUGIN_TESTS))
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        # The plugin from this checkout: by its entry point when cudamem is installed,
+        # else by name (pytest_cudamem.py lies on PYTHONPATH).
+        installed = any(
+            e.name == "cudamem" for e in importlib.metadata.entry_points(group="pytest11")
+        )
+        load = () if installed else ("-p", "pytest_cudamem")
 
         def run(*extra: str) -> tuple[float, str]:
             t0 = time.perf_counter()
@@ -142,7 +149,7 @@ def plugin_case(repeat: int) -> dict[str, Any]:
         times: dict[str, list[float]] = {"plain": [], "cudamem": []}
         verdicts: dict[str, set[str]] = {"plain": set(), "cudamem": set()}
         for _ in range(repeat):
-            for name, extra in (("plain", ()), ("cudamem", ("--cudamem",))):
+            for name, extra in (("plain", load), ("cudamem", (*load, "--cudamem"))):
                 seconds, verdict = run(*extra)
                 times[name].append(seconds)
                 verdicts[name].add(verdict)
@@ -187,6 +194,7 @@ def real_heap(args: argparse.Namespace) -> None:
     slow_paths = paths(python(lambda: cudamem.who_holds(param))())
     data["same_paths"] = fast_paths == slow_paths
     data["paths"] = fast_paths
+    data["paths_python_pass"] = slow_paths
 
     def leak_step() -> Any:
         with cudamem.track("bench-step", leaks=True) as span:

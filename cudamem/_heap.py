@@ -47,9 +47,8 @@ __all__ = [
 SMALL = 64
 #: Heap objects per ``gc.get_referents`` call in a chunked pass.
 CHUNK = 1024
-#: What a chunked pass costs per heap object, in ns: in Python, and compiled.
+#: What a chunked pass in Python costs per heap object, in ns.
 PASS_NS = 100
-PASS_NS_COMPILED = 12
 _SUB = 32
 
 
