@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from . import _heapscan
 from ._naming import class_attr, is_sub, type_name
 from ._storages import StorageRef, ref_of
 
@@ -283,7 +284,15 @@ def all_tensors() -> list[Any]:
     import gc
 
     types_ = tensor_types()
-    found = gc.get_referrers(*types_)
+    module = _heapscan.native()
+    if module is not None:
+        # The same objects in the same order (gc.get_objects lists the generations in the
+        # order gc.get_referrers scans them), read off each object's type pointer only.
+        heap = gc.get_objects()
+        found = module.instances(heap, tuple(types_))
+        heap.clear()
+    else:
+        found = gc.get_referrers(*types_)
     # Most referrers of the tensor types are not tensors (module dicts, MRO tuples): decide
     # once per type, by identity (the objects keep their types alive meanwhile).
     is_tensor = {id(tp): True for tp in types_}

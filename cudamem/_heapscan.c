@@ -372,8 +372,47 @@ static PyObject *scan(PyObject *self, PyObject *args) {
     return Py_BuildValue("(OnO)", finished ? Py_True : Py_False, last, whole ? Py_True : Py_False);
 }
 
+/* instances(objs, types) -> the objects of objs whose exact type is one of the tuple
+ * `types`, in order. Reads only each object's type pointer. */
+static PyObject *instances(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *objs, *types;
+    if (!PyArg_ParseTuple(args, "O!O!", &PyList_Type, &objs, &PyTuple_Type, &types)) return NULL;
+    PtrSet set;
+    if (set_init(&set, (size_t)PyTuple_GET_SIZE(types)) < 0) return PyErr_NoMemory();
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(types); i++) {
+        PyObject *tp = PyTuple_GET_ITEM(types, i);
+        if (!PyType_Check(tp)) {
+            free(set.slots);
+            PyErr_SetString(PyExc_TypeError, "types must hold types only");
+            return NULL;
+        }
+        if (set_add(&set, (uintptr_t)tp) < 0) {
+            free(set.slots);
+            return PyErr_NoMemory();
+        }
+    }
+    PyObject *out = PyList_New(0);
+    if (!out) {
+        free(set.slots);
+        return NULL;
+    }
+    Py_INCREF(objs);
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(objs); i++) {
+        PyObject *o = PyList_GET_ITEM(objs, i);
+        if (set_has(&set, (uintptr_t)Py_TYPE(o)) && PyList_Append(out, o) < 0) {
+            Py_CLEAR(out);
+            break;
+        }
+    }
+    Py_DECREF(objs);
+    free(set.slots);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"scan", scan, METH_VARARGS, "One pass over a heap snapshot (see the file's comment)."},
+    {"instances", instances, METH_VARARGS, "The objects whose exact type is in a tuple."},
     {NULL, NULL, 0, NULL},
 };
 

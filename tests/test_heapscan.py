@@ -307,3 +307,18 @@ def test_no_compiler_leaves_the_python_pass(tmp_path: Path) -> None:
         CUDAMEM_CACHE_DIR=str(tmp_path),
     )
     assert "state failed" in out and "no C compiler" in out
+
+
+def test_all_tensors_are_the_same_objects_in_the_same_order(compiled: Any) -> None:
+    from cudamem import _autograd
+
+    keep = [torch.ones(i + 1) for i in range(50)] + [torch.nn.Parameter(torch.ones(2))]
+    gc.collect()
+    fast = _autograd.all_tensors()
+    with _heapscan.python_pass():
+        slow = _autograd.all_tensors()
+    assert [id(t) for t in fast] == [id(t) for t in slow]
+    assert {id(t) for t in keep} <= {id(t) for t in fast}
+    assert compiled.instances([1, "a", 2.0, 3], (int,)) == [1, 3]
+    with pytest.raises(TypeError, match="types only"):
+        compiled.instances([1], (1,))
