@@ -282,6 +282,10 @@ static PyObject *scan(PyObject *self, PyObject *args) {
         Py_ssize_t end = n - k * CHUNK;
         if (end > PyList_GET_SIZE(objs)) end = PyList_GET_SIZE(objs);
         Py_ssize_t start = end - CHUNK > 0 ? end - CHUNK : 0;
+        /* In array mode the first traversal of the batch already tested every object:
+         * its answers hold until the wanted ids grow (then objects are traversed again). */
+        char tested[CHUNK];
+        int fresh = 0;
         if (array_type) {
             /* Arrays first, for the whole batch, as chunked_pass does. */
             v.arrays = PyList_New(0);
@@ -294,7 +298,9 @@ static PyObject *scan(PyObject *self, PyObject *args) {
                 v.hit = 0;
                 if (trav) trav(o, visit_test, &v);
                 if (v.error) failed = 1;
+                tested[i - start] = (char)v.hit;
             }
+            fresh = 1;
             if (!failed && PyList_GET_SIZE(v.containers) &&
                 descend(v.containers, array_type, v.arrays, edges) < 0)
                 failed = 1;
@@ -314,6 +320,7 @@ static PyObject *scan(PyObject *self, PyObject *args) {
             if (failed) break;
             /* the callback may have added ids */
             Py_ssize_t now_added = PyList_GET_SIZE(added);
+            if (now_added != synced) fresh = 0;
             for (Py_ssize_t j = synced; j < now_added; j++) {
                 void *p = PyLong_AsVoidPtr(PyList_GET_ITEM(added, j));
                 if ((p == NULL && PyErr_Occurred()) || set_add(&set, (uintptr_t)p) < 0) {
@@ -330,7 +337,7 @@ static PyObject *scan(PyObject *self, PyObject *args) {
         for (Py_ssize_t i = end - 1; i >= start; i--) {
             if (i >= PyList_GET_SIZE(objs)) continue;
             PyObject *o = PyList_GET_ITEM(objs, i);
-            int t = test_one(o, &v);
+            int t = fresh ? tested[i - start] : test_one(o, &v);
             if (t < 0) {
                 failed = 1;
                 break;
@@ -351,6 +358,7 @@ static PyObject *scan(PyObject *self, PyObject *args) {
             }
             if (grew) last = k;
             Py_ssize_t now_added = PyList_GET_SIZE(added);
+            if (now_added != synced) fresh = 0;
             for (Py_ssize_t j = synced; j < now_added; j++) {
                 void *p = PyLong_AsVoidPtr(PyList_GET_ITEM(added, j));
                 if ((p == NULL && PyErr_Occurred()) || set_add(&set, (uintptr_t)p) < 0) {
