@@ -189,9 +189,13 @@ def real_heap(args: argparse.Namespace) -> None:
     def paths(result: Any) -> list[str]:  # a frame's label carries its line: drop it
         return [h.path.split(": ", 1)[-1] for h in result]
 
-    cudamem.who_holds(param)
-    fast_paths = paths(cudamem.who_holds(param))
-    slow_paths = paths(python(lambda: cudamem.who_holds(param))())
+    def search() -> list[str]:  # both passes from the same frames (they are holders too)
+        return paths(cudamem.who_holds(param))
+
+    search()
+    fast_paths = search()
+    with _heapscan.python_pass():
+        slow_paths = search()
     data["same_paths"] = fast_paths == slow_paths
     data["paths"] = fast_paths
     data["paths_python_pass"] = slow_paths
