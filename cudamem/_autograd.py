@@ -274,12 +274,13 @@ def tensor_types() -> tuple[type, ...]:
     return tuple(seen)
 
 
-def all_tensors() -> list[Any]:
+def all_tensors(heap: list[Any] | None = None) -> list[Any]:
     """Every tensor object gc tracks, in one heap scan.
 
     A tensor's ``tp_traverse`` visits its class, so ``gc.get_referrers`` on the tensor types
     finds every tensor in one C-level pass (~2× one referrer scan) instead of a Python loop
-    over all objects.
+    over all objects. With the compiled heap pass, the tensors are read off a
+    ``gc.get_objects()`` listing (``heap``, when the caller has one) by type instead.
     """
     import gc
 
@@ -288,9 +289,11 @@ def all_tensors() -> list[Any]:
     if module is not None:
         # The same objects in the same order (gc.get_objects lists the generations in the
         # order gc.get_referrers scans them), read off each object's type pointer only.
-        heap = gc.get_objects()
-        found = module.instances(heap, tuple(types_))
-        heap.clear()
+        # ``heap``: such a listing the caller took (and uses again).
+        listing = heap if heap is not None else gc.get_objects()
+        found = module.instances(listing, tuple(types_))
+        if heap is None:
+            listing.clear()
     else:
         found = gc.get_referrers(*types_)
     # Most referrers of the tensor types are not tensors (module dicts, MRO tuples): decide

@@ -245,10 +245,12 @@ def referrers(
     heap: list[Any] | None = None,
     deadline: float | None = None,
 ) -> list[Any]:
-    """Every gc-tracked object that refers to one of ``objs``: one ``gc.get_referrers`` scan
-    for a few, one chunked pass over ``heap`` (a ``snapshot``, taken if not given) for
-    more. The caller filters out its own containers."""
-    if len(objs) <= SMALL:
+    """Every gc-tracked object that refers to one of ``objs``, in no promised order: one
+    ``gc.get_referrers`` scan for a few, one chunked pass over ``heap`` (a ``snapshot``,
+    taken if not given) for more, and always once the compiled pass is active (a snapshot
+    and a compiled pass cost about half a one-object scan). The caller filters out its own
+    containers."""
+    if len(objs) <= SMALL and _heapscan.native() is None:
         return gc.get_referrers(*objs)
     wanted = {id(o) for o in objs}
     out: list[Any] = []

@@ -14,6 +14,7 @@ are cuBLAS workspaces when they match PyTorch's workspace size rule, else unknow
 from __future__ import annotations
 
 import bisect
+import gc
 import sys
 import time
 from collections.abc import Iterable, Sequence
@@ -22,7 +23,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from . import _autograd, _backend, _heap
+from . import _autograd, _backend, _heap, _heapscan
 from ._autograd import StorageKey
 from ._device_arg import DeviceLike, resolve_device
 from ._format import format_bytes
@@ -199,18 +200,32 @@ class _Acc:
 
 
 def _gather(
-    device: str | None, scan: list[Any] | None = None, refs: bool = False
+    device: str | None, scan: list[Any] | None = None, refs: bool = False, counts: bool = True
 ) -> tuple[dict[StorageKey, _Acc], list[str]]:
     """Every live storage (of ``device``) once; ``refs``: with its ``StorageRef``;
     ``scan`` receives the tensor list and the graph walk, for a holder search to start from
-    instead of scanning the heap again."""
-    tensors = _autograd.all_tensors()
-    with _heap.ignored(tensors):  # a search in another thread must not name our list
-        return _gather_from(tensors, device, scan, refs)
+    instead of scanning the heap again. ``counts=False``: the caller reads no Python-tensor
+    counts, so the referrer pass that corrects them (``_discount_preserved``) is skipped."""
+    # One listing of the heap serves both the tensor scan and the referrer pass below, once
+    # the compiled pass is active (a listing costs as much as either).
+    heap = gc.get_objects() if _heapscan.native() is not None else None
+    tensors = _autograd.all_tensors(heap)
+    # A search in another thread must not name our lists.
+    with _heap.ignored(tensors, *(() if heap is None else (heap,))):
+        try:
+            return _gather_from(tensors, device, scan, refs, heap, counts)
+        finally:
+            if heap is not None:
+                heap.clear()
 
 
 def _gather_from(
-    tensors: list[Any], device: str | None, scan: list[Any] | None, refs: bool
+    tensors: list[Any],
+    device: str | None,
+    scan: list[Any] | None,
+    refs: bool,
+    heap: list[Any] | None = None,
+    counts: bool = True,
 ) -> tuple[dict[StorageKey, _Acc], list[str]]:
     notes: list[str] = []
     acc: dict[StorageKey, _Acc] = {}
@@ -247,7 +262,8 @@ def _gather_from(
     for _owner, _label, key, nbytes in walk.grads:
         if (device is None or _autograd.key_device(key) == device) and key not in acc:
             acc[key] = _Acc(nbytes, "?", (), 0, 0, False, None, walk_refs.get(key))
-    _discount_preserved(tensors, key_of, owners, walk, acc)
+    if counts:
+        _discount_preserved(tensors, key_of, owners, walk, acc, heap)
     if walk.truncated:
         notes.append(f"autograd walk stopped after {walk.nodes} nodes")
     if walk.not_inspected:
@@ -269,6 +285,7 @@ def _discount_preserved(
     owners: list[Any],
     walk: _autograd.GraphWalk,
     acc: dict[StorageKey, _Acc],
+    heap: list[Any] | None = None,
 ) -> None:
     """Stop counting tensor objects that only an autograd graph keeps.
 
@@ -280,7 +297,6 @@ def _discount_preserved(
     graph saved; see ``cudamem._heap.referrers``) and a walk of every thread's frames
     tell them apart.
     """
-    import gc
     import types
 
     saved = {key for _o, _c, key, _n, _l in walk.saved}
@@ -305,7 +321,7 @@ def _discount_preserved(
     objs = [t for t, _k in cands.values()]
     ours.add(id(objs))
     try:
-        referrers = _heap.referrers(objs)
+        referrers = _heap.referrers(objs, heap=heap)
         ours.add(id(referrers))
         for r in referrers:
             if id(r) in ours or type(r) is _Acc:
@@ -352,7 +368,7 @@ def live_storage_keys(device_type: str | None = None) -> dict[tuple[str, int], i
     """``(device, data_ptr) → bytes`` of every live storage on devices of ``device_type``
     (``'cuda'``, ``'cpu'``, ``None`` for all): addresses at one instant, for totals. To
     compare two instants, use ``live_refs``."""
-    acc, _ = _gather(None)
+    acc, _ = _gather(None, counts=False)
     out: dict[tuple[str, int], int] = {}
     for key, a in acc.items():
         if device_type is None or key[0] == device_type:
@@ -369,7 +385,7 @@ def live_refs(device_type: str | None = None) -> dict[StorageRef, tuple[str, int
     in another exactly when it is the same storage, wherever the allocator put the others.
     Keeps nothing alive; the refs are released with the dict.
     """
-    acc, _ = _gather(None, refs=True)
+    acc, _ = _gather(None, refs=True, counts=False)
     out: dict[StorageRef, tuple[str, int]] = {}
     for key, a in acc.items():
         if a.ref is not None and (device_type is None or key[0] == device_type):
