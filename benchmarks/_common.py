@@ -45,6 +45,15 @@ def spread(xs: Sequence[float]) -> tuple[float, float]:
     return min(xs), max(xs)
 
 
+def fmt_seconds(xs: Sequence[float]) -> str:
+    """``median (min–max)`` in s from one second up, else in ms."""
+    lo, hi = spread(xs)
+    m = median(xs)
+    if m >= 1:
+        return f"{m:.2f} s ({lo:.2f}–{hi:.2f})"
+    return f"{m * 1e3:.0f} ms ({lo * 1e3:.0f}–{hi * 1e3:.0f})"
+
+
 def emit(
     title: str,
     headers: Sequence[str],

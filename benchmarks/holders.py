@@ -47,7 +47,7 @@ from typing import Any
 
 import objgraph
 import torch
-from _common import emit, median, spread  # type: ignore[import-not-found]
+from _common import emit, fmt_seconds, median  # type: ignore[import-not-found]
 
 import cudamem
 from cudamem import census
@@ -97,12 +97,7 @@ def interleaved(
     return out
 
 
-def fmt(xs: list[float]) -> str:
-    lo, hi = spread(xs)
-    m = median(xs)
-    if m >= 1:
-        return f"{m:.2f} s ({lo:.2f}–{hi:.2f})"
-    return f"{m * 1e3:.0f} ms ({lo * 1e3:.0f}–{hi * 1e3:.0f})"
+fmt = fmt_seconds
 
 
 def big_heap(args: argparse.Namespace, rows: list[list[str]], data: dict[str, Any]) -> None:

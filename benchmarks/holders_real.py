@@ -36,7 +36,7 @@ from typing import Any
 
 import objgraph
 import torch
-from _common import emit, machine, median, spread  # type: ignore[import-not-found]
+from _common import emit, fmt_seconds, machine, median  # type: ignore[import-not-found]
 
 import cudamem
 from cudamem import _heapscan
@@ -95,14 +95,6 @@ def interleaved(fns: dict[str, Callable[[], Any]], repeat: int) -> dict[str, lis
             fn()
             out[name].append(time.perf_counter() - t0)
     return out
-
-
-def fmt(xs: list[float]) -> str:
-    lo, hi = spread(xs)
-    m = median(xs)
-    if m >= 1:
-        return f"{m:.2f} s ({lo:.2f}–{hi:.2f})"
-    return f"{m * 1e3:.0f} ms ({lo * 1e3:.0f}–{hi * 1e3:.0f})"
 
 
 PLUGIN_TESTS = """
@@ -249,14 +241,14 @@ def real_heap(args: argparse.Namespace) -> None:
             continue
         other = peer.get(name)
         ratio = f"{median(timed[other]) / median(xs):.1f}x faster" if other else "-"
-        rows.append([name, fmt(xs), fmt(timed[other]) if other else "-", ratio])
+        rows.append([name, fmt_seconds(xs), fmt_seconds(timed[other]) if other else "-", ratio])
     plugin = plugin_case(max(1, min(args.repeat, 3)))
     data["plugin"] = plugin
     rows.append(
         [
             "pytest --cudamem, 60 tiny tests (s)",
-            fmt(plugin["seconds"]["cudamem"]),
-            fmt(plugin["seconds"]["plain"]),
+            fmt_seconds(plugin["seconds"]["cudamem"]),
+            fmt_seconds(plugin["seconds"]["plain"]),
             f"{plugin['ratio']:.2f}x the plain run; same verdicts: {plugin['same_verdicts']}",
         ]
     )

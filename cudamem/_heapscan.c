@@ -213,6 +213,21 @@ static int descend(PyObject *level0, PyTypeObject *array_type, PyObject *arrays,
     return rc;
 }
 
+/* The ids the caller appended to `added` since `*synced`, into the set. */
+static int sync_added(PtrSet *set, PyObject *added, Py_ssize_t *synced) {
+    Py_ssize_t now = PyList_GET_SIZE(added);
+    for (Py_ssize_t j = *synced; j < now; j++) {
+        void *p = PyLong_AsVoidPtr(PyList_GET_ITEM(added, j));
+        if (p == NULL && PyErr_Occurred()) return -1;
+        if (set_add(set, (uintptr_t)p) < 0) {
+            PyErr_NoMemory();
+            return -1;
+        }
+    }
+    *synced = now;
+    return 0;
+}
+
 static double now_s(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -319,17 +334,11 @@ static PyObject *scan(PyObject *self, PyObject *args) {
             v.arrays = v.containers = NULL;
             if (failed) break;
             /* the callback may have added ids */
-            Py_ssize_t now_added = PyList_GET_SIZE(added);
-            if (now_added != synced) fresh = 0;
-            for (Py_ssize_t j = synced; j < now_added; j++) {
-                void *p = PyLong_AsVoidPtr(PyList_GET_ITEM(added, j));
-                if ((p == NULL && PyErr_Occurred()) || set_add(&set, (uintptr_t)p) < 0) {
-                    failed = 1;
-                    break;
-                }
+            if (PyList_GET_SIZE(added) != synced) fresh = 0;
+            if (sync_added(&set, added, &synced) < 0) {
+                failed = 1;
+                break;
             }
-            synced = now_added;
-            if (failed) break;
         }
         PyTypeObject *saved = v.array_type;
         v.array_type = NULL; /* the test proper stops at the first wanted referent */
@@ -357,17 +366,11 @@ static PyObject *scan(PyObject *self, PyObject *args) {
                 break;
             }
             if (grew) last = k;
-            Py_ssize_t now_added = PyList_GET_SIZE(added);
-            if (now_added != synced) fresh = 0;
-            for (Py_ssize_t j = synced; j < now_added; j++) {
-                void *p = PyLong_AsVoidPtr(PyList_GET_ITEM(added, j));
-                if ((p == NULL && PyErr_Occurred()) || set_add(&set, (uintptr_t)p) < 0) {
-                    failed = 1;
-                    break;
-                }
+            if (PyList_GET_SIZE(added) != synced) fresh = 0;
+            if (sync_added(&set, added, &synced) < 0) {
+                failed = 1;
+                break;
             }
-            synced = now_added;
-            if (failed) break;
         }
         v.array_type = saved;
     }

@@ -21,8 +21,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import hashlib
-import importlib.machinery
-import importlib.util
 import os
 import platform
 import shutil
@@ -33,7 +31,7 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 from . import _fastread
 
@@ -137,21 +135,11 @@ def build(path: str, name: str) -> None:
             os.unlink(tmp)
 
 
-def _load(path: str, name: str) -> ModuleType:
-    loader = importlib.machinery.ExtensionFileLoader(name, path)
-    spec = importlib.util.spec_from_file_location(name, path, loader=loader)
-    if spec is None:
-        raise ImportError(f"cannot load {path}")
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    return module
-
-
 def _background(path: str, name: str) -> None:
     try:
         if not os.path.exists(path):
             build(path, name)
-        module = _load(path, name)
+        module = cast(ModuleType, _fastread.load_library(path, name))
     except Exception as exc:  # reported through status(); the Python pass serves
         with _s.lock:
             _s.state, _s.reason = FAILED, f"{type(exc).__name__}: {exc}"
