@@ -242,7 +242,7 @@ def real_heap(args: argparse.Namespace) -> None:
         other = peer.get(name)
         ratio = f"{median(timed[other]) / median(xs):.1f}x faster" if other else "-"
         rows.append([name, fmt_seconds(xs), fmt_seconds(timed[other]) if other else "-", ratio])
-    plugin = plugin_case(max(1, min(args.repeat, 3)))
+    plugin = plugin_case(1 if args.quick else max(1, min(args.repeat, 3)))
     data["plugin"] = plugin
     rows.append(
         [

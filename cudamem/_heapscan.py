@@ -116,6 +116,8 @@ def build(path: str, name: str) -> None:
         "-o",
         tmp,
     ]
+    if sys.platform == "darwin":  # Python's symbols resolve when the interpreter loads it
+        argv[1:1] = ["-undefined", "dynamic_lookup"]
     try:
         done = subprocess.run(
             argv,
