@@ -78,14 +78,15 @@ def _git(*args: str) -> str | None:
 
 def tree() -> dict[str, Any]:
     """The commit this tree is, whether it is clean, and cudamem/'s tree id."""
-    commit = _git("rev-parse", "HEAD") or os.environ.get("GPU_COMMIT") or None
-    status = _git("status", "--porcelain")
-    if status is not None:
-        clean: bool | None = status == ""
-    elif "GPU_TREE_CLEAN" in os.environ:
+    # The caller's word first: a device's copy of the tree may carry a stale .git (the
+    # landed snapshot's), whose HEAD is not the commit whose files are running.
+    commit = os.environ.get("GPU_COMMIT") or _git("rev-parse", "HEAD") or None
+    clean: bool | None
+    if "GPU_TREE_CLEAN" in os.environ:
         clean = os.environ["GPU_TREE_CLEAN"] == "1"
     else:
-        clean = None
+        status = _git("status", "--porcelain")
+        clean = None if status is None else status == ""
     return {"commit": commit, "clean": clean, "cudamem_tree": tree_id(ROOT / "cudamem")}
 
 

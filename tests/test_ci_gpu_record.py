@@ -122,3 +122,13 @@ def test_ci_gpu_refuses_without_a_gpu(tmp_path: Path) -> None:
         timeout=120,
     )
     assert done.returncode == 2 and "needs a CUDA GPU" in done.stderr
+
+
+def test_the_callers_commit_wins_over_a_copys_stale_git(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A device's copy of the tree carries the landed snapshot's .git: its HEAD is not the
+    # commit whose files run there (the H200 run of a8c527d recorded 7e81094, unclean).
+    monkeypatch.setenv("GPU_COMMIT", "f" * 40)
+    monkeypatch.setenv("GPU_TREE_CLEAN", "1")
+    assert rec.tree()["commit"] == "f" * 40 and rec.tree()["clean"] is True
+    monkeypatch.setenv("GPU_TREE_CLEAN", "0")
+    assert rec.tree()["clean"] is False
