@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -132,12 +133,11 @@ def _span_figures(results: Path) -> dict[str, Any] | None:
     spans = data.get("spans_us") or {}
 
     def fig(key: str) -> dict[str, float] | None:
-        xs = sorted(spans.get(key) or [])
+        xs = spans.get(key) or []
         if not xs:
             return None
-        mid = len(xs) // 2
-        median = xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
-        return {"median_us": round(median, 3), "min_us": xs[0], "max_us": xs[-1], "n": len(xs)}
+        median = round(statistics.median(xs), 3)
+        return {"median_us": median, "min_us": min(xs), "max_us": max(xs), "n": len(xs)}
 
     return {
         "reader": data.get("reader"),

@@ -3,6 +3,7 @@ steps and the reader the span benchmarks time."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import platform
@@ -43,6 +44,31 @@ def median(xs: Sequence[float]) -> float:
 def spread(xs: Sequence[float]) -> tuple[float, float]:
     """(min, max) of the samples."""
     return min(xs), max(xs)
+
+
+def interleaved(
+    fns: dict[str, Callable[[], Any]],
+    repeat: int,
+    once: set[str] | None = None,
+    *,
+    cpu: dict[str, list[float]] | None = None,
+    tag: str = "",
+) -> dict[str, list[float]]:
+    """Wall-clock seconds of each function, ``repeat`` times, alternating between them, after
+    a collection each (those in ``once`` in the first round only); ``cpu``, when given,
+    receives the CPU seconds under ``tag + name``."""
+    out: dict[str, list[float]] = {k: [] for k in fns}
+    for r in range(repeat):
+        for name, fn in fns.items():
+            if once and name in once and r > 0:
+                continue
+            gc.collect()
+            c0, t0 = time.process_time(), time.perf_counter()
+            fn()
+            out[name].append(time.perf_counter() - t0)
+            if cpu is not None:
+                cpu.setdefault(tag + name, []).append(time.process_time() - c0)
+    return out
 
 
 def fmt_seconds(xs: Sequence[float]) -> str:

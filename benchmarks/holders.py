@@ -48,6 +48,7 @@ from typing import Any
 import objgraph
 import torch
 from _common import emit, fmt_seconds, median  # type: ignore[import-not-found]
+from _common import interleaved as _interleaved
 
 import cudamem
 from cudamem import census
@@ -82,19 +83,8 @@ CPU: dict[str, list[float]] = {}
 def interleaved(
     fns: dict[str, Callable[[], Any]], repeat: int, once: set[str] | None = None, tag: str = ""
 ) -> dict[str, list[float]]:
-    """Wall-clock seconds of each function, ``repeat`` times, alternating between them
-    (those in ``once`` in the first round only). CPU seconds go to ``CPU[tag + name]``."""
-    out: dict[str, list[float]] = {k: [] for k in fns}
-    for r in range(repeat):
-        for name, fn in fns.items():
-            if once and name in once and r > 0:
-                continue
-            gc.collect()
-            c0, t0 = time.process_time(), time.perf_counter()
-            fn()
-            out[name].append(time.perf_counter() - t0)
-            CPU.setdefault(tag + name, []).append(time.process_time() - c0)
-    return out
+    """``_common.interleaved``, with CPU seconds going to ``CPU[tag + name]``."""
+    return _interleaved(fns, repeat, once, cpu=CPU, tag=tag)
 
 
 fmt = fmt_seconds

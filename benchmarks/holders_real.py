@@ -36,7 +36,13 @@ from typing import Any
 
 import objgraph
 import torch
-from _common import emit, fmt_seconds, machine, median  # type: ignore[import-not-found]
+from _common import (  # type: ignore[import-not-found]
+    emit,
+    fmt_seconds,
+    interleaved,
+    machine,
+    median,
+)
 
 import cudamem
 from cudamem import _heapscan
@@ -84,17 +90,6 @@ def build_process() -> dict[str, Any]:
     if CUDA:
         torch.cuda.synchronize()
     return state
-
-
-def interleaved(fns: dict[str, Callable[[], Any]], repeat: int) -> dict[str, list[float]]:
-    out: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeat):
-        for name, fn in fns.items():
-            gc.collect()
-            t0 = time.perf_counter()
-            fn()
-            out[name].append(time.perf_counter() - t0)
-    return out
 
 
 PLUGIN_TESTS = """
