@@ -30,6 +30,7 @@ GROUPS = (
     "trust",
     "integrations",
     "frameworks",
+    "cli",
     "kernel",
     "reader",
     "reader-retry",

@@ -36,6 +36,8 @@ __all__ = [
     "OURS",
     "SMALL",
     "chunked_pass",
+    "edge_cache",
+    "gc_order",
     "gc_paused",
     "ignored",
     "referrers",
@@ -50,6 +52,9 @@ CHUNK = 1024
 #: What a chunked pass in Python costs per heap object, in ns.
 PASS_NS = 100
 _SUB = 32
+#: Most referent addresses one edge cache records (8 bytes each, plus 12 bytes per heap
+#: object): a heap past it is traversed again, from where the recording stopped.
+EDGE_BUDGET = 16 * 1024 * 1024
 
 
 #: ids of cudamem's own containers alive now, in any thread (a search's bookkeeping, the
@@ -87,20 +92,44 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def snapshot() -> list[Any]:
+def snapshot(sizes: list[int] | None = None) -> list[Any]:
     """Every gc-tracked object, oldest first (the generations' lists keep allocation order).
 
     The youngest generation is listed first: a list made earlier in this function would be
     young, and would otherwise appear in a later listing (the snapshot holding itself, with
     every object of the heap as a referent to test).
+
+    ``sizes`` receives the generations' lengths, oldest first (for ``gc_order``).
     """
     with gc_paused():
         young = gc.get_objects(generation=0)
         middle = gc.get_objects(generation=1)
         objs = gc.get_objects(generation=2)
+    if sizes is not None:
+        sizes[:] = [len(objs), len(middle), len(young)]
     objs += middle
     objs += young
     return objs
+
+
+def gc_order(heap: list[Any], sizes: list[int]) -> list[Any]:
+    """A new list of ``heap`` (a ``snapshot`` and its ``sizes``) in ``gc.get_objects()``'s
+    order: youngest generation first (the order the tensor scan promises)."""
+    old, middle, _young = sizes
+    out = heap[old + middle :]
+    out += heap[old : old + middle]
+    out += heap[:old]
+    return out
+
+
+def edge_cache() -> Any:
+    """An empty edge cache for the passes of one search over one snapshot, or ``None`` while
+    the compiled pass is not active. The first pass records each object's referent addresses
+    as it traverses it; the later passes read them instead of traversing again (a level of a
+    search then costs a sequential read, not a walk of every object). The cache binds to the
+    first snapshot it is used with; drop it with that snapshot."""
+    module = _heapscan.native()
+    return None if module is None else module.edges(EDGE_BUDGET)
 
 
 def chunked_pass(
@@ -113,6 +142,7 @@ def chunked_pass(
     array_type: type | None = None,
     on_arrays: Callable[[list[Any], list[tuple[Any, Any]]], bool] | None = None,
     added: list[int] | None = None,
+    edges: Any = None,
 ) -> tuple[bool, int, bool]:
     """Call ``on_hit(o)`` for every ``o`` in ``objs`` that refers to an object whose id is in
     ``wanted``; ``on_hit`` may grow ``wanted`` and returns whether it did.
@@ -136,6 +166,8 @@ def chunked_pass(
     Returns ``(finished, last, whole)``: ``finished`` is ``False`` when ``deadline`` stopped
     it; ``last`` is the index of the last batch at which something was added (``-1``:
     nothing); ``whole`` whether it ran over every batch.
+
+    ``edges``: an ``edge_cache()`` shared by the passes over ``objs`` (compiled pass only).
     """
     module = _heapscan.native() if added is not None else None
     if module is not None:
@@ -150,6 +182,7 @@ def chunked_pass(
                 seconds,
                 array_type if on_arrays is not None else None,
                 on_arrays,
+                edges,
             )
         return bool(done), int(last), bool(whole)
     isdisjoint = _isdisjoint(wanted)
@@ -244,12 +277,13 @@ def referrers(
     *,
     heap: list[Any] | None = None,
     deadline: float | None = None,
+    edges: Any = None,
 ) -> list[Any]:
     """Every gc-tracked object that refers to one of ``objs``, in no promised order: one
     ``gc.get_referrers`` scan for a few, one chunked pass over ``heap`` (a ``snapshot``,
     taken if not given) for more, and always once the compiled pass is active (a snapshot
     and a compiled pass cost about half a one-object scan). The caller filters out its own
-    containers."""
+    containers. ``edges``: the ``edge_cache()`` of ``heap``, for passes after this one."""
     if len(objs) <= SMALL and _heapscan.native() is None:
         return gc.get_referrers(*objs)
     wanted = {id(o) for o in objs}
@@ -259,5 +293,12 @@ def referrers(
         out.append(o)
         return False
 
-    chunked_pass(heap if heap is not None else snapshot(), wanted, hit, deadline=deadline, added=[])
+    chunked_pass(
+        heap if heap is not None else snapshot(),
+        wanted,
+        hit,
+        deadline=deadline,
+        added=[],
+        edges=edges if heap is not None else None,
+    )
     return out

@@ -16,6 +16,15 @@
  *   batch's referents, also inside dicts and tuples gc does not track, with the
  *   (container, child) edges to them, handed over before the batch is tested.
  * Returns (finished, last, whole) exactly as chunked_pass does.
+ *
+ * edges (optional, an `edges()` capsule): an edge cache for repeated passes over the same
+ * snapshot (a search's levels). The first pass to reach a batch records every referent
+ * address of its objects; later passes test those addresses against the wanted set instead
+ * of traversing the objects again (a sequential read of a few addresses per object, where
+ * a traversal touches every object and the dicts and lists behind it). Recorded addresses
+ * are never dereferenced: only the batch's fresh recording is read for types (arrays),
+ * before any callback runs. Bound to the first snapshot it meets (a different list, or
+ * one whose length changed, is walked without it); it stops recording past its budget.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -25,6 +34,7 @@
 
 #define CHUNK 1024
 #define MAX_DEPTH 64
+#define PREFETCH 16
 
 typedef struct {
     uintptr_t *slots;
@@ -244,13 +254,169 @@ static int test_one(PyObject *o, Visit *v) {
     return v->hit;
 }
 
+
+/* -- the edge cache ------------------------------------------------------------------ */
+
+#define EDGES_NAME "cudamem.heapscan.edges"
+
+typedef struct {
+    PyObject *list;       /* the snapshot it is bound to: identity only, no reference */
+    Py_ssize_t n;         /* its length when bound */
+    Py_ssize_t batches;   /* batches recorded, from batch 0 (the newest objects) */
+    size_t *beg;          /* per snapshot index: first edge */
+    uint32_t *cnt;        /* per snapshot index: number of edges */
+    uintptr_t *edges;
+    size_t len, cap, max; /* max: most edges it records */
+    int full;             /* over budget: records no more */
+    int oom;
+} Edges;
+
+static void edges_free(PyObject *capsule) {
+    Edges *e = (Edges *)PyCapsule_GetPointer(capsule, EDGES_NAME);
+    if (!e) {
+        PyErr_Clear();
+        return;
+    }
+    free(e->beg);
+    free(e->cnt);
+    free(e->edges);
+    free(e);
+}
+
+/* edges(max_edges) -> a new, empty cache (a capsule) */
+static PyObject *edges_new(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_ssize_t max_edges;
+    if (!PyArg_ParseTuple(args, "n", &max_edges)) return NULL;
+    if (max_edges < 0) {
+        PyErr_SetString(PyExc_ValueError, "max_edges must be >= 0");
+        return NULL;
+    }
+    Edges *e = (Edges *)calloc(1, sizeof(Edges));
+    if (!e) return PyErr_NoMemory();
+    e->max = (size_t)max_edges;
+    PyObject *cap = PyCapsule_New(e, EDGES_NAME, edges_free);
+    if (!cap) free(e);
+    return cap;
+}
+
+/* edges_info(capsule) -> (batches recorded, edges recorded, full) */
+static PyObject *edges_info(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *cap;
+    if (!PyArg_ParseTuple(args, "O", &cap)) return NULL;
+    Edges *e = (Edges *)PyCapsule_GetPointer(cap, EDGES_NAME);
+    if (!e) return NULL;
+    return Py_BuildValue("(nnO)", e->batches, (Py_ssize_t)e->len, e->full ? Py_True : Py_False);
+}
+
+static int visit_record(PyObject *o, void *arg) {
+    Edges *e = (Edges *)arg;
+    if (e->len == e->cap) {
+        if (e->cap >= e->max) {
+            e->full = 1;
+            return 1; /* stop: the batch is dropped */
+        }
+        size_t cap = e->cap ? e->cap * 2 : (size_t)1 << 16;
+        if (cap > e->max) cap = e->max;
+        uintptr_t *grown = (uintptr_t *)realloc(e->edges, cap * sizeof(uintptr_t));
+        if (!grown) {
+            e->oom = 1;
+            e->full = 1;
+            return 1;
+        }
+        e->edges = grown;
+        e->cap = cap;
+    }
+    e->edges[e->len++] = (uintptr_t)o;
+    return 0;
+}
+
+/* Bind the cache to `objs` on first use; whether it serves this snapshot. */
+static int edges_bind(Edges *e, PyObject *objs) {
+    Py_ssize_t n = PyList_GET_SIZE(objs);
+    if (e->list == NULL) {
+        e->beg = (size_t *)malloc((size_t)(n ? n : 1) * sizeof(size_t));
+        e->cnt = (uint32_t *)malloc((size_t)(n ? n : 1) * sizeof(uint32_t));
+        if (!e->beg || !e->cnt) {
+            free(e->beg);
+            free(e->cnt);
+            e->beg = NULL;
+            e->cnt = NULL;
+            e->full = 1;
+            return 0;
+        }
+        e->list = objs;
+        e->n = n;
+        return 1;
+    }
+    return e->list == objs && e->n == n;
+}
+
+/* Record batch [start, end) (the next one); whether it was recorded. Runs no Python code. */
+static int edges_record(Edges *e, PyObject *objs, Py_ssize_t start, Py_ssize_t end) {
+    if (e->full) return 0;
+    size_t first = e->len;
+    for (Py_ssize_t i = start; i < end; i++) {
+        PyObject *o = PyList_GET_ITEM(objs, i);
+#if defined(__GNUC__) || defined(__clang__)
+        if (i + PREFETCH < end) __builtin_prefetch(PyList_GET_ITEM(objs, i + PREFETCH));
+#endif
+        traverseproc trav = Py_TYPE(o)->tp_traverse;
+        e->beg[i] = e->len;
+        if (trav) trav(o, visit_record, e);
+        if (e->full || e->len - e->beg[i] > UINT32_MAX) {
+            e->full = 1;
+            e->len = first; /* a batch is recorded whole or not at all */
+            return 0;
+        }
+        e->cnt[i] = (uint32_t)(e->len - e->beg[i]);
+    }
+    e->batches++;
+    return 1;
+}
+
+/* Whether object i's recorded referents include a wanted address. */
+static int edges_test(const Edges *e, const PtrSet *wanted, Py_ssize_t i) {
+    const uintptr_t *p = e->edges + e->beg[i];
+    for (uint32_t j = 0; j < e->cnt[i]; j++)
+        if (set_has(wanted, p[j])) return 1;
+    return 0;
+}
+
+/* Array mode on a freshly recorded batch: the wanted test and the array search read the
+ * recording (its addresses are alive: nothing ran since it was made). */
+static void edges_fresh_arrays(const Edges *e, Visit *v, Py_ssize_t start, Py_ssize_t end,
+                               char *tested) {
+    const size_t last = e->len; /* the batch's recording ends the buffer */
+    for (Py_ssize_t i = start; i < end && !v->error; i++) {
+        v->hit = 0;
+        size_t at = e->beg[i];
+        for (uint32_t j = 0; j < e->cnt[i] && !v->error; j++, at++) {
+#if defined(__GNUC__) || defined(__clang__)
+            /* the type check reads each referent's header: ask for the ones ahead early */
+            if (at + PREFETCH < last) __builtin_prefetch((const void *)e->edges[at + PREFETCH]);
+#endif
+            visit_test((PyObject *)e->edges[at], v);
+        }
+        tested[i - start] = (char)v->hit;
+    }
+}
+
 static PyObject *scan(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *objs, *wanted, *added, *on_hit, *at_least_obj, *seconds_obj, *array_obj,
-        *on_arrays;
-    if (!PyArg_ParseTuple(args, "O!OO!OOOOO", &PyList_Type, &objs, &wanted, &PyList_Type,
-                          &added, &on_hit, &at_least_obj, &seconds_obj, &array_obj, &on_arrays))
+        *on_arrays, *edges_obj = Py_None;
+    if (!PyArg_ParseTuple(args, "O!OO!OOOOO|O", &PyList_Type, &objs, &wanted, &PyList_Type,
+                          &added, &on_hit, &at_least_obj, &seconds_obj, &array_obj, &on_arrays,
+                          &edges_obj))
         return NULL;
+    Edges *cache = NULL;
+    if (edges_obj != Py_None) {
+        cache = (Edges *)PyCapsule_GetPointer(edges_obj, EDGES_NAME);
+        if (!cache) return NULL;
+        if (!edges_bind(cache, objs)) cache = NULL;
+    }
     Py_ssize_t at_least = -1;
     if (at_least_obj != Py_None) {
         at_least = PyLong_AsSsize_t(at_least_obj);
@@ -301,13 +467,28 @@ static PyObject *scan(PyObject *self, PyObject *args) {
          * its answers hold until the wanted ids grow (then objects are traversed again). */
         char tested[CHUNK];
         int fresh = 0;
+        /* the cache serves this batch when the batch is whole (the snapshot kept its length)
+         * and recorded, now or by an earlier pass */
+        int cached = 0, recorded_now = 0;
+        if (cache && end - start == (k == n_batches - 1 ? n - k * CHUNK : CHUNK) &&
+            PyList_GET_SIZE(objs) == n) {
+            if (k < cache->batches) {
+                cached = 1;
+            } else if (k == cache->batches && edges_record(cache, objs, start, end)) {
+                cached = recorded_now = 1;
+            }
+        }
         if (array_type) {
             /* Arrays first, for the whole batch, as chunked_pass does. */
             v.arrays = PyList_New(0);
             v.containers = PyList_New(0);
             PyObject *edges = PyList_New(0);
             if (!v.arrays || !v.containers || !edges) failed = 1;
-            for (Py_ssize_t i = start; i < end && !failed; i++) {
+            if (!failed && recorded_now) {
+                edges_fresh_arrays(cache, &v, start, end, tested);
+                if (v.error) failed = 1;
+            }
+            for (Py_ssize_t i = start; i < end && !failed && !recorded_now; i++) {
                 PyObject *o = PyList_GET_ITEM(objs, i);
                 traverseproc trav = Py_TYPE(o)->tp_traverse;
                 v.hit = 0;
@@ -346,7 +527,9 @@ static PyObject *scan(PyObject *self, PyObject *args) {
         for (Py_ssize_t i = end - 1; i >= start; i--) {
             if (i >= PyList_GET_SIZE(objs)) continue;
             PyObject *o = PyList_GET_ITEM(objs, i);
-            int t = fresh ? tested[i - start] : test_one(o, &v);
+            int t = fresh ? tested[i - start]
+                    : cached ? edges_test(cache, &set, i)
+                             : test_one(o, &v);
             if (t < 0) {
                 failed = 1;
                 break;
@@ -424,6 +607,8 @@ static PyObject *instances(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"scan", scan, METH_VARARGS, "One pass over a heap snapshot (see the file's comment)."},
     {"instances", instances, METH_VARARGS, "The objects whose exact type is in a tuple."},
+    {"edges", edges_new, METH_VARARGS, "A new edge cache for repeated scans of one snapshot."},
+    {"edges_info", edges_info, METH_VARARGS, "(batches, edges, full) of an edge cache."},
     {NULL, NULL, 0, NULL},
 };
 

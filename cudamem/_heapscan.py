@@ -236,12 +236,23 @@ def validate(module: Any) -> str | None:
             found.append(o)
             return False
 
-        finished, last, whole = module.scan(heap, {id(target)}, added, hit, None, None, None, None)
         expected = [o for o in gc.get_referrers(target) if any(o is h for h in heap)]
-        if not (finished and whole and last == -1):
-            return f"the compiled pass reported ({finished}, {last}, {whole}) on a full pass"
-        if {id(o) for o in found} != {id(o) for o in expected} or len(found) != len(expected):
-            return "the compiled pass's referrers differ from gc.get_referrers'"
+        # Without an edge cache, then twice with one (recording, then reading it).
+        edges: Any = None
+        for n in range(3):
+            if n == 1:
+                edges = module.edges(1 << 20)
+            cache = edges
+            found.clear()
+            finished, last, whole = module.scan(
+                heap, {id(target)}, added, hit, None, None, None, None, cache
+            )
+            if not (finished and whole and last == -1):
+                return f"the compiled pass reported ({finished}, {last}, {whole}) on a full pass"
+            if {id(o) for o in found} != {id(o) for o in expected} or len(found) != len(expected):
+                return "the compiled pass's referrers differ from gc.get_referrers'"
+        if module.edges_info(edges)[0] != (len(heap) + 1023) // 1024:
+            return "the compiled pass's edge cache did not record the heap"
         return None
     except Exception as exc:
         return f"the compiled pass failed its check: {type(exc).__name__}: {exc}"

@@ -123,6 +123,12 @@ class _Frames:
     keep: list[Any] = field(default_factory=list)
 
 
+#: What the caller (the census) made just before a search, for it to start from: every
+#: tensor, the walk of every graph, and the heap snapshot with its edge cache
+#: (``_heap.edge_cache``; both ``None`` when it took no snapshot).
+Prepared = tuple[list[Any], _autograd.GraphWalk, list[Any] | None, Any]
+
+
 class Search:
     """One search for the holders of ``targets`` (storage keys, or objects by identity)."""
 
@@ -134,7 +140,7 @@ class Search:
         caller: types.FrameType | None,
         *,
         light: bool = False,
-        scan: tuple[list[Any], _autograd.GraphWalk] | None = None,
+        scan: Prepared | None = None,
     ) -> None:
         self.light = light  # identity targets only: no tensor scan, no autograd walk
         self._scan = scan  # every tensor and the graph walk, made by the caller just now
@@ -176,6 +182,12 @@ class Search:
         self.tensors: list[Any] = []
         self.walk: _autograd.GraphWalk | None = None
         self.heap: list[Any] | None = None
+        self._edges: Any = None  # the heap's edge cache (_heap.edge_cache), shared by passes
+        self._sizes: list[int] = []  # the snapshot's generation sizes (_heap.snapshot)
+        if scan is not None and scan[2] is not None:
+            self.heap = self._own(scan[2])
+            self._edges = scan[3]
+            self._reserve(len(self.heap) * _RELEASE_NS)
         self.frames = _Frames()
         self.module_dicts: dict[int, str] = {}
         self.root_ids: list[int] = []
@@ -216,6 +228,7 @@ class Search:
         self.walk = None
         self._scan = None
         self.heap = None
+        self._edges = None
         self.objects = []
         self.caller = None
         self.not_inspected = []
@@ -274,7 +287,14 @@ class Search:
             return
         owned = False  # a CPU target's memory may belong to numpy (see _arrays_for_cpu_targets)
         prepared, self._scan = self._scan, None
-        tensors = prepared[0] if prepared is not None else _autograd.all_tensors()
+        if prepared is not None:
+            tensors = prepared[0]
+        elif _heapscan.native() is not None:  # one listing of the heap for both
+            listing = _heap.gc_order(self._snapshot(), self._sizes)
+            tensors = _autograd.all_tensors(listing)
+            listing.clear()
+        else:
+            tensors = _autograd.all_tensors()
         self.tensors = self._own(tensors)
         for n, t in enumerate(self.tensors):
             if not n & 0xFFF and self.timed_out():
@@ -373,19 +393,18 @@ class Search:
                 break
         if not orphan:
             return False
-        if self.heap is None:
-            self.heap = self._own(_heap.snapshot())
-            self._reserve(len(self.heap) * _RELEASE_NS)
+        heap = self._snapshot()
         self.current.clear()
         self.next.clear()
         done, _last, _whole = _heap.chunked_pass(
-            self.heap,
+            heap,
             set(),
             lambda _o: False,
             deadline=self.deadline,
             array_type=self._arrays[0],
             on_arrays=self._on_arrays,
             added=[],  # nothing is wanted in this pass: what it starts waits for the climb
+            edges=self._edges,
         )
         if not done:
             self._stop("timeout")
@@ -549,11 +568,8 @@ class Search:
                 found.clear()
                 need = None  # what it found was never looked for: a full pass next
             else:
-                if self.heap is None:
-                    self.heap = self._own(_heap.snapshot())
-                    self._reserve(len(self.heap) * _RELEASE_NS)
                 done, last, whole = _heap.chunked_pass(
-                    self.heap,
+                    self._snapshot(),
                     self.current,
                     self._hit,
                     at_least=need,
@@ -561,6 +577,7 @@ class Search:
                     array_type=self._arrays[0] if arrays else None,
                     on_arrays=self._on_arrays if arrays else None,
                     added=self._added,
+                    edges=self._edges,
                 )
                 if not done:
                     self._stop("timeout")
@@ -568,6 +585,15 @@ class Search:
                 need = last + 1 if whole or last < 0 else None
             first = False
             self.current, self.next = self.next, self.current
+
+    def _snapshot(self) -> list[Any]:
+        """The heap snapshot every pass of this search walks (taken at the first pass), with
+        its edge cache."""
+        if self.heap is None:
+            self.heap = self._own(_heap.snapshot(self._sizes))
+            self._edges = _heap.edge_cache()
+            self._reserve(len(self.heap) * _RELEASE_NS)
+        return self.heap
 
     def _referrers(self) -> list[Any]:
         """Every referrer of the objects in ``current``, in heap order, as one

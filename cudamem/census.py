@@ -203,19 +203,39 @@ def _gather(
     device: str | None, scan: list[Any] | None = None, refs: bool = False, counts: bool = True
 ) -> tuple[dict[StorageKey, _Acc], list[str]]:
     """Every live storage (of ``device``) once; ``refs``: with its ``StorageRef``;
-    ``scan`` receives the tensor list and the graph walk, for a holder search to start from
-    instead of scanning the heap again. ``counts=False``: the caller reads no Python-tensor
+    ``scan`` receives the tensor list, the graph walk, the heap snapshot and its edge cache
+    (``_search.Prepared``), for a holder search to start from instead of scanning the heap
+    again. ``counts=False``: the caller reads no Python-tensor
     counts, so the referrer pass that corrects them (``_discount_preserved``) is skipped."""
-    # One listing of the heap serves both the tensor scan and the referrer pass below, once
-    # the compiled pass is active (a listing costs as much as either).
-    heap = gc.get_objects() if _heapscan.native() is not None else None
-    tensors = _autograd.all_tensors(heap)
+    # One snapshot of the heap serves the tensor scan, the referrer pass below and the holder
+    # search after it (``scan``), with one edge cache, once the compiled pass is active (a
+    # listing costs as much as either pass).
+    heap: list[Any] | None = None
+    edges: Any = None
+    if _heapscan.native() is not None and not counts and scan is None:
+        listing = gc.get_objects()  # the tensors only: no pass follows
+        tensors = _autograd.all_tensors(listing)
+        listing.clear()
+    elif _heapscan.native() is not None:
+        sizes: list[int] = []
+        heap = _heap.snapshot(sizes)
+        edges = _heap.edge_cache()
+        listing = _heap.gc_order(heap, sizes)
+        tensors = _autograd.all_tensors(listing)
+        listing.clear()
+    else:
+        tensors = _autograd.all_tensors()
     # A search in another thread must not name our lists.
+    handed = False
     with _heap.ignored(tensors, *(() if heap is None else (heap,))):
         try:
-            return _gather_from(tensors, device, scan, refs, heap, counts)
+            acc, notes = _gather_from(tensors, device, scan, refs, heap, counts, edges)
+            if scan is not None:
+                scan.extend((heap, edges))
+                handed = True
+            return acc, notes
         finally:
-            if heap is not None:
+            if heap is not None and not handed:
                 heap.clear()
 
 
@@ -226,6 +246,7 @@ def _gather_from(
     refs: bool,
     heap: list[Any] | None = None,
     counts: bool = True,
+    edges: Any = None,
 ) -> tuple[dict[StorageKey, _Acc], list[str]]:
     notes: list[str] = []
     acc: dict[StorageKey, _Acc] = {}
@@ -263,7 +284,7 @@ def _gather_from(
         if (device is None or _autograd.key_device(key) == device) and key not in acc:
             acc[key] = _Acc(nbytes, "?", (), 0, 0, False, None, walk_refs.get(key))
     if counts:
-        _discount_preserved(tensors, key_of, owners, walk, acc, heap)
+        _discount_preserved(tensors, key_of, owners, walk, acc, heap, edges)
     if walk.truncated:
         notes.append(f"autograd walk stopped after {walk.nodes} nodes")
     if walk.not_inspected:
@@ -286,6 +307,7 @@ def _discount_preserved(
     walk: _autograd.GraphWalk,
     acc: dict[StorageKey, _Acc],
     heap: list[Any] | None = None,
+    edges: Any = None,
 ) -> None:
     """Stop counting tensor objects that only an autograd graph keeps.
 
@@ -321,7 +343,7 @@ def _discount_preserved(
     objs = [t for t, _k in cands.values()]
     ours.add(id(objs))
     try:
-        referrers = _heap.referrers(objs, heap=heap)
+        referrers = _heap.referrers(objs, heap=heap, edges=edges)
         ours.add(id(referrers))
         for r in referrers:
             if id(r) in ours or type(r) is _Acc:
@@ -449,12 +471,14 @@ def _census(
             keys=list[StorageKey | None](keys),
             nbytes=list[int | None](acc[k].nbytes for k in keys),
             labels=labels,
-            scan=(scan[0], scan[1]),
+            scan=(scan[0], scan[1], scan[2], scan[3]),
         )
         found = dict(zip(keys, results, strict=True))
         objs.clear()
     if scan:
         scan[0].clear()
+        if scan[2] is not None:  # the snapshot, when no search took it over
+            scan[2].clear()
     scan.clear()
     storages = tuple(
         LiveStorage(

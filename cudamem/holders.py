@@ -176,12 +176,13 @@ def find_holders(
     keys: list[StorageKey | None] | None = None,
     nbytes: list[int | None] | None = None,
     labels: list[str] | None = None,
-    scan: tuple[list[Any], _autograd.GraphWalk] | None = None,
+    scan: _search.Prepared | None = None,
 ) -> list[Holders]:
     """Holders of several objects (or storage keys) in one search.
 
-    ``scan``: every tensor and the walk of every graph, when the caller (the census) has
-    just made them; the search then starts from them instead of scanning again.
+    ``scan``: every tensor, the walk of every graph and the heap snapshot, when the caller
+    (the census) has just made them; the search then starts from them instead of scanning
+    again.
 
     ``objs`` is emptied when the search ends (a list of ours holding the targets would be a
     holder in its own right while it lives)."""
@@ -199,7 +200,7 @@ def _find_holders(
     keys: list[StorageKey | None] | None,
     nbytes: list[int | None] | None,
     labels: list[str] | None,
-    scan: tuple[list[Any], _autograd.GraphWalk] | None,
+    scan: _search.Prepared | None,
 ) -> list[Holders]:
     t0 = time.perf_counter()
     if keys is None:
@@ -254,7 +255,7 @@ def _search_once(
     keys: list[StorageKey | None],
     nbytes: list[int | None],
     labels: list[str] | None,
-    scan: tuple[list[Any], _autograd.GraphWalk] | None,
+    scan: _search.Prepared | None,
 ) -> tuple[list[RawHolder], list[str], list[str], str | None, dict[str, str], list[Any]]:
     """Run one search; what freezing its results needs, with nothing of the heap held but
     the dict keys still to be named (``unnamed``)."""

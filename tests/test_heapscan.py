@@ -200,9 +200,12 @@ def test_a_pass_while_other_threads_mutate_containers(compiled: Any) -> None:
     th = threading.Thread(target=churn)
     th.start()
     try:
+        cache = _heap.edge_cache()  # recorded once, read by the later passes
         for _ in range(20):
             hits = _pass(heap, {id(target)})
             assert shared in hits  # always there; the churned lists may or may not be
+            hits = _climbing_pass(heap, {id(target)}, {}, cache)[0]
+            assert id(shared) in hits
     finally:
         stop.set()
         th.join(10)
@@ -322,3 +325,97 @@ def test_all_tensors_are_the_same_objects_in_the_same_order(compiled: Any) -> No
     assert compiled.instances([1, "a", 2.0, 3], (int,)) == [1, 3]
     with pytest.raises(TypeError, match="types only"):
         compiled.instances([1], (1,))
+
+
+def _climbing_pass(
+    heap: list[Any], wanted: set[int], grow: dict[int, int], edges: Any, **kw: Any
+) -> tuple[list[int], tuple[bool, int, bool]]:
+    hits: list[int] = []
+    added: list[int] = []
+
+    def on_hit(o: Any) -> bool:
+        hits.append(id(o))
+        new = grow.get(id(o))
+        if new is not None and new not in wanted:
+            wanted.add(new)
+            added.append(new)
+            return True
+        return False
+
+    result = _heap.chunked_pass(heap, wanted, on_hit, added=added, edges=edges, **kw)
+    return hits, result
+
+
+def test_an_edge_cache_gives_every_pass_the_same_answers(compiled: Any) -> None:
+    """Levels of a search over one snapshot: the first pass records, the later ones read
+    the recording, partial passes (``at_least``) and array passes included; each pass
+    answers as the same pass without a cache does."""
+    t = torch.ones(4)
+    arr = t.numpy()
+    inner = [t]
+    outer = {"inner": inner, "arr": arr}
+    hostile = Hostile(inner)
+    chain: Any = outer
+    for _ in range(30):
+        chain = [chain]
+    heap = [chain, outer, hostile] + [[i] for i in range(5000)] + [inner]
+    heap += [{"j": j} for j in range(2500)]
+    grow = {id(inner): id(inner), id(outer): id(outer)}
+    cache = _heap.edge_cache()
+    assert cache is not None
+    plans: list[dict[str, Any]] = [
+        {"array_type": np.ndarray, "on_arrays": lambda found, pairs: False},
+        {},
+        {"at_least": 3},
+        {},
+    ]
+    for wanted, kw in zip(
+        [{id(t)}, {id(inner)}, {id(outer)}, {id(arr), id(hostile)}], plans, strict=True
+    ):
+        with_cache = _climbing_pass(heap, set(wanted), grow, cache, **kw)
+        without = _climbing_pass(heap, set(wanted), grow, None, **kw)
+        assert with_cache == without
+    batches, recorded, full = compiled.edges_info(cache)
+    assert batches == (len(heap) + _heap.CHUNK - 1) // _heap.CHUNK and recorded > len(heap)
+    assert not full
+    # The recording is addresses only: it holds nothing alive.
+    before = sys.getrefcount(inner)
+    _climbing_pass(heap, {id(t)}, grow, cache)
+    assert sys.getrefcount(inner) == before
+
+
+def test_an_edge_cache_over_budget_or_another_heap_is_not_read(compiled: Any) -> None:
+    target = object()
+    heap = [[i] for i in range(3000)] + [[target]] + [[i] for i in range(3000)]
+    small = compiled.edges(100)  # less than one batch: records nothing
+    assert _climbing_pass(heap, {id(target)}, {}, small)[0] == [id(heap[3000])]
+    assert compiled.edges_info(small) == (0, 0, True)
+    cache = compiled.edges(1 << 20)
+    _climbing_pass(heap, {id(target)}, {}, cache)
+    other = [*heap[:3000], {"k": target}]  # another list: the cache is bound to `heap`
+    assert _climbing_pass(other, {id(target)}, {}, cache)[0] == [id(other[-1])]
+    heap.append([target])  # the bound list grew: its recording no longer matches
+    assert sorted(_climbing_pass(heap, {id(target)}, {}, cache)[0]) == sorted(
+        [id(heap[3000]), id(heap[-1])]
+    )
+    with pytest.raises(ValueError, match="max_edges"):
+        compiled.edges(-1)
+    with pytest.raises(ValueError):
+        compiled.scan(heap, set(), [], lambda o: False, None, None, None, None, object())
+
+
+def test_gc_order_lists_the_snapshot_as_gc_get_objects_does(compiled: Any) -> None:
+    keep = [torch.ones(i + 1) for i in range(20)]
+    gc.collect()
+    sizes: list[int] = []
+    heap = _heap.snapshot(sizes)
+    assert sum(sizes) == len(heap)
+    listing = _heap.gc_order(heap, sizes)
+    from cudamem import _autograd
+
+    assert [id(t) for t in _autograd.all_tensors(listing)] == [
+        id(t) for t in _autograd.all_tensors()
+    ]
+    assert {id(t) for t in keep} <= {id(o) for o in listing}
+    heap.clear()
+    listing.clear()
