@@ -46,7 +46,6 @@ __all__ = [
     "grad_of",
     "has_graph_or_grad",
     "has_memory",
-    "resizable",
     "storage_of",
     "walk_graphs",
 ]
@@ -152,16 +151,6 @@ def grad_fn_of(t: Any) -> Any:
             return _GRAD_FN.__get__(t)
     except Exception:
         return None
-
-
-def resizable(t: Any) -> bool:
-    """Whether ``t``'s storage is resizable: memory PyTorch allocated itself. Memory lent
-    by someone else (``torch.from_numpy``, ``frombuffer``, DLPack, a mapped file) is not."""
-    try:
-        with _no_torch_function():
-            return bool(_STORAGE(t).resizable())
-    except Exception:
-        return True
 
 
 def has_graph_or_grad(t: Any) -> bool:

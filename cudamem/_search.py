@@ -193,7 +193,6 @@ class Search:
         self.root_ids: list[int] = []
         self.roots: list[int] = []  # module dicts and classes reached
         self._arrays: tuple[type, ...] = ()
-        self._arrays_first = False
         self._array_ids: set[int] = self._own(set())
         self._regions: list[tuple[int, int, int]] = []  # (start, end, target), by start
         self._groups: list[dict[tuple[Any, ...], Group]] = []
@@ -250,9 +249,7 @@ class Search:
         self.frames = self._frames()
         self.module_dicts = self._module_dicts()
         self._seed()
-        self._climb(self._arrays_first)
-        if self._arrays_late():
-            self._climb(False)
+        self._climb(bool(self._arrays))  # CPU targets: the first pass finds arrays too
         self._collect()
         self._limit_notes()
 
@@ -285,7 +282,6 @@ class Search:
             if self.timed_out():
                 self._stop("timeout")
             return
-        owned = False  # a CPU target's memory may belong to numpy (see _arrays_for_cpu_targets)
         prepared, self._scan = self._scan, None
         if prepared is not None:
             tensors = prepared[0]
@@ -314,8 +310,6 @@ class Search:
             base = _autograd.base_of(t)
             if base is not None:
                 self.bases.add(id(base))
-            if info[0][0] == "cpu" and not owned and not _autograd.resizable(t):
-                owned = True
             self._start(t, i, Seg("storage", ""), via)
         if prepared is not None:
             walk = prepared[1]
@@ -350,16 +344,14 @@ class Search:
             self.virtual.setdefault(id(node), []).append(entry)
             if id(node) in self.nodes:
                 self._edge(owner, node, Ref((entry[1],)))
-        self._arrays_for_cpu_targets(owned)
+        self._arrays_for_cpu_targets()
 
-    def _arrays_for_cpu_targets(self, owned: bool) -> None:
+    def _arrays_for_cpu_targets(self) -> None:
         """Numpy arrays on the memory of CPU targets: those in frames now; the rest in the
         first pass. gc tracks no array, so a container holding ``t.numpy()`` (which holds
         ``t`` itself, gc cannot see that either) shows only among that container's
         referents: nothing short of a pass over the heap finds it, whether or not ``t`` is
-        held elsewhere too (``owned``, a storage numpy may own, is no longer needed to
-        decide)."""
-        del owned
+        held elsewhere too."""
         regions = []
         for i, key in enumerate(self.keys):
             if key is not None and key[0] == "cpu":
@@ -372,43 +364,8 @@ class Search:
             return
         regions.sort()
         self._regions = regions
-        self._arrays_first = True
         locals_ = [v for v in self.frames.values.values() if type(v) in self._arrays]
         self._on_arrays(locals_)
-
-    def _arrays_late(self) -> bool:
-        """After the climb: scan for arrays if an unexplained tensor suggests one."""
-        if not self._arrays or self._arrays_first or self.stopped is not None:
-            return False
-        saved = {key for _o, _c, key, _n, _l in self.walk.saved} if self.walk is not None else set()
-        cpu = {i for _s, _e, i in self._regions}
-        orphan = False
-        for oid, entries in self.start.items():
-            if oid in self.has_parent or oid in self.bases:
-                continue
-            if not is_sub(type(self.nodes.get(oid)), torch.Tensor):
-                continue
-            if any(t in cpu and self.keys[t] not in saved for t, _seg, _via in entries):
-                orphan = True
-                break
-        if not orphan:
-            return False
-        heap = self._snapshot()
-        self.current.clear()
-        self.next.clear()
-        done, _last, _whole = _heap.chunked_pass(
-            heap,
-            set(),
-            lambda _o: False,
-            deadline=self.deadline,
-            array_type=self._arrays[0],
-            on_arrays=self._on_arrays,
-            added=[],  # nothing is wanted in this pass: what it starts waits for the climb
-            edges=self._edges,
-        )
-        if not done:
-            self._stop("timeout")
-        return bool(self.current) and self.stopped is None
 
     def _on_arrays(self, arrays: list[Any], edges: Sequence[tuple[Any, Any]] = ()) -> bool:
         """Numpy arrays whose data overlaps a CPU target's storage hold it; whether one

@@ -17,7 +17,7 @@ import bisect
 import gc
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -47,6 +47,7 @@ __all__ = [
     "live_storage_keys",
     "live_storages",
     "live_tensors",
+    "storages_since",
     "unaccounted",
 ]
 
@@ -424,7 +425,7 @@ def live_tensors(device: DeviceLike | None = None, *, holders: bool = False) -> 
             (``0``, ``'cuda:1'``, ``torch.device('cuda', 0)``).
         holders: also find each storage's holders (one search for all of them).
     """
-    return _census(_device_filter(device), holders, None, sys._getframe(1))
+    return _census(_device_filter(device), holders, None, sys._getframe(1))[0]
 
 
 def live_storages(
@@ -440,7 +441,17 @@ def live_storages(
     ``LiveStorage.ref``, taken at any earlier time) that are still alive.
     """
     only = None if among is None else set(among)
-    return _census(None, holders, only, sys._getframe(1), device_type).storages
+    return _census(None, holders, only, sys._getframe(1), device_type)[0].storages
+
+
+def storages_since(
+    before: Container[StorageRef], *, limit: int
+) -> tuple[tuple[LiveStorage, ...], int]:
+    """One census for a span's exit: the live storages (any device) that are not in
+    ``before`` (a ``live_refs`` of the entry), the largest ``limit`` of them with holders,
+    largest first; and how many there were before the limit."""
+    census, total = _census(None, True, None, sys._getframe(1), exclude=before, limit=limit)
+    return census.storages, total
 
 
 def _census(
@@ -449,7 +460,11 @@ def _census(
     only: set[StorageRef] | None,
     frame: Any,
     device_type: str | None = None,
-) -> Census:
+    *,
+    exclude: Container[StorageRef] | None = None,
+    limit: int | None = None,
+) -> tuple[Census, int]:
+    """The census, and how many storages passed the filters (before ``limit``)."""
     t0 = time.perf_counter()
     scan: list[Any] = []
     acc, notes = _gather(device, scan if holders else None, refs=True)
@@ -458,6 +473,11 @@ def _census(
         keys = [k for k in keys if k[0] == device_type]
     if only is not None:
         keys = [k for k in keys if acc[k].ref in only]
+    if exclude is not None:
+        keys = [k for k in keys if acc[k].ref not in exclude]
+    total = len(keys)
+    if limit is not None:
+        keys = keys[:limit]
     found: dict[StorageKey, Holders] = {}
     if holders and keys:
         objs = [acc[k].first for k in keys]
@@ -498,7 +518,7 @@ def _census(
         storages = tuple(sorted(storages, key=listing_order))
     for a in acc.values():
         a.first = a.ref = None
-    return Census(storages, tuple(notes), time.perf_counter() - t0)
+    return Census(storages, tuple(notes), time.perf_counter() - t0), total
 
 
 def unaccounted(device: DeviceLike = "cuda") -> Unaccounted:

@@ -62,6 +62,7 @@ from .leak_report import Growth, LeakReport
 from .span import MemorySpan, add_entry_hook, add_exit_hook
 
 if TYPE_CHECKING:
+    from .census import LiveStorage
     from .span import RawSpan
 
 __all__ = [
@@ -189,7 +190,14 @@ def configure_leaks(**changes: Any) -> LeakSettings:
 
 def _report(name: str, checked: str, refs: Iterable[StorageRef], notes: list[str]) -> LeakReport:
     """Holders for the storages among ``refs`` still alive now (any device)."""
-    found = sorted(census.live_storages(None, holders=True, among=refs), key=census.listing_order)
+    found = census.live_storages(None, holders=True, among=refs)
+    return _leak_report(name, checked, found, notes)
+
+
+def _leak_report(
+    name: str, checked: str, found: Iterable[LiveStorage], notes: list[str]
+) -> LeakReport:
+    found = sorted(found, key=census.listing_order)
     return LeakReport(
         span=name,
         checked=checked,
@@ -214,10 +222,14 @@ class _Capture:
         self.report: LeakReport | None = None
 
 
+def _cap_note(total: int) -> str:
+    return f"{total} new storages; only the largest {MAX_KEYS} are followed"
+
+
 def _largest(refs: Refs, notes: list[str]) -> Refs:
     if len(refs) <= MAX_KEYS:
         return refs
-    notes.append(f"{len(refs)} new storages; only the largest {MAX_KEYS} are followed")
+    notes.append(_cap_note(len(refs)))
     top = sorted(refs.items(), key=lambda kv: kv[1][1], reverse=True)[:MAX_KEYS]
     return dict(top)
 
@@ -256,15 +268,21 @@ def end(name: str, start: Refs | None, *, explicit: bool) -> _Capture | None:
                 "storages not enumerated"
             )
             return _failed(name, notes)
-        now = census.live_refs(None)
-        new = _largest({r: v for r, v in now.items() if r not in start}, notes)
-        del now
         watched = _backend.get().storage_device_type()
-        _detector.captured(name, {r: v for r, v in new.items() if matches_type(v[0], watched)})
-        if not explicit:
+        if not explicit:  # the detector's capture: no holders yet
+            now = census.live_refs(None)
+            new = _largest({r: v for r, v in now.items() if r not in start}, notes)
+            del now
+            _detector.captured(name, {r: v for r, v in new.items() if matches_type(v[0], watched)})
             return None
+        # One census: what is new since the entry, with holders (the largest MAX_KEYS).
+        found, total = census.storages_since(start, limit=MAX_KEYS)
+        if total > MAX_KEYS:
+            notes.append(_cap_note(total))
+        new = {s.ref: (s.device, s.nbytes) for s in found if s.ref is not None}
+        _detector.captured(name, {r: v for r, v in new.items() if matches_type(v[0], watched)})
         capture = _Capture(name, new, notes)
-        capture.report = _report(name, "at exit", new, list(notes))
+        capture.report = _leak_report(name, "at exit", found, list(notes))
         return capture
     except Exception as exc:
         logger.debug("cudamem: storage snapshot at exit of %r failed: %r", name, exc)

@@ -132,3 +132,18 @@ def test_the_callers_commit_wins_over_a_copys_stale_git(monkeypatch: pytest.Monk
     assert rec.tree()["commit"] == "f" * 40 and rec.tree()["clean"] is True
     monkeypatch.setenv("GPU_TREE_CLEAN", "0")
     assert rec.tree()["clean"] is False
+
+
+def test_the_record_knows_every_group_and_benchmark_that_ci_gpu_runs() -> None:
+    """A group .ci/gpu runs but the record does not list would never be checked."""
+    import re
+
+    script = (ROOT / ".ci" / "gpu").read_text()
+    groups = re.findall(r"^\s*(?:\S+=\S+\s+\\?\s*)?group ([\w-]+) \d+", script, re.M)
+    groups += re.findall(r"^\s*group ([\w-]+) \d+", script, re.M)
+    benches = re.findall(r"^\s*bench ([\w-]+) \d+", script, re.M)
+    assert set(groups) == set(rec.GROUPS)
+    assert set(benches) == set(rec.BENCHES)
+    # every pytest file a group names exists
+    for path in re.findall(r"tests/test_\w+\.py", script):
+        assert (ROOT / path).is_file(), path

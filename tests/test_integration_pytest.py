@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -423,6 +424,60 @@ def test_cuda_peak_is_folded_through_the_tests_own_spans() -> None:
     assert [r.name for r in cudamem.history().spans] == ["inner"]
 
 
+def test_the_last_look_serves_as_the_next_baseline_only_when_nothing_was_allocated(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A clean test costs one census: its last look is the next test's baseline, unless the
+    allocator counted an allocation since (a fixture's tensor, a warm-up call), the test
+    failed, or the counts cannot tell (CPU mode, an allocator without counts)."""
+    from cudamem import _backend
+    from cudamem.integrations import pytest_plugin as pp
+
+    from .fakes import FakeAllocator
+
+    class Counting(FakeAllocator):
+        allocations = 0
+
+        def alloc(self, nbytes: int, device: int = 0) -> None:
+            self.allocations += 1
+            super().alloc(nbytes, device)
+
+        def read(self, device: int) -> Any:
+            return super().read(device)._replace(alloc_count=self.allocations)
+
+    censuses: list[str] = []
+
+    def census(device: str) -> dict[Any, tuple[str, int]]:
+        censuses.append(device)
+        return {}
+
+    monkeypatch.setattr(pp, "live_refs", census)
+    fake = Counting()
+    fake.alloc(1024)
+
+    def one_test(allocate: bool = False) -> int:
+        before = len(censuses)
+        base = pp._baseline("cuda", peak=False, reuse=True)
+        if allocate:
+            fake.alloc(4096)
+        pp._survivors(base, settle_first=False)
+        return len(censuses) - before
+
+    with _backend.use(fake):
+        pp._last.clear()
+        assert one_test() == 2  # nothing to reuse yet
+        assert one_test() == 1  # the last look serves
+        assert one_test(allocate=True) == 1  # the test's own allocation: after the baseline
+        fake.alloc(512)  # a fixture between tests
+        assert one_test() == 2
+        pp._last.clear()  # as finish() does for a failed test
+        assert one_test() == 2
+    assert pp._alloc_counts("cpu") is None
+    with _backend.use(FakeAllocator()):  # counts of zero: the allocator cannot tell
+        assert pp._alloc_counts("cuda") is None
+    pp._last.clear()
+
+
 def test_plugin_module_is_light() -> None:
     """Importing the registered plugin module imports neither torch nor cudamem."""
     code = (
@@ -486,6 +541,49 @@ def test_cuda_leak_fails_with_holder_and_peak_is_measured(inner: pytest.Pytester
         ]
     )
     result.stdout.fnmatch_lines(["*allocated up to 128.0 MiB on cuda:0 at once*"])
+
+
+@pytest.mark.cuda
+def test_cuda_verdicts_with_reused_baselines(inner: pytest.Pytester) -> None:
+    """A leak right after a clean test (whose last look is its baseline) fails; a fixture's
+    tensor made between tests (an allocation: no reuse) is never blamed on the test."""
+    inner.makepyfile(
+        test_reuse="""
+        import pytest
+        import torch
+
+        CACHE = []
+
+        @pytest.fixture
+        def fresh():
+            return torch.ones(1024, 1024, device="cuda")  # set up before the baseline
+
+        def test_clean_first():
+            x = torch.ones(512, 1024, device="cuda")
+            del x
+
+        def test_leaks_after_clean():
+            CACHE.append(torch.ones(256, 1024, device="cuda"))
+
+        def test_with_fixture(fresh):
+            assert fresh.sum().item() == 1024 * 1024
+
+        def test_clean_last():
+            y = torch.zeros(64, device="cuda")
+            del y
+        """
+    )
+    result = run(inner, "-v", "--cudamem")
+    result.assert_outcomes(passed=3, failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*test_clean_first PASSED*",
+            "*test_leaks_after_clean FAILED*",
+            "*test_with_fixture PASSED*",
+            "*test_clean_last PASSED*",
+        ]
+    )
+    result.stdout.fnmatch_lines(["*1 cuda storage (1.0 MiB) created by this test*"])
 
 
 @pytest.mark.cuda

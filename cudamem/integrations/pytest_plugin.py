@@ -149,7 +149,56 @@ class _Baseline:
     notes: list[str] = field(default_factory=list)
 
 
-def _baseline(device: str, *, peak: bool) -> _Baseline:
+@dataclass(frozen=True, slots=True)
+class _Look:
+    """A census of one device type, and each device's allocation count read just before
+    it (PyTorch's cumulative ``allocation.all.allocated``)."""
+
+    device: str
+    counts: dict[int, int]
+    keys: dict[StorageRef, tuple[str, int]]
+
+
+#: The last look of the previous judged test (see ``_baseline``).
+_last: list[_Look] = []
+
+
+def _alloc_counts(device: str) -> dict[int, int] | None:
+    """Each initialised CUDA device's allocation count, or ``None`` where they cannot tell
+    (CPU mode, an allocator that reports no counts)."""
+    if device != "cuda":
+        return None
+    backend = _backend.get()
+    counts = {d: backend.read(d).alloc_count for d in backend.initialized_devices()}
+    if not counts or 0 in counts.values():
+        return None
+    return counts
+
+
+def _look(device: str) -> dict[StorageRef, tuple[str, int]]:
+    """Every live storage of ``device`` now, remembered (with the allocation counts read
+    before it) for the next test's baseline."""
+    counts = _alloc_counts(device)
+    keys = live_refs(device)
+    _last[:] = [] if counts is None else [_Look(device, counts, keys)]
+    return keys
+
+
+def _reused(device: str) -> dict[StorageRef, tuple[str, int]] | None:
+    """The previous test's last look, when no CUDA allocation happened since it: then every
+    storage alive now was alive at that look, and the look serves as this test's baseline
+    (a clean test then costs one census instead of two). Storages that a look listed and
+    that are gone since are harmless in a baseline."""
+    if not _last:
+        return None
+    last = _last.pop()
+    if last.device != device or _alloc_counts(device) != last.counts:
+        return None
+    return last.keys
+
+
+def _baseline(device: str, *, peak: bool, reuse: bool = False) -> _Baseline:
+    """``reuse``: the previous test's last look may serve (``_reused``)."""
     # A leak check needs no settling here: garbage alive now is in the baseline, and what
     # is collected later was never new. A peak does: it starts from an emptied cache.
     if peak:
@@ -159,7 +208,9 @@ def _baseline(device: str, *, peak: bool) -> _Baseline:
     if device == "cuda":
         for d in backend.initialized_devices():
             allocated[d] = backend.read(d).allocated
-    base = _Baseline(device, live_refs(device), allocated)
+    keys = _reused(device) if reuse else None
+    _last.clear()
+    base = _Baseline(device, live_refs(device) if keys is None else keys, allocated)
     if peak and device == "cuda":
         base.span = _open("cudamem test", None, False, True, False, False, False, hooks=False)
     elif peak:
@@ -194,7 +245,7 @@ def _survivors(
         if i or settle_first:
             _settle(base.device)
             settled = True
-        now = live_refs(base.device)
+        now = _look(base.device)
         new = {k: n for k, n in now.items() if k not in base.keys}
         if not new:
             break
@@ -344,7 +395,7 @@ def start(item: pytest.Item) -> Run | None:
     for _ in range(spec.warmup):
         item.runtest()
     try:
-        base = _baseline(spec.device, peak=spec.memory_limit is not None)
+        base = _baseline(spec.device, peak=spec.memory_limit is not None, reuse=True)
     except Exception as exc:
         import warnings
 
@@ -356,6 +407,7 @@ def start(item: pytest.Item) -> Run | None:
 def finish(run: Run, *, failed: bool) -> BaseException | None:
     """After the call: the failure to report, or ``None``. A test that raised is not judged."""
     if failed:
+        _last.clear()
         if run.base.cpu_peak is not None:
             run.base.cpu_peak.stop()
         _cuda_peaks(run.base)  # close the peak span
