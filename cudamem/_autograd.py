@@ -263,13 +263,17 @@ def tensor_types() -> tuple[type, ...]:
     return tuple(seen)
 
 
-def all_tensors(heap: list[Any] | None = None) -> list[Any]:
+def all_tensors(
+    heap: list[Any] | None = None, ranges: list[tuple[int, int]] | None = None
+) -> list[Any]:
     """Every tensor object gc tracks, in one heap scan.
 
     A tensor's ``tp_traverse`` visits its class, so ``gc.get_referrers`` on the tensor types
     finds every tensor in one C-level pass (~2× one referrer scan) instead of a Python loop
     over all objects. With the compiled heap pass, the tensors are read off a
-    ``gc.get_objects()`` listing (``heap``, when the caller has one) by type instead.
+    ``gc.get_objects()`` listing (``heap``, when the caller has one) by type instead;
+    ``ranges``: the parts of ``heap`` to read, in turn, when it is a ``_heap.snapshot``
+    (``_heap.gc_order``).
     """
     import gc
 
@@ -280,7 +284,9 @@ def all_tensors(heap: list[Any] | None = None) -> list[Any]:
         # order gc.get_referrers scans them), read off each object's type pointer only.
         # ``heap``: such a listing the caller took (and uses again).
         listing = heap if heap is not None else gc.get_objects()
-        found = module.instances(listing, tuple(types_))
+        found = []
+        for start, end in ranges or [(0, len(listing))]:
+            found += module.instances(listing, tuple(types_), start, end)
         if heap is None:
             listing.clear()
     else:

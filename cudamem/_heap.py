@@ -112,14 +112,12 @@ def snapshot(sizes: list[int] | None = None) -> list[Any]:
     return objs
 
 
-def gc_order(heap: list[Any], sizes: list[int]) -> list[Any]:
-    """A new list of ``heap`` (a ``snapshot`` and its ``sizes``) in ``gc.get_objects()``'s
-    order: youngest generation first (the order the tensor scan promises)."""
-    old, middle, _young = sizes
-    out = heap[old + middle :]
-    out += heap[old : old + middle]
-    out += heap[:old]
-    return out
+def gc_order(sizes: list[int]) -> list[tuple[int, int]]:
+    """The ``(start, end)`` ranges of a ``snapshot`` (with its ``sizes``) that, read in turn,
+    list it in ``gc.get_objects()``'s order: youngest generation first (the order the
+    tensor scan promises)."""
+    old, middle, young = sizes
+    return [(old + middle, old + middle + young), (old, old + middle), (0, old)]
 
 
 def edge_cache() -> Any:

@@ -566,12 +566,19 @@ static PyObject *scan(PyObject *self, PyObject *args) {
     return Py_BuildValue("(OnO)", finished ? Py_True : Py_False, last, whole ? Py_True : Py_False);
 }
 
-/* instances(objs, types) -> the objects of objs whose exact type is one of the tuple
- * `types`, in order. Reads only each object's type pointer. */
+/* instances(objs, types[, start, end]) -> the objects of objs[start:end] whose exact type is
+ * one of the tuple `types`, in order. Reads only each object's type pointer. */
 static PyObject *instances(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *objs, *types;
-    if (!PyArg_ParseTuple(args, "O!O!", &PyList_Type, &objs, &PyTuple_Type, &types)) return NULL;
+    Py_ssize_t start = 0, end = PY_SSIZE_T_MAX;
+    if (!PyArg_ParseTuple(args, "O!O!|nn", &PyList_Type, &objs, &PyTuple_Type, &types, &start,
+                          &end))
+        return NULL;
+    if (start < 0 || end < start) {
+        PyErr_SetString(PyExc_ValueError, "instances: need 0 <= start <= end");
+        return NULL;
+    }
     PtrSet set;
     if (set_init(&set, (size_t)PyTuple_GET_SIZE(types)) < 0) return PyErr_NoMemory();
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(types); i++) {
@@ -592,7 +599,7 @@ static PyObject *instances(PyObject *self, PyObject *args) {
         return NULL;
     }
     Py_INCREF(objs);
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(objs); i++) {
+    for (Py_ssize_t i = start; i < end && i < PyList_GET_SIZE(objs); i++) {
         PyObject *o = PyList_GET_ITEM(objs, i);
         if (set_has(&set, (uintptr_t)Py_TYPE(o)) && PyList_Append(out, o) < 0) {
             Py_CLEAR(out);

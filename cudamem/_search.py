@@ -286,9 +286,8 @@ class Search:
         if prepared is not None:
             tensors = prepared[0]
         elif _heapscan.native() is not None:  # one listing of the heap for both
-            listing = _heap.gc_order(self._snapshot(), self._sizes)
-            tensors = _autograd.all_tensors(listing)
-            listing.clear()
+            heap = self._snapshot()
+            tensors = _autograd.all_tensors(heap, _heap.gc_order(self._sizes))
         else:
             tensors = _autograd.all_tensors()
         self.tensors = self._own(tensors)

@@ -221,9 +221,7 @@ def _gather(
         sizes: list[int] = []
         heap = _heap.snapshot(sizes)
         edges = _heap.edge_cache()
-        listing = _heap.gc_order(heap, sizes)
-        tensors = _autograd.all_tensors(listing)
-        listing.clear()
+        tensors = _autograd.all_tensors(heap, _heap.gc_order(sizes))
     else:
         tensors = _autograd.all_tensors()
     # A search in another thread must not name our lists.

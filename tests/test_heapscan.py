@@ -410,12 +410,16 @@ def test_gc_order_lists_the_snapshot_as_gc_get_objects_does(compiled: Any) -> No
     sizes: list[int] = []
     heap = _heap.snapshot(sizes)
     assert sum(sizes) == len(heap)
-    listing = _heap.gc_order(heap, sizes)
+    ranges = _heap.gc_order(sizes)
     from cudamem import _autograd
 
-    assert [id(t) for t in _autograd.all_tensors(listing)] == [
+    assert [id(t) for t in _autograd.all_tensors(heap, ranges)] == [
         id(t) for t in _autograd.all_tensors()
     ]
-    assert {id(t) for t in keep} <= {id(o) for o in listing}
+    listing = [o for start, end in ranges for o in heap[start:end]]
+    assert len(listing) == len(heap) and {id(t) for t in keep} <= {id(o) for o in listing}
     heap.clear()
     listing.clear()
+    assert compiled.instances([1, 2, "a", 3, 4], (int,), 1, 4) == [2, 3]
+    with pytest.raises(ValueError, match="start <= end"):
+        compiled.instances([1], (int,), 2, 1)
