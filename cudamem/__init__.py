@@ -26,7 +26,7 @@ from .plot import plot
 from .release import release
 from .scalars import ScalarLogger, log_scalar
 from .snapshot import UnsafeSnapshotError, load_snapshot
-from .span import MemorySpan, max_allocated, track
+from .span import MemorySpan, StepSpan, max_allocated, track
 
 # Last: every renderer registers itself for the results above (see cudamem._present).
 from . import render as _render  # noqa: F401  isort: skip
@@ -37,6 +37,7 @@ __all__ = [
     "LeakWarning",
     "MemorySpan",
     "ScalarLogger",
+    "StepSpan",
     "UnsafeSnapshotError",
     "__version__",
     "clear_history",

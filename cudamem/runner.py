@@ -36,7 +36,7 @@ from .culprits import group_culprits
 from .leaks import LeakWarning
 from .ledger import explain
 from .oom import oom_report
-from .span import ExceptionInfo, MemorySpan, max_allocated
+from .span import ExceptionInfo, StepSpan, max_allocated
 
 __all__ = ["RunReport", "ScriptError", "StepWatcher", "Unlisted", "run_script"]
 
@@ -116,7 +116,7 @@ class StepWatcher:
     def __init__(self, name: str = STEP_SPAN) -> None:
         self.name = name
         self.steps = 0
-        self._span: MemorySpan | None = None
+        self._step = StepSpan(name, sync=False, peak=False)
         self._handle: Any = None
 
     def install(self) -> None:
@@ -129,24 +129,19 @@ class StepWatcher:
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.steps += 1
-        self.close()
-        span = MemorySpan(self.name, sync=False, peak=False)
-        span._detach()
-        span.__enter__()
-        self._span = span
+        self._step.stop()
+        self._step.start()
 
     def close(self) -> None:
         """Close the step in progress (an unfinished step is not a finished call)."""
-        span, self._span = self._span, None
-        if span is not None:
-            span.__exit__(None, None, None)
+        self._step.stop()
 
     def uninstall(self) -> None:
         """Remove the hook; the step in progress is dropped, not recorded."""
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
-        self._span = None
+        self._step.drop()
 
 
 class _LeakCollector:

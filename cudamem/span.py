@@ -53,6 +53,7 @@ __all__ = [
     "MemorySpan",
     "RawSpan",
     "SpanRecord",
+    "StepSpan",
     "add_entry_hook",
     "add_exit_hook",
     "max_allocated",
@@ -968,7 +969,8 @@ class MemorySpan:
         self._sync = bool(sync)
         self._peak = bool(peak)
         self._leaks = bool(leaks)
-        self._detached = False
+        #: 0: on the span stack; 1: detached (``StepSpan``); 2: detached, no hooks.
+        self._detached = 0
         self._raw: RawSpan | None = None
         #: The hooks' per-span data, kept after exit (``leaks=True`` captures).
         self._extras: dict[str, Any] | None = None
@@ -987,6 +989,7 @@ class MemorySpan:
                 self._leaks,
                 False,
                 False,
+                hooks=self._detached == 1,
             )
         else:
             self._raw = _open(
@@ -1007,11 +1010,6 @@ class MemorySpan:
             f"span {self.name!r} has already measured a block; create a new span "
             "(or decorate a function to record one span per call)"
         )
-
-    def _detach(self) -> None:
-        """Open without joining the span stack: a top-level span that never becomes anyone's
-        parent (``cudamem run`` uses it for the span between two optimizer steps)."""
-        self._detached = True
 
     # -- decorator ------------------------------------------------------------------
 
@@ -1294,6 +1292,66 @@ def _wrap_async_generator(
     return wrapper
 
 
+class StepSpan:
+    """A step measured by calls where no ``with`` block fits: the span between two
+    optimizer steps (``cudamem run``), a trainer's step callbacks (Lightning,
+    Transformers), a pytest test's peak.
+
+    ``start()`` opens a new ``MemorySpan`` and returns it; ``stop(exc)`` closes it (with the
+    exception that ended the step, if any, so that an out-of-memory error gets its
+    post-mortem as in any ``track()`` block) and returns it, measured; ``drop()`` forgets it
+    unrecorded. The span is detached from the span stack: spans the code opens meanwhile
+    stay top-level and keep their own history and growth detection. ``hooks=False``: a
+    measurement of cudamem's own that no feature sees (no history, no growth detection).
+    """
+
+    __slots__ = ("_device", "_hooks", "_name", "_peak", "_span", "_sync")
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        device: DeviceLike | None = None,
+        sync: bool = False,
+        peak: bool = True,
+        hooks: bool = True,
+    ) -> None:
+        if not isinstance(name, str):
+            raise TypeError(f"step span name must be a str, not {type(name).__name__}")
+        self._name = name
+        self._device = None if device is None else resolve_device(device)
+        self._sync = bool(sync)
+        self._peak = bool(peak)
+        self._hooks = bool(hooks)
+        self._span: MemorySpan | None = None
+
+    @property
+    def running(self) -> bool:
+        """Whether a step is open."""
+        return self._span is not None
+
+    def start(self) -> MemorySpan:
+        """Open a step (``RuntimeError`` while one is open: ``stop()`` it first)."""
+        if self._span is not None:
+            raise RuntimeError(f"step span {self._name!r} is running; stop() it first")
+        span = MemorySpan(self._name, device=self._device, sync=self._sync, peak=self._peak)
+        span._detached = 1 if self._hooks else 2
+        span.__enter__()
+        self._span = span
+        return span
+
+    def stop(self, exc: BaseException | None = None) -> MemorySpan | None:
+        """Close the open step (``None`` when none is open) and return it."""
+        span, self._span = self._span, None
+        if span is not None and span._raw is not None:
+            _close(span._raw, exc, span, hooks=self._hooks)
+        return span
+
+    def drop(self) -> None:
+        """Forget the open step without recording it."""
+        self._span = None
+
+
 @overload
 def track(name: Callable[P, R]) -> Callable[P, R]: ...
 
@@ -1353,7 +1411,7 @@ def track(
         span = _new_span(MemorySpan)
         span._name = name
         span._device = span._raw = span._extras = None
-        span._detached = False
+        span._detached = 0
         if sync is False and peak is True and leaks is False:  # the defaults
             span._sync = span._leaks = False
             span._peak = True

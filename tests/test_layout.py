@@ -205,3 +205,27 @@ def test_renders_names_a_bad_argument() -> None:
         _present.renders("Holders")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="fmt must be 'text' or 'html', not 'markdown'"):
         _present.renders(int, "markdown")  # type: ignore[arg-type]
+
+
+def test_nothing_outside_span_py_uses_a_spans_private_names() -> None:
+    """Detached steps go through the public ``StepSpan`` (``cudamem run``, the trainer
+    callbacks, the pytest plugin), not through ``span.py``'s private functions."""
+    import ast
+
+    private = {"_open", "_close", "_detach", "_detached", "_raw", "_new_span", "_new_raw"}
+    offenders = []
+    for name, path in _modules().items():
+        if name == "cudamem.span":
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").endswith("span"):
+                offenders += [f"{name}: imports {a.name}" for a in node.names if a.name in private]
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr in private
+                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+                and not (node.attr == "_detached" and name == "cudamem._storages")  # its own
+            ):
+                offenders.append(f"{name}:{node.lineno}: .{node.attr}")
+    assert offenders == []

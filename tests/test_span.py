@@ -452,3 +452,42 @@ def test_real_backend_without_cuda() -> None:
         cudamem.track("x", device=0)
     with pytest.raises(ValueError, match=r"max_allocated\(device=0\): .*sees no CUDA device"):
         cudamem.max_allocated(0)
+
+
+def test_step_span_measures_between_calls_detached_from_the_stack(fake: FakeAllocator) -> None:
+    """What ``cudamem run``, the trainer callbacks and the pytest plugin use: a step opened
+    and closed by calls; a span the code opens meanwhile stays top-level."""
+    step = cudamem.StepSpan("train step")
+    assert not step.running and step.stop() is None
+    first = step.start()
+    assert step.running
+    with pytest.raises(RuntimeError, match="running; stop"):
+        step.start()
+    fake.alloc(10)
+    with cudamem.track("inner"):
+        fake.alloc(5)
+    closed = step.stop()
+    assert closed is first and closed.allocated_delta == 15 and not step.running
+    assert closed.children == ()  # "inner" did not nest under the detached step
+    spans = cudamem.history().spans
+    assert [s.name for s in spans] == ["inner", "train step"]
+    # The exception that ended a step is recorded on it.
+    step.start()
+    failed = step.stop(MemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert failed is not None and failed.exception is not None
+    assert failed.exception.type_name == "builtins.MemoryError"
+    # drop(): forgotten, never recorded.
+    step.start()
+    step.drop()
+    assert not step.running and len(cudamem.history().spans) == 3
+
+
+def test_step_span_without_hooks_is_cudamems_own(fake: FakeAllocator) -> None:
+    step = cudamem.StepSpan("cudamem test", hooks=False)
+    step.start()
+    fake.alloc(8)
+    span = step.stop()
+    assert span is not None and span.peak == 8
+    assert cudamem.history().spans == ()  # no feature saw it: not in the history
+    with pytest.raises(TypeError, match="must be a str"):
+        cudamem.StepSpan(3)  # type: ignore[arg-type]

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 from .. import _backend
 from .._args import check_bool, check_int
 from ..leaks import add_growth_hook, leak_settings, remove_growth_hook
-from ..span import MemorySpan
+from ..span import MemorySpan, StepSpan
 from ._cpu import CpuStorageBackend
 
 if TYPE_CHECKING:
@@ -52,7 +52,7 @@ MiB = 1024**2
 @dataclass(frozen=True, slots=True)
 class _Open:
     stage: str
-    span: MemorySpan
+    step: StepSpan
 
 
 class StepMeter:
@@ -88,7 +88,7 @@ class StepMeter:
         #: Growth findings for this meter's spans, the latest last.
         self.findings: deque[Growth] = deque(maxlen=20)
         self._culprits: dict[str, int] = {}
-        self._open: _Open | None = None
+        self._current: _Open | None = None
         self._calls: dict[str, int] = {}
         self._stack: contextlib.ExitStack | None = None
 
@@ -131,31 +131,30 @@ class StepMeter:
         """A step of ``stage`` (``'train'``, ``'val'``) begins."""
         if self.mode == "off":
             return
-        if self._open is not None:
+        if self._current is not None:
             self.abort(None)  # the previous step never ended (an exception in between)
         n = self._calls.get(stage, 0)
         self._calls[stage] = n + 1
         if n % self.every_n_steps:
             return
         try:
-            span = MemorySpan(
+            step = StepSpan(
                 self.span_names[stage], device=self.device_index, sync=False, peak=self.peak
             )
-            span._detach()
-            span.__enter__()
-            self._open = _Open(stage, span)
+            step.start()
+            self._current = _Open(stage, step)
         except Exception as exc:  # bookkeeping never breaks the training step
             warnings.warn(f"cudamem: could not open the step span: {exc!r}", RuntimeWarning, 2)
 
     def end(self, stage: str) -> dict[str, float] | None:
         """The step of ``stage`` ended: its metrics, or ``None`` when it was not measured."""
-        current = self._open
+        current = self._current
         if current is None or current.stage != stage:
             return None
-        self._open = None
+        self._current = None
         try:
-            current.span.__exit__(None, None, None)
-            return self._metrics(stage, current.span)
+            span = current.step.stop()
+            return None if span is None else self._metrics(stage, span)
         except Exception as exc:
             warnings.warn(f"cudamem: could not close the step span: {exc!r}", RuntimeWarning, 2)
             return None
@@ -163,12 +162,11 @@ class StepMeter:
     def abort(self, exc: BaseException | None) -> bool:
         """Close the open span with ``exc`` (an OOM then gets cudamem's post-mortem from the
         span's exit, as any ``track()`` block does); whether a span was open."""
-        current, self._open = self._open, None
+        current, self._current = self._current, None
         if current is None:
             return False
         with contextlib.suppress(Exception):
-            tb = exc.__traceback__ if exc is not None else None
-            current.span.__exit__(type(exc) if exc is not None else None, exc, tb)
+            current.step.stop(exc)
         return True
 
     # -- metrics ------------------------------------------------------------------------

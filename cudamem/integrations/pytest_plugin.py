@@ -32,7 +32,7 @@ import pytest
 from .. import _backend
 from .._storages import StorageRef
 from ..census import LiveStorage, live_refs, live_storages
-from ..span import RawSpan, _close, _open
+from ..span import StepSpan
 from .results import MemoryCheck
 
 __all__ = [
@@ -143,9 +143,8 @@ class _Baseline:
     keys: dict[StorageRef, tuple[str, int]]
     allocated: dict[int, int]
     cpu_peak: _CpuPeak | None = None
-    #: The CUDA peak: a span of cudamem's own (no history, no growth detection), so that
-    #: spans the test opens fold their peaks into it as into any enclosing span.
-    span: RawSpan | None = None
+    #: The CUDA peak: a step span of cudamem's own (no history, no growth detection).
+    span: StepSpan | None = None
     notes: list[str] = field(default_factory=list)
 
 
@@ -212,20 +211,28 @@ def _baseline(device: str, *, peak: bool, reuse: bool = False) -> _Baseline:
     _last.clear()
     base = _Baseline(device, live_refs(device) if keys is None else keys, allocated)
     if peak and device == "cuda":
-        base.span = _open("cudamem test", None, False, True, False, False, False, hooks=False)
+        base.span = _peak_span()
     elif peak:
         base.cpu_peak = _CpuPeak()
         base.cpu_peak.start()
     return base
 
 
+def _peak_span() -> StepSpan:
+    """A test's CUDA peak, started: a span of cudamem's own (no history, no growth
+    detection); spans the test opens fold their peaks into it as into any open span."""
+    step = StepSpan("cudamem test", sync=False, peak=True, hooks=False)
+    step.start()
+    return step
+
+
 def _cuda_peaks(base: _Baseline) -> list[tuple[str, int]]:
     """Per device, the most allocated at once beyond the test's start (closes its span)."""
-    span, base.span = base.span, None
+    step, base.span = base.span, None
+    span = None if step is None else step.stop()
     if span is None:
         return []
-    _close(span, None, hooks=False)
-    record = span.record()
+    record = span.record
     return [
         (f"cuda:{d.device}", max(0, (d.peak or 0) - base.allocated.get(d.device, 0)))
         for d in record.devices
@@ -452,9 +459,7 @@ class TestMemory:
         for device, peak in check.peaks:
             self._peaks[device] = max(peak, self._peaks.get(device, 0))
         if was_measuring:  # keep measuring the peak for a later check
-            self._base.span = _open(
-                "cudamem test", None, False, True, False, False, False, hooks=False
-            )
+            self._base.span = _peak_span()
         return replace(check, peaks=tuple(sorted(self._peaks.items())))
 
     def close(self) -> None:
