@@ -27,8 +27,7 @@ _RUN_USAGE = (
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     from . import _backend
-    from .demo import run_demo
-    from .render.demo import render_experiment, render_summary
+    from .demo import render_experiment, render_summary, run_demo
     from .render.json import to_json
 
     if _backend.get().device_count() == 0:

@@ -1,7 +1,7 @@
 """Seed 001's multi-run experiments judge what a fresh process printed: these tests feed
 them recorded-shape outputs (no GPU, no subprocess) and check every verdict and note.
 
-The outputs have the shape ``python -m cudamem._seed001_runs CASE DEVICE`` prints: the
+The outputs have the shape ``python -m cudamem.demo.seed001_runs CASE DEVICE`` prints: the
 allocated/reserved level after each run, the ledgers ``explain()`` wrote, ``release()``'s
 figures, the leak warnings and which devices had a context.
 """
@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from cudamem import demo
+from cudamem.demo import seeds as demo
 
 MiB = 1024**2
 

@@ -1,6 +1,6 @@
 """Seed 001's multi-GPU question: the demo's experiments and their checks, on the CPU.
 
-The experiments run their workloads in a fresh process on a GPU (``cudamem._seed001_runs``);
+The experiments run their workloads in a fresh process on a GPU (``cudamem.demo.seed001_runs``);
 here that process's JSON is replaced by figures shaped like an H200's, to show what each
 check reads and that each can fail. The GPU runs are in test_distributed_cuda.py.
 """
@@ -13,8 +13,10 @@ from typing import Any
 
 import pytest
 
-from cudamem import _backend, _seed001_runs, demo
-from cudamem.render.demo import render_experiment
+from cudamem import _backend
+from cudamem.demo import render_experiment
+from cudamem.demo import seed001_runs as _seed001_runs
+from cudamem.demo import seeds as demo
 
 from .fakes import FakeAllocator
 
@@ -230,7 +232,7 @@ def test_a_failing_fresh_process_is_a_failed_check(monkeypatch: pytest.MonkeyPat
 
 def test_the_runs_module_refuses_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     assert _seed001_runs.main([]) == 2
-    assert "usage: python -m cudamem._seed001_runs" in capsys.readouterr().out
+    assert "usage: python -m cudamem.demo.seed001_runs" in capsys.readouterr().out
     assert _seed001_runs.main(["stream", "one"]) == 2
     with pytest.raises(ValueError, match="case must be one of"):
         _seed001_runs.run_case("bogus", 0)

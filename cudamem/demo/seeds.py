@@ -18,14 +18,14 @@ from typing import Any
 
 import torch
 
-from . import _backend
-from ._format import format_bytes
-from .census import live_storage_keys, live_tensors
-from .holders import who_holds
-from .host import to_host
-from .release import release
-from .scalars import ScalarLogger
-from .span import MemorySpan, track
+from .. import _backend
+from .._format import format_bytes
+from ..census import live_storage_keys, live_tensors
+from ..holders import who_holds
+from ..host import to_host
+from ..release import release
+from ..scalars import ScalarLogger
+from ..span import MemorySpan, track
 
 __all__ = ["Check", "Experiment", "experiments", "run_demo"]
 
@@ -559,18 +559,18 @@ def census_now() -> Experiment:
 
 # --------------------------------------------------------------------------- seed 001, GPUs
 # The seed's open question: with torch.device(f"cuda:{rank}") memory grew by about one run
-# per loop. Each candidate cause runs in a fresh process (cudamem._seed001_runs), so that
+# per loop. Each candidate cause runs in a fresh process (cudamem.demo.seed001_runs), so that
 # contexts, cuBLAS handles and stream pools start empty; the checks read what cudamem said.
 
 
 @functools.lru_cache(maxsize=16)
 def _fresh_run(case: str, device: int) -> str:
-    """The JSON that ``python -m cudamem._seed001_runs CASE DEVICE`` printed (cached: two
+    """The JSON that ``python -m cudamem.demo.seed001_runs CASE DEVICE`` printed (cached: two
     experiments read the same run)."""
     import subprocess
 
     proc = subprocess.run(
-        [sys.executable, "-m", "cudamem._seed001_runs", case, str(device)],
+        [sys.executable, "-m", "cudamem.demo.seed001_runs", case, str(device)],
         capture_output=True,
         text=True,
         timeout=300,

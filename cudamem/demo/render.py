@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from .text import render_table
+from ..render.text import render_table
 
 if TYPE_CHECKING:
-    from ..demo import Experiment
+    from .seeds import Experiment
 
 __all__ = ["render_experiment", "render_summary"]
 

@@ -1,6 +1,6 @@
 """Seed 001's candidate causes of "memory grows by one training per run", one per process.
 
-Run as ``python -m cudamem._seed001_runs CASE DEVICE``: trains the seed's ``NaiveN`` once per
+Run as ``python -m cudamem.demo.seed001_runs CASE DEVICE``: trains the seed's ``NaiveN`` once per
 run, ``RUNS`` times, the way ``CASE`` says, each run inside ``cudamem.track("seed001 run")``
 and cleaned up as the seed did (every variable deleted, ``empty_cache()``); then asks
 ``cudamem.explain()`` and ``cudamem.release()`` and prints one JSON object. A fresh process per
@@ -39,7 +39,7 @@ import torch
 import cudamem
 from cudamem._data import to_data
 
-from .demo import NaiveN
+from .seeds import NaiveN
 
 __all__ = ["CASES", "RUNS", "main", "run_case"]
 
@@ -170,10 +170,10 @@ def run_case(case: str, index: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m cudamem._seed001_runs CASE DEVICE``: print the case's figures as JSON."""
+    """``python -m cudamem.demo.seed001_runs CASE DEVICE``: print the case's figures as JSON."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2 or not args[1].isdigit():
-        print(f"usage: python -m cudamem._seed001_runs {{{','.join(CASES)}}} DEVICE_INDEX")
+        print(f"usage: python -m cudamem.demo.seed001_runs {{{','.join(CASES)}}} DEVICE_INDEX")
         return 2
     print(json.dumps(run_case(args[0], int(args[1]))))
     return 0
