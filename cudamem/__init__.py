@@ -22,7 +22,6 @@ from .leaks import LeakWarning, configure_leaks, leak_settings, leaks
 from .ledger import explain, machine_status
 from .memviz import dump_snapshot
 from .oom import on_oom, oom_report
-from .plot import plot
 from .release import release
 from .scalars import ScalarLogger, log_scalar
 from .snapshot import UnsafeSnapshotError, load_snapshot
@@ -30,6 +29,7 @@ from .span import MemorySpan, StepSpan, max_allocated, track
 
 # Last: every renderer registers itself for the results above (see cudamem._present).
 from . import render as _render  # noqa: F401  isort: skip
+from .render.plot import plot  # isort: skip
 
 __version__ = "0.1.0"
 

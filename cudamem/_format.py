@@ -6,9 +6,10 @@ warnings) and renderers share them without importing each other.
 
 from __future__ import annotations
 
+import html
 import unicodedata
 
-__all__ = ["escape_invisible", "format_bytes", "format_duration", "plural"]
+__all__ = ["escape_html", "escape_invisible", "format_bytes", "format_duration", "plural"]
 
 #: Unicode categories shown escaped: controls, format characters (bidi overrides such as
 #: U+202E, zero-width joiners), surrogates, private use, unassigned, line/paragraph
@@ -59,6 +60,13 @@ def escape_invisible(text: str, *, keep: str = "") -> str:
         else:
             out.append(f"\\U{code:08x}")
     return "".join(out)
+
+
+def escape_html(value: object, *, keep: str = "") -> str:
+    """Any value as HTML text: invisible and bidi characters first written as escapes
+    (``escape_invisible``, ``keep`` as there), then ``<>&"'`` escaped. The one escaper of
+    every HTML cudamem writes (the run report, its chart, notebook cells)."""
+    return html.escape(escape_invisible(str(value), keep=keep), quote=True)
 
 
 def plural(n: int, word: str, words: str | None = None) -> str:

@@ -164,6 +164,11 @@ def test_html_escapes_hostile_paths() -> None:
     h = Holder("__main__.d['<script>alert(1)</script>']", "global", "__main__", "itself", 4, "cpu")
     html = holders_html(Holders("Tensor float32[1] on cpu", 4, "cpu", (h,)))
     assert "<script>" not in html and "&lt;script&gt;" in html
+    # A bidi override in a name cannot reorder what the notebook shows (one escaper for
+    # every HTML cudamem writes).
+    h = Holder("__main__.d['key\u202egnp.exe']", "global", "__main__", "itself", 4, "cpu")
+    html = holders_html(Holders("Tensor float32[1] on cpu", 4, "cpu", (h,)))
+    assert "\u202e" not in html and "key\\u202egnp.exe" in html
 
 
 def test_classify_notebook_paths() -> None:

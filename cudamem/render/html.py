@@ -9,10 +9,9 @@ as ``\u202e``-style escapes, so that no name can pose as another.
 
 from __future__ import annotations
 
-from html import escape
 from typing import TYPE_CHECKING, Any
 
-from .._format import escape_invisible, format_bytes, format_duration
+from .._format import escape_html, format_bytes, format_duration
 from .report import command_line, leak_line, unmeasured
 from .series import nothing_to_plot, points
 from .svg import memory_chart
@@ -33,12 +32,11 @@ pre { background: #f6f8fa; padding: 0.8rem; overflow-x: auto; font-size: 0.85rem
 """
 
 
-def _e(value: Any) -> str:
-    return escape(escape_invisible(str(value)), quote=True)
+_e = escape_html
 
 
 def _pre(text: str) -> str:
-    return f"<pre>{escape(escape_invisible(text, keep=chr(10)), quote=True)}</pre>"
+    return f"<pre>{escape_html(text, keep=chr(10))}</pre>"
 
 
 def _direct_first(holders: Any) -> list[str]:

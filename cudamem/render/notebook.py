@@ -2,16 +2,15 @@
 
 Fragments, not documents: Jupyter puts them into the page as they are. Every string that
 came from the user's program (span names, holder paths, exception messages, device names)
-is escaped with ``html.escape``; no script, style sheet or font is loaded.
+is escaped with ``_format.escape_html`` (invisible and bidi characters too); no script,
+style sheet or font is loaded.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from html import escape
-from typing import Any
 
-from .._format import format_bytes, format_duration
+from .._format import escape_html, format_bytes, format_duration
 from .._present import renders
 from ..holders import Holders
 from ..integrations.results import NotebookHolders
@@ -39,8 +38,7 @@ _NUM = 'style="text-align:right;font-variant-numeric:tabular-nums;padding:0 0.6e
 _CELL = 'style="text-align:left;padding:0 0.6em"'
 
 
-def _e(value: Any) -> str:
-    return escape(str(value), quote=True)
+_e = escape_html
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], numeric: Sequence[bool]) -> str:

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from html import escape
 
-from .._format import escape_invisible, format_bytes
+from .._format import escape_html, format_bytes
 from .series import Point
 
 __all__ = ["memory_chart"]
@@ -23,7 +22,7 @@ def memory_chart(
     """
     if not pts:
         reason = empty or "no span measured CUDA memory"
-        return f'<p class="empty">Nothing to plot: {escape(reason)}.</p>'
+        return f'<p class="empty">Nothing to plot: {escape_html(reason)}.</p>'
     left, right, top, bottom = 70, 20, 20, 40
     w, h = width - left - right, height - top - bottom
     t_max = max(p.t for p in pts) or 1.0
@@ -49,7 +48,7 @@ def memory_chart(
         labelled.add(label)
         parts.append(
             f'<text x="{left - 6}" y="{y(v) + 4:.1f}" font-size="11" text-anchor="end">'
-            f"{escape(label)}</text>"
+            f"{escape_html(label)}</text>"
         )
     parts.append(
         f'<text x="{left + w / 2}" y="{height - 8}" font-size="11" text-anchor="middle">'
@@ -74,7 +73,7 @@ def memory_chart(
         if p.leak:
             parts.append(
                 f'<circle cx="{x(p.t):.1f}" cy="{y(p.allocated):.1f}" r="3" fill="#d62728">'
-                f"<title>{escape(escape_invisible(p.name))}: leak warning</title></circle>"
+                f"<title>{escape_html(p.name)}: leak warning</title></circle>"
             )
     parts.append("</svg>")
     return "\n".join(parts)
