@@ -163,7 +163,7 @@ def test_oom_in_a_step_gives_a_post_mortem(
     err = capsys.readouterr().err
     assert "Tried to allocate" in err or "20.0 GiB" in err
     # The failed batch's span was closed with the exception and the backend restored.
-    assert cb.meter._open is None and not isinstance(_backend.get(), CpuStorageBackend)
+    assert cb.meter._current is None and not isinstance(_backend.get(), CpuStorageBackend)
     assert cudamem.history().named("train_batch")[-1].exception is not None
 
 
