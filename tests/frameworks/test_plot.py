@@ -13,7 +13,7 @@ from cudamem._history import History
 from cudamem.render.series import nothing_to_plot, points
 from cudamem.render.svg import memory_chart
 
-from .fakes import FakeAllocator
+from ..fakes import FakeAllocator
 
 MiB = 1024**2
 
