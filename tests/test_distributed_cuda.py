@@ -145,7 +145,7 @@ def test_two_gpus_without_set_device_memory_lands_on_gpu0(tmp_path: Path) -> Non
 
 
 def _seed001(case: str, device: int) -> dict[str, Any]:
-    from cudamem import demo
+    from cudamem.demo import seeds as demo
 
     return demo._run(case, device)
 
