@@ -273,7 +273,7 @@ def all_tensors(
     over all objects. With the compiled heap pass, the tensors are read off a
     ``gc.get_objects()`` listing (``heap``, when the caller has one) by type instead;
     ``ranges``: the parts of ``heap`` to read, in turn, when it is a ``_heap.snapshot``
-    (``_heap.gc_order``).
+    (the ``order`` it gave).
     """
     import gc
 

@@ -37,7 +37,6 @@ __all__ = [
     "SMALL",
     "chunked_pass",
     "edge_cache",
-    "gc_order",
     "gc_paused",
     "ignored",
     "referrers",
@@ -92,32 +91,27 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def snapshot(sizes: list[int] | None = None) -> list[Any]:
+def snapshot(order: list[tuple[int, int]] | None = None) -> list[Any]:
     """Every gc-tracked object, oldest first (the generations' lists keep allocation order).
 
     The youngest generation is listed first: a list made earlier in this function would be
     young, and would otherwise appear in a later listing (the snapshot holding itself, with
     every object of the heap as a referent to test).
 
-    ``sizes`` receives the generations' lengths, oldest first (for ``gc_order``).
+    ``order`` receives the ``(start, end)`` ranges that, read in turn, list the snapshot in
+    ``gc.get_objects()``'s order: youngest generation first (the order the tensor scan
+    promises).
     """
     with gc_paused():
         young = gc.get_objects(generation=0)
         middle = gc.get_objects(generation=1)
         objs = gc.get_objects(generation=2)
-    if sizes is not None:
-        sizes[:] = [len(objs), len(middle), len(young)]
+    if order is not None:
+        old, mid = len(objs), len(objs) + len(middle)
+        order[:] = [(mid, mid + len(young)), (old, mid), (0, old)]
     objs += middle
     objs += young
     return objs
-
-
-def gc_order(sizes: list[int]) -> list[tuple[int, int]]:
-    """The ``(start, end)`` ranges of a ``snapshot`` (with its ``sizes``) that, read in turn,
-    list it in ``gc.get_objects()``'s order: youngest generation first (the order the
-    tensor scan promises)."""
-    old, middle, young = sizes
-    return [(old + middle, old + middle + young), (old, old + middle), (0, old)]
 
 
 def edge_cache() -> Any:

@@ -467,11 +467,10 @@ static PyObject *scan(PyObject *self, PyObject *args) {
          * its answers hold until the wanted ids grow (then objects are traversed again). */
         char tested[CHUNK];
         int fresh = 0;
-        /* the cache serves this batch when the batch is whole (the snapshot kept its length)
-         * and recorded, now or by an earlier pass */
+        /* the cache serves this batch when the snapshot kept its length and the batch is
+         * recorded, now or by an earlier pass */
         int cached = 0, recorded_now = 0;
-        if (cache && end - start == (k == n_batches - 1 ? n - k * CHUNK : CHUNK) &&
-            PyList_GET_SIZE(objs) == n) {
+        if (cache && PyList_GET_SIZE(objs) == n) {
             if (k < cache->batches) {
                 cached = 1;
             } else if (k == cache->batches && edges_record(cache, objs, start, end)) {

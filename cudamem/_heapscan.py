@@ -237,12 +237,8 @@ def validate(module: Any) -> str | None:
             return False
 
         expected = [o for o in gc.get_referrers(target) if any(o is h for h in heap)]
-        # Without an edge cache, then twice with one (recording, then reading it).
-        edges: Any = None
-        for n in range(3):
-            if n == 1:
-                edges = module.edges(1 << 20)
-            cache = edges
+
+        def wrong(cache: Any) -> str | None:
             found.clear()
             finished, last, whole = module.scan(
                 heap, {id(target)}, added, hit, None, None, None, None, cache
@@ -251,6 +247,16 @@ def validate(module: Any) -> str | None:
                 return f"the compiled pass reported ({finished}, {last}, {whole}) on a full pass"
             if {id(o) for o in found} != {id(o) for o in expected} or len(found) != len(expected):
                 return "the compiled pass's referrers differ from gc.get_referrers'"
+            return None
+
+        problem = wrong(None)
+        if problem is not None:
+            return problem
+        # With an edge cache: the first pass records, the second reads the recording.
+        edges = module.edges(1 << 20)
+        problem = wrong(edges) or wrong(edges)
+        if problem is not None:
+            return problem
         if module.edges_info(edges)[0] != (len(heap) + 1023) // 1024:
             return "the compiled pass's edge cache did not record the heap"
         return None

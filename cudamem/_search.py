@@ -183,7 +183,7 @@ class Search:
         self.walk: _autograd.GraphWalk | None = None
         self.heap: list[Any] | None = None
         self._edges: Any = None  # the heap's edge cache (_heap.edge_cache), shared by passes
-        self._sizes: list[int] = []  # the snapshot's generation sizes (_heap.snapshot)
+        self._order: list[tuple[int, int]] = []  # the snapshot in gc order (_heap.snapshot)
         if scan is not None and scan[2] is not None:
             self.heap = self._own(scan[2])
             self._edges = scan[3]
@@ -287,7 +287,7 @@ class Search:
             tensors = prepared[0]
         elif _heapscan.native() is not None:  # one listing of the heap for both
             heap = self._snapshot()
-            tensors = _autograd.all_tensors(heap, _heap.gc_order(self._sizes))
+            tensors = _autograd.all_tensors(heap, self._order)
         else:
             tensors = _autograd.all_tensors()
         self.tensors = self._own(tensors)
@@ -546,7 +546,7 @@ class Search:
         """The heap snapshot every pass of this search walks (taken at the first pass), with
         its edge cache."""
         if self.heap is None:
-            self.heap = self._own(_heap.snapshot(self._sizes))
+            self.heap = self._own(_heap.snapshot(self._order))
             self._edges = _heap.edge_cache()
             self._reserve(len(self.heap) * _RELEASE_NS)
         return self.heap

@@ -218,10 +218,10 @@ def _gather(
         tensors = _autograd.all_tensors(listing)
         listing.clear()
     elif _heapscan.native() is not None:
-        sizes: list[int] = []
-        heap = _heap.snapshot(sizes)
+        order: list[tuple[int, int]] = []
+        heap = _heap.snapshot(order)
         edges = _heap.edge_cache()
-        tensors = _autograd.all_tensors(heap, _heap.gc_order(sizes))
+        tensors = _autograd.all_tensors(heap, order)
     else:
         tensors = _autograd.all_tensors()
     # A search in another thread must not name our lists.

@@ -407,10 +407,9 @@ def test_an_edge_cache_over_budget_or_another_heap_is_not_read(compiled: Any) ->
 def test_gc_order_lists_the_snapshot_as_gc_get_objects_does(compiled: Any) -> None:
     keep = [torch.ones(i + 1) for i in range(20)]
     gc.collect()
-    sizes: list[int] = []
-    heap = _heap.snapshot(sizes)
-    assert sum(sizes) == len(heap)
-    ranges = _heap.gc_order(sizes)
+    ranges: list[tuple[int, int]] = []
+    heap = _heap.snapshot(ranges)
+    assert sum(end - start for start, end in ranges) == len(heap)
     from cudamem import _autograd
 
     assert [id(t) for t in _autograd.all_tensors(heap, ranges)] == [
