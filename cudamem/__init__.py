@@ -21,6 +21,7 @@ from .host import to_host
 from .leaks import LeakWarning, configure_leaks, leak_settings, leaks
 from .ledger import explain, machine_status
 from .memviz import dump_snapshot
+from .modules import track_modules
 from .oom import on_oom, oom_report
 from .release import release
 from .scalars import ScalarLogger, log_scalar
@@ -61,6 +62,7 @@ __all__ = [
     "set_history_size",
     "to_host",
     "track",
+    "track_modules",
     "unaccounted",
     "who_holds",
 ]

@@ -56,7 +56,9 @@ __all__ = [
     "StepSpan",
     "add_entry_hook",
     "add_exit_hook",
+    "close_quiet",
     "max_allocated",
+    "open_quiet",
     "remove_entry_hook",
     "remove_exit_hook",
     "track",
@@ -1350,6 +1352,21 @@ class StepSpan:
     def drop(self) -> None:
         """Forget the open step without recording it."""
         self._span = None
+
+
+def open_quiet(name: str) -> RawSpan:
+    """Open a detached span with a peak, seen by no feature (no history, no growth
+    detection): a measurement of cudamem's own, the per-module profile's (``cudamem.modules``)
+    one per module call. Its peak folds into every open span and theirs into it, as any
+    span's does. Close it with ``close_quiet``; then read ``alloc_delta``, ``peak_delta``,
+    ``level`` and ``duration`` (plain ints summed over devices; ``peak_delta`` is ``None``
+    when no device was measured). Never raises."""
+    return _open(name, None, False, True, False, False, False, hooks=False)
+
+
+def close_quiet(span: RawSpan, exc: BaseException | None = None) -> None:
+    """Close a span of ``open_quiet`` (a closed one is left alone). Never raises."""
+    _close(span, exc, hooks=False)
 
 
 @overload

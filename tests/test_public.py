@@ -29,6 +29,8 @@ RESULTS = {
     "runner": ("RunReport",),
     "diff": ("MemoryDiff", "DiffEntry"),
     "memviz": ("SnapshotDump", "AutoDump"),
+    "module_profile": ("ModuleProfile", "ModuleStats", "Spread"),
+    "modules": ("ModuleProfiler",),
 }
 
 
@@ -62,6 +64,7 @@ def test_what_users_call_is_exported() -> None:
         "max_allocated",
         "configure_leaks",
         "machine_status",
+        "track_modules",
     ):
         assert name in cudamem.__all__, name
 

@@ -1,0 +1,175 @@
+"""The per-module memory profile as text (a tree table) and HTML (the same table)."""
+
+from __future__ import annotations
+
+from .._format import escape_html, escape_invisible, format_bytes, format_duration, plural
+from .._present import renders
+from ..module_profile import ModuleProfile, ModuleStats, Spread
+from .text import render_table
+
+__all__ = [
+    "module_rows",
+    "render_module_stats",
+    "render_profile",
+    "render_profile_html",
+    "top_line",
+]
+
+#: Rows a text table shows at most (``profile.modules`` has them all).
+MAX_ROWS = 60
+
+_HEADERS = (
+    "module",
+    "calls",
+    "kept",
+    "kept max",
+    "self",
+    "fwd peak",
+    "bwd peak",
+    "recomputed",
+    "params",
+    "grads",
+    "optim",
+    "fwd time",
+    "bwd time",
+)
+
+
+def _short(row: ModuleStats) -> str:
+    """The row's name below its parent's (``h.0.attn`` → ``attn``)."""
+    if row.parent and row.name.startswith(row.parent + "."):
+        return row.name[len(row.parent) + 1 :]
+    return row.name
+
+
+def _b(value: float) -> str:
+    return "-" if value == 0 else format_bytes(round(value))
+
+
+def _t(spread: Spread) -> str:
+    return "-" if spread.mean == 0 else format_duration(spread.mean)
+
+
+def _calls(row: ModuleStats) -> str:
+    text = f"{row.calls.mean:g}"
+    if row.recomputes.mean:
+        text += f"+{row.recomputes.mean:g}r"
+    return text
+
+
+def module_rows(profile: ModuleProfile, *, limit: int = MAX_ROWS) -> list[list[str]]:
+    """The table's cells, one row per module (depth first), names indented by depth."""
+    return [
+        [
+            "  " * row.depth + escape_invisible(_short(row)),
+            _calls(row),
+            _b(row.kept.mean),
+            _b(row.kept.max),
+            _b(row.self_kept.mean),
+            _b(row.forward_peak.max),
+            _b(row.backward_peak.max),
+            _b(row.recomputed.mean),
+            _b(row.params),
+            _b(row.grads),
+            _b(row.optimizer),
+            _t(row.forward_time),
+            _t(row.backward_time),
+        ]
+        for row in profile.modules[:limit]
+    ]
+
+
+def top_line(profile: ModuleProfile, n: int = 3) -> str:
+    """``top modules by kept activations: a 12 MiB, b 8 MiB`` (or why there is none)."""
+    if profile.unmeasured:
+        return f"top modules: bytes not measured ({profile.unmeasured})"
+    top = profile.top(n)
+    if not top:
+        return "top modules: no module kept memory"
+    items = ", ".join(
+        f"{escape_invisible(r.name)} {format_bytes(round(r.self_kept.mean))}" for r in top
+    )
+    return f"top modules by activations kept (own code, mean per step): {items}"
+
+
+def _notes(profile: ModuleProfile) -> list[str]:
+    notes = [f"note: {escape_invisible(r.name)}: {n}" for r in profile.modules for n in r.notes]
+    notes += [
+        f"note: {r.name}: {plural(r.raised, 'forward call')} raised"
+        for r in profile.modules
+        if r.raised
+    ]
+    notes += [f"note: {escape_invisible(n)}" for n in profile.notes]
+    return notes
+
+
+#: What the columns mean, under the text table.
+LEGEND = (
+    "kept: allocated at the forward's exit minus at its entry (the activations kept for "
+    "the backward, output included); self: less its submodules'; peaks: the highest "
+    "above the call's entry level; calls 1+1r: once in forward, once re-run in backward"
+)
+
+
+@renders(ModuleProfile)
+def render_profile(profile: ModuleProfile) -> str:
+    """The profile's tree table, the top modules above it."""
+    head = (
+        f"module profile: {plural(profile.steps, 'step')}, "
+        f"{plural(len(profile.modules), 'module')} (mean per step)"
+    )
+    if not profile.modules:
+        return f"{head}\nno profiled module ran"
+    lines = [head, top_line(profile)]
+    rows = module_rows(profile)
+    headers = list(_HEADERS)
+    if profile.steps <= 1:  # the largest step is the only one
+        del headers[3]
+        rows = [r[:3] + r[4:] for r in rows]
+    lines.append(render_table(headers, rows))
+    hidden = len(profile.modules) - MAX_ROWS
+    if hidden > 0:
+        lines.append(f"... {plural(hidden, 'more module')} (profile.modules has every row)")
+    lines.append(LEGEND)
+    lines.extend(_notes(profile))
+    return "\n".join(lines)
+
+
+@renders(ModuleStats)
+def render_module_stats(row: ModuleStats) -> str:
+    """One module in a line."""
+    text = (
+        f"{row.name} ({row.type_name}): kept {format_bytes(round(row.kept.mean))} per step "
+        f"({format_bytes(round(row.self_kept.mean))} by its own code), forward peak "
+        f"+{format_bytes(round(row.forward_peak.max))}, backward peak "
+        f"+{format_bytes(round(row.backward_peak.max))}, params {format_bytes(row.params)}, "
+        f"grads {format_bytes(row.grads)}, optimizer {format_bytes(row.optimizer)}"
+    )
+    if row.recomputed.mean:
+        text += f", re-run in backward keeping {format_bytes(round(row.recomputed.mean))}"
+    return text
+
+
+_STYLE = (
+    "<style>.cm-mod td{padding:0.1rem 0.5rem;font-variant-numeric:tabular-nums}"
+    ".cm-mod td.num{text-align:right}</style>"
+)
+
+
+@renders(ModuleProfile, "html")
+def render_profile_html(profile: ModuleProfile) -> str:
+    """The profile as an HTML table (the run report's section, a notebook cell)."""
+    e = escape_html
+    parts = [_STYLE, f"<p>{e(top_line(profile))}</p>"]
+    head = "".join(f"<th>{e(h)}</th>" for h in _HEADERS)
+    body = []
+    for row, cells in zip(
+        profile.modules, module_rows(profile, limit=len(profile.modules)), strict=True
+    ):
+        pad = f"padding-left:{0.5 + row.depth}rem"
+        name = f'<td style="{pad}" title="{e(row.name)}">{e(_short(row))}</td>'
+        nums = "".join(f'<td class="num">{e(c)}</td>' for c in cells[1:])
+        body.append(f"<tr>{name}{nums}</tr>")
+    parts.append(f'<table class="cm-mod"><tr>{head}</tr>{"".join(body)}</table>')
+    parts.extend(f"<p>{e(n)}</p>" for n in _notes(profile))
+    return "".join(parts)
