@@ -35,10 +35,11 @@ GROUPS = (
     "reader",
     "reader-retry",
     "expandable-kernel",
+    "modules",
     "ledger",
     "expandable-ledger",
 )
-BENCHES = ("build_reader", "gen_outputs", "span_overhead", "soak", "scalars")
+BENCHES = ("build_reader", "gen_outputs", "span_overhead", "soak", "scalars", "module_profile")
 _IGNORED_DIRS = {"__pycache__", ".mypy_cache", ".ruff_cache", ".pytest_cache"}
 _IGNORED_SUFFIXES = (".pyc", ".pyo")
 _COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected|warnings?)")

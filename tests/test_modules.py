@@ -445,3 +445,72 @@ def test_checkpointing_moves_kept_memory_into_the_backward_on_cpu_tensors() -> N
     assert ckpt.recomputes.max == 1
     assert ckpt.recomputed.max >= activation
     assert ckpt.backward_calls.max == 1
+
+
+def _tiny_gpt2() -> Any:
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=256, n_positions=32, attn_pdrop=0.0
+    )
+    return transformers.GPT2LMHeadModel(config)
+
+
+def test_kept_agrees_with_memtracker_on_cpu_tensors() -> None:
+    """The anchor on CPU: with live CPU storages as the allocator, each module's kept bytes
+    are MemTracker's for the same step (no allocator rounding on the CPU: exactly)."""
+    from .memtracker import compare, memtracker_kept
+
+    model = _tiny_gpt2()
+    opt = torch.optim.AdamW(model.parameters())
+    ids = torch.randint(0, 256, (2, 16))
+
+    def step() -> None:
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()  # the optimizer state exists before either measures
+    with _backend.use(CpuStorageBackend()), cudamem.track_modules(model, optimizer=opt) as prof:
+        step()
+    theirs = memtracker_kept(model, [opt, ids], step, "cpu")
+    ours = {r.name: r.kept.max for r in prof.profile.modules}
+    assert ours["GPT2LMHeadModel.lm_head"] == theirs["GPT2LMHeadModel.lm_head"] > 0
+    assert compare(ours, theirs, floor=1) == []
+    assert prof.profile.module("GPT2LMHeadModel.transformer.h.0").backward_calls.max == 1
+
+
+def test_reentrant_checkpointing_recomputes_inside_the_backward() -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return checkpoint(self.block, x, use_reentrant=True)  # type: ignore[no-any-return]
+
+    net = Net()
+    x = torch.randn(4, 8, requires_grad=True)
+    with _backend.use(CpuStorageBackend()), cudamem.track_modules(net) as prof:
+        net(x).sum().backward()
+    block = prof.profile.module("Net.block")
+    assert (block.calls.max, block.recomputes.max) == (1, 1)
+    assert block.recomputed.max >= 4 * 32 * 4  # the hidden activation, re-made in backward
+    assert prof.profile.module("Net.block.0").recomputes.max == 1
+    assert "1+1r" in str(prof.profile)
+
+
+def test_autocast_on_cpu_is_profiled() -> None:
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+    x = torch.randn(8, 16)
+    with _backend.use(CpuStorageBackend()), cudamem.track_modules(model) as prof:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)
+        out.float().sum().backward()
+    first = prof.profile.module("Sequential.0")
+    # its bf16 output (8*64*2) and the bf16 input it saved (8*16*2): half of fp32's
+    assert first.kept.max == 8 * 64 * 2 + 8 * 16 * 2
+    assert first.backward_calls.max == 1
