@@ -21,7 +21,8 @@ __all__ = ["build_parser", "main"]
 _RUN_VALUE_OPTIONS = ("--json", "--html", "--top")
 
 _RUN_USAGE = (
-    "cudamem run [-h] [--json FILE] [--html FILE] [--top N] (script | -m module) [args ...]"
+    "cudamem run [-h] [--json FILE] [--html FILE] [--top N] [--modules] "
+    "(script | -m module) [args ...]"
 )
 
 
@@ -111,6 +112,7 @@ def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             args.args,
             module=args.module is not None,
             top=args.top,
+            modules=args.modules,
             progress=progress,
         )
     except ScriptError as exc:
@@ -233,6 +235,11 @@ def _build() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         default=10,
         metavar="N",
         help="largest live storages searched for holders and listed (default 10)",
+    )
+    run.add_argument(
+        "--modules",
+        action="store_true",
+        help="profile memory per module (nn.Module) and name the top modules at exit",
     )
     run.add_argument(
         "-m", dest="module", metavar="module", help="run a module as `python -m module` does"

@@ -177,6 +177,7 @@ class ModuleProfiler:
         self._notes: list[str] = []
         self._unmeasured: str | None = None
         self._active = False
+        self._paused = False
         self._used = False
         self._profile: ModuleProfile | None = None
 
@@ -234,6 +235,14 @@ class ModuleProfiler:
         """End the step in progress. From the first call on, only ``step()`` ends steps."""
         self._auto_steps = False
         self._end_step()
+
+    def pause(self) -> None:
+        """Leave the module calls that follow out (a validation loop) until ``resume()``."""
+        self._paused = True
+
+    def resume(self) -> None:
+        """Profile module calls again after ``pause()``."""
+        self._paused = False
 
     @property
     def profile(self) -> ModuleProfile:
@@ -313,7 +322,7 @@ class ModuleProfiler:
     # -- forward ------------------------------------------------------------------------
 
     def _pre(self, node: _Node, module: torch.nn.Module, args: Any) -> None:
-        if _is_compiling():
+        if self._paused or _is_compiling():
             return
         stack = self._stack
         in_backward = _task_id() != -1

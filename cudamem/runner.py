@@ -28,13 +28,14 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
 from . import _backend, _history
-from ._args import check_int
+from ._args import check_bool, check_int
 from ._frames import own_frame
 from ._present import present
 from .census import Census, listing_order, live_storages, live_tensors
 from .culprits import group_culprits
 from .leaks import LeakWarning
 from .ledger import explain
+from .modules import track_modules
 from .oom import oom_report
 from .span import ExceptionInfo, StepSpan, max_allocated
 
@@ -96,6 +97,8 @@ class RunReport:
     unlisted: Unlisted = _NONE_UNLISTED
     #: CUDA devices visible to torch (0: spans and growth detection had nothing to measure).
     cuda_devices: int = 0
+    #: The per-module profile (``cudamem run --modules``), or None.
+    modules: Any = None
 
     @property
     def cuda_used(self) -> bool:
@@ -317,12 +320,15 @@ def run_script(
     module: bool = False,
     top: int = 10,
     ledger: bool = True,
+    modules: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> RunReport:
     """Run ``path`` as ``__main__`` with ``sys.argv = [path, *args]`` and report on it.
 
     With ``module=True``, ``path`` is a module name run as ``python -m path`` would.
     ``top`` storages (the largest alive at exit) are searched for holders and listed.
+    ``modules``: profile memory per module (``cudamem.track_modules()`` over every module
+    tree the script calls), in the report's ``modules``.
 
     Raises ``ScriptError`` when the script cannot be read or compiled (before it runs).
     The script's own exceptions never propagate: they become the report's ``exception``,
@@ -334,12 +340,15 @@ def run_script(
     if isinstance(args, str) or not all(isinstance(a, str) for a in args):
         raise TypeError("args must be a sequence of str")
     check_int("top", top, minimum=0)
+    check_bool("modules", modules)
 
     old_main = sys.modules.get("__main__")
     old_argv = sys.argv
     old_path = list(sys.path)
     collector = _LeakCollector()
     watcher = StepWatcher()
+    profiler = track_modules() if modules else None
+    profile = None
     exit_code = 0
     info: ExceptionInfo | None = None
     tb_text: str | None = None
@@ -357,6 +366,8 @@ def run_script(
         sys.argv = [target.argv0, *args]
         _set_path0(target.path0)
         watcher.install()
+        if profiler is not None:
+            profiler.start()
         t0 = time.perf_counter()
         with warnings.catch_warnings():
             warnings.simplefilter("always", LeakWarning)
@@ -382,6 +393,8 @@ def run_script(
                 # The step in progress at exit is not a finished call: dropped, not recorded.
                 watcher.uninstall()
                 collector.uninstall()
+                if profiler is not None:
+                    profile = profiler.stop()
         duration = time.perf_counter() - t0
         if progress is not None:
             progress("collecting the report (census, holders, ledger)")
@@ -412,6 +425,7 @@ def run_script(
         groups=collected.groups,
         unlisted=collected.unlisted,
         cuda_devices=_backend.get().device_count(),
+        modules=profile,
     )
 
 

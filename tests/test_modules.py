@@ -514,3 +514,33 @@ def test_autocast_on_cpu_is_profiled() -> None:
     # its bf16 output (8*64*2) and the bf16 input it saved (8*16*2): half of fp32's
     assert first.kept.max == 8 * 64 * 2 + 8 * 16 * 2
     assert first.backward_calls.max == 1
+
+
+def test_cudamem_run_modules_names_the_top_modules(tmp_path: Any) -> None:
+    from cudamem.render.html import render_html
+    from cudamem.runner import run_script
+
+    script = tmp_path / "train_mlp.py"
+    script.write_text(
+        "import torch\n"
+        "from torch import nn\n"
+        "model = nn.Sequential(nn.Linear(64, 512), nn.Tanh(), nn.Linear(512, 8))\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "for _ in range(2):\n"
+        "    model(torch.randn(32, 64)).sum().backward()\n"
+        "    opt.step()\n"
+        "    opt.zero_grad()\n"
+    )
+    with _backend.use(CpuStorageBackend()):
+        report = run_script(str(script), modules=True, top=0, ledger=False)
+    assert report.exit_code == 0
+    p = report.modules
+    assert p.steps == 2
+    # Tanh keeps its 32x512 float output (its backward needs it), as Linear 0 keeps its own.
+    assert p.module("Sequential.1").self_kept.max == 32 * 512 * 4
+    text = str(report)
+    assert "top modules by activations kept by their own code (mean per step, 2 steps):" in text
+    assert "Sequential.1" in text and "64.0 KiB" in text
+    assert "<h2>Memory per module</h2>" in render_html(report)
+    with pytest.raises(TypeError, match="modules must be a bool"):
+        run_script(str(script), modules=1)  # type: ignore[arg-type]

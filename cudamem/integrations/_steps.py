@@ -35,13 +35,15 @@ from typing import TYPE_CHECKING, Any
 from .. import _backend
 from .._args import check_bool, check_int
 from ..leaks import add_growth_hook, leak_settings, remove_growth_hook
+from ..modules import ModuleProfiler, track_modules
 from ..span import MemorySpan, StepSpan
 from ._cpu import CpuStorageBackend
 
 if TYPE_CHECKING:
     from ..leaks import Growth
+    from ..module_profile import ModuleProfile
 
-__all__ = ["METRICS", "MODES", "StepMeter"]
+__all__ = ["METRICS", "MODES", "ModuleMeter", "StepMeter"]
 
 MODES = ("auto", "cuda", "cpu")
 #: Metric names (without prefix and stage) in the order they are logged.
@@ -225,3 +227,60 @@ class StepMeter:
             "peak": self.peak,
             "note": self.note,
         }
+
+
+class ModuleMeter:
+    """The callbacks' per-module profile (``modules=N``): ``cudamem.track_modules`` over the
+    model for the whole run, a step per training step, and at the run's end the ``N``
+    modules whose own code kept the most, as metrics:
+    ``cudamem/modules/<module>/kept_mib`` (activations its own code kept, mean per step) and
+    ``cudamem/modules/<module>/peak_mib`` (its highest peak above its entry level, forward
+    or backward). Validation loops are left out (``pause``/``resume``).
+    """
+
+    def __init__(self, top: int, prefix: str) -> None:
+        self.top = check_int("modules", top, minimum=0)
+        self.prefix = prefix
+        self._profiler: ModuleProfiler | None = None
+        #: The last run's profile.
+        self.profile: ModuleProfile | None = None
+
+    def begin(self, model: Any) -> None:
+        """Profile ``model``'s modules (nothing with ``modules=0`` or without a model)."""
+        self.end()
+        import torch
+
+        if self.top and isinstance(model, torch.nn.Module):
+            try:
+                self._profiler = track_modules(model).start()
+            except Exception as exc:  # bookkeeping never breaks the run
+                warnings.warn(f"cudamem: no module profile: {exc!r}", RuntimeWarning, 2)
+
+    def step(self) -> None:
+        """A training step ended."""
+        if self._profiler is not None:
+            self._profiler.step()
+
+    def pause(self) -> None:
+        """Leave the module calls out until ``resume()`` (a validation loop)."""
+        if self._profiler is not None:
+            self._profiler.pause()
+
+    def resume(self) -> None:
+        if self._profiler is not None:
+            self._profiler.resume()
+
+    def end(self) -> dict[str, float]:
+        """Stop profiling; the top modules' metrics (empty when nothing was profiled)."""
+        profiler, self._profiler = self._profiler, None
+        if profiler is None:
+            return {}
+        self.profile = profile = profiler.stop()
+        if profile.unmeasured:
+            return {}
+        metrics: dict[str, float] = {}
+        for row in profile.top(self.top):
+            base = f"{self.prefix}modules/{row.name}/"
+            metrics[base + "kept_mib"] = row.self_kept.mean / MiB
+            metrics[base + "peak_mib"] = max(row.forward_peak.max, row.backward_peak.max) / MiB
+        return metrics

@@ -25,6 +25,8 @@ gets cudamem's ``cudamem.LeakWarning`` naming who holds the growth (``callback.l
 keeps the findings); an out-of-memory error gets cudamem's post-mortem from ``on_exception``
 (``callback.oom_report``). On a CPU model nothing is logged unless ``device='cpu'``, which
 counts live CPU storages instead (``allocated``, ``retained`` and ``leak_culprits`` only).
+``modules=5`` also profiles memory per module over the fit and logs the top five modules
+at its end (``cudamem/modules/<name>/kept_mib``, ``…/peak_mib``; ``callback.module_profile``).
 
 Needs ``lightning`` (``pip install 'cudamem[lightning]'``); falls back to ``pytorch_lightning``.
 """
@@ -38,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import _backend, oom
 from ..leaks import leak_settings
-from ._steps import StepMeter
+from ._steps import ModuleMeter, StepMeter
 
 try:
     from lightning.pytorch import Callback
@@ -47,6 +49,7 @@ except ImportError:  # pragma: no cover - the older package name
 
 if TYPE_CHECKING:
     from ..leaks import Growth
+    from ..module_profile import ModuleProfile
     from ..oom import OomReport
 
 __all__ = ["CudamemCallback"]
@@ -75,6 +78,9 @@ class CudamemCallback(Callback):  # type: ignore[misc,unused-ignore]
         peak: track each batch's peak (resets PyTorch's peak counter per batch; use
             ``cudamem.max_allocated()`` for the process-wide peak).
         oom_report: build and print cudamem's post-mortem when an OOM ends the fit.
+        modules: profile memory per module over the fit (``cudamem.track_modules``) and
+            log the top ``modules`` at its end (``cudamem/modules/<name>/kept_mib`` and
+            ``…/peak_mib``); ``callback.module_profile`` is the whole profile. 0: off.
     """
 
     def __init__(
@@ -86,8 +92,10 @@ class CudamemCallback(Callback):  # type: ignore[misc,unused-ignore]
         prefix: str = "cudamem/",
         peak: bool = True,
         oom_report: bool = True,
+        modules: int = 0,
     ) -> None:
         super().__init__()
+        self.modules = ModuleMeter(modules, prefix)
         self.meter = StepMeter(
             device=device,
             prefix=prefix,
@@ -105,6 +113,11 @@ class CudamemCallback(Callback):  # type: ignore[misc,unused-ignore]
         self._val: list[dict[str, float]] = []
 
     @property
+    def module_profile(self) -> ModuleProfile | None:
+        """The per-module profile of the last fit (``modules=N``), or ``None``."""
+        return self.modules.profile
+
+    @property
     def leaks(self) -> tuple[Growth, ...]:
         """Growth findings (the content of each LeakWarning) for this callback's spans."""
         return tuple(self.meter.findings)
@@ -120,15 +133,23 @@ class CudamemCallback(Callback):  # type: ignore[misc,unused-ignore]
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         self.oom_report = None
         self._begin(pl_module)
+        if self.meter.measuring:
+            self.modules.begin(pl_module)
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        self._log(trainer, "modules", self.modules.end())
         self.meter.end_run()
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         if self.meter._stack is None:  # trainer.validate(): no fit around it
             self._begin(pl_module)
+        self.modules.pause()
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        self.modules.resume()
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self.modules.end()
         self.meter.end_run()
 
     # -- batches ------------------------------------------------------------------------
@@ -177,6 +198,7 @@ class CudamemCallback(Callback):  # type: ignore[misc,unused-ignore]
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         metrics = self.meter.end("train")
+        self.modules.step()
         if metrics and self._log_now(trainer):
             self._log(trainer, "train", metrics)
         elif metrics:
@@ -213,6 +235,7 @@ class CudamemCallback(Callback):  # type: ignore[misc,unused-ignore]
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
 
         span_was_open = self.meter.abort(exception)
+        self.modules.end()
         try:
             is_oom = _backend.get().is_oom(exception)
         except Exception:

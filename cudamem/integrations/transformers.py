@@ -48,12 +48,13 @@ from .._storages import StorageRef, ref_of
 from ..census import live_storages
 from ..culprits import NO_HOLDER, Culprit, container_of
 from ..release import release
-from ._steps import StepMeter
+from ._steps import ModuleMeter, StepMeter
 from .results import TrainerRelease
 
 if TYPE_CHECKING:
     from ..culprits import Culprit
     from ..leaks import Growth
+    from ..module_profile import ModuleProfile
     from ..release import ReleaseResult
 
 __all__ = ["CudamemTrainerCallback", "TrainerRelease", "attach", "release_trainer"]
@@ -73,6 +74,10 @@ class CudamemTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-ignor
         every_n_steps: measure one optimizer step in this many.
         prefix: prepended to every key (``cudamem/peak_mib``).
         peak: track each step's peak (resets PyTorch's peak counter per step).
+        modules: profile memory per module over the training (``cudamem.track_modules``)
+            and add the top ``modules`` to the last log entry at its end
+            (``cudamem/modules/<name>/kept_mib``, ``…/peak_mib``);
+            ``callback.module_profile`` is the whole profile. 0: off.
     """
 
     def __init__(
@@ -82,7 +87,9 @@ class CudamemTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-ignor
         every_n_steps: int = 1,
         prefix: str = "cudamem/",
         peak: bool = True,
+        modules: int = 0,
     ) -> None:
+        self.modules = ModuleMeter(modules, prefix)
         self.meter = StepMeter(
             device=device,
             prefix=prefix,
@@ -94,6 +101,11 @@ class CudamemTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-ignor
         self._pending: list[dict[str, float]] = []
         #: The values added to the last log.
         self.last_values: dict[str, float] = {}
+
+    @property
+    def module_profile(self) -> ModuleProfile | None:
+        """The per-module profile of the last training (``modules=N``), or ``None``."""
+        return self.modules.profile
 
     @property
     def leaks(self) -> tuple[Growth, ...]:
@@ -112,12 +124,15 @@ class CudamemTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-ignor
             import warnings
 
             warnings.warn(self.meter.note, UserWarning, stacklevel=2)
+        if self.meter.measuring:
+            self.modules.begin(kwargs.get("model"))
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.meter.start("train")
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         values = self.meter.end("train")
+        self.modules.step()
         if values:
             self._pending.append(values)
 
@@ -136,6 +151,10 @@ class CudamemTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-ignor
             history[-1].update(values)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        top = self.modules.end()
+        history = getattr(state, "log_history", None)
+        if top and isinstance(history, list) and history and isinstance(history[-1], dict):
+            history[-1].update(top)  # the Trainer's last log (its train summary)
         self.meter.end_run()
 
 

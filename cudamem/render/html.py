@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .._format import escape_html, format_bytes, format_duration
+from .modules import render_profile_html
 from .report import command_line, leak_line, unmeasured
 from .series import nothing_to_plot, points
 from .svg import memory_chart
@@ -106,6 +107,8 @@ def render_html(report: RunReport, *, leak_names: tuple[str, ...] | None = None)
     if report.peaks:
         items = "".join(f"<li>cuda:{d}: {_e(format_bytes(b))}</li>" for d, b in report.peaks)
         body.append(f"<h2>Peak allocated</h2><ul>{items}</ul>")
+    if report.modules is not None:
+        body.append("<h2>Memory per module</h2>" + render_profile_html(report.modules))
     body.append("<h2>Memory per span</h2>")
     spans = report.history.spans if report.history is not None else ()
     body.append(memory_chart(points(spans, names), empty=nothing_to_plot(spans)))

@@ -12,6 +12,7 @@ __all__ = [
     "render_module_stats",
     "render_profile",
     "render_profile_html",
+    "render_top_table",
     "top_line",
 ]
 
@@ -133,6 +134,32 @@ def render_profile(profile: ModuleProfile) -> str:
     lines.append(LEGEND)
     lines.extend(_notes(profile))
     return "\n".join(lines)
+
+
+def render_top_table(profile: ModuleProfile, n: int = 10) -> str:
+    """The ``n`` modules whose own code kept the most, as a table (``cudamem run
+    --modules``'s end report), or the line saying why there are none."""
+    top = profile.top(n)
+    if profile.unmeasured or not top:
+        return top_line(profile)
+    rows = [
+        [
+            escape_invisible(r.name),
+            _calls(r),
+            _b(r.self_kept.mean),
+            _b(r.kept.mean),
+            _b(r.forward_peak.max),
+            _b(r.backward_peak.max),
+            _b(r.params),
+        ]
+        for r in top
+    ]
+    headers = ["module", "calls", "self kept", "kept", "fwd peak", "bwd peak", "params"]
+    title = (
+        f"top modules by activations kept by their own code (mean per step, "
+        f"{plural(profile.steps, 'step')}):"
+    )
+    return render_table(headers, rows, title=title)
 
 
 @renders(ModuleStats)

@@ -8,6 +8,7 @@ from typing import Any
 from .._format import escape_invisible, format_bytes, format_duration, plural
 from .._present import renders
 from ..runner import RunReport
+from .modules import render_top_table
 from .text import render_table
 
 __all__ = ["command_line", "leak_line", "render_report", "render_storage_groups", "unmeasured"]
@@ -98,6 +99,9 @@ def render_report(report: RunReport) -> str:
         lines.append(f"peak allocated: {peaks}")
     else:
         lines.append("peak allocated: no CUDA device was used")
+    if report.modules is not None:
+        lines.append("")
+        lines.append(render_top_table(report.modules))
     lines.append("")
     lines.append(leak_line(report))
     lines.extend(f"  {w}" for w in report.leak_warnings)

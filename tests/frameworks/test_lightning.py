@@ -246,3 +246,21 @@ def test_a_failing_logger_does_not_stop_training(tmp_path: Path) -> None:
     with pytest.warns(RuntimeWarning, match="Broken refused the metrics: OSError"):
         trainer.fit(Model(), loader())
     assert trainer.global_step == 3
+
+
+def test_modules_logs_the_top_modules_at_the_end_of_the_fit(tmp_path: Path) -> None:
+    cb = CudamemCallback(device="cpu", modules=3)
+    rows, _ = fit(tmp_path, Model(), cb, steps=4)
+    profile = cb.module_profile
+    assert profile is not None and profile.steps == 4
+    lin = profile.module("Model.lin")
+    assert lin.backward_calls.max == 1
+    # Its output, 64 x 1024 float32, which sigmoid keeps for the backward.
+    assert lin.self_kept.max >= 64 * 1024 * 4
+    logged = [r for r in rows if r.get("cudamem/modules/Model.lin/kept_mib")]
+    assert len(logged) == 1
+    assert float(logged[0]["cudamem/modules/Model.lin/kept_mib"]) >= 0.25
+    assert "cudamem/modules/Model.lin/peak_mib" in logged[0]
+    assert all(len(m._forward_hooks) == 0 for m in Model().modules())
+    with pytest.raises(ValueError, match="modules must be >= 0"):
+        CudamemCallback(modules=-1)

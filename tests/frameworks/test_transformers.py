@@ -203,3 +203,20 @@ def test_cuda_values_are_the_allocator_figures(tmp_path: Path) -> None:
     assert ref.expired()
     assert result.release is not None and result.release.devices
     assert result.release.devices[0].still_allocated < 1024**2
+
+
+def test_modules_adds_the_top_modules_to_the_last_log(tmp_path: Path) -> None:
+    cb = CudamemTrainerCallback(device="cpu", modules=2)
+    trainer = make_trainer(tmp_path, tiny_model(), [cb], max_steps=2)
+    trainer.train()
+    profile = cb.module_profile
+    assert profile is not None and profile.steps == 2
+    top = profile.top(2)
+    final = trainer.state.log_history[-1]
+    assert "train_runtime" in final
+    for row in top:
+        assert final[f"cudamem/modules/{row.name}/kept_mib"] == row.self_kept.mean / 1024**2
+        assert f"cudamem/modules/{row.name}/peak_mib" in final
+    # The logits (4 x 16 x 100 float32) are kept by the head's own code.
+    assert profile.module("GPT2LMHeadModel.lm_head").self_kept.max >= 4 * 16 * 100 * 4
+    assert all(len(m._forward_pre_hooks) == 0 for m in trainer.model.modules())
