@@ -14,7 +14,7 @@ in the same calls, so ``kept`` of a module is exactly ``self_kept`` plus its chi
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 from ._args import check_int
@@ -45,9 +45,11 @@ class ModuleStats:
     name: str
     #: The module's class (``GPT2Block``).
     type_name: str
-    #: 0 for the root, 1 for its children, ...
+    #: 0 for the root, 1 for its children, ... (in the profile's tree: see ``parent``).
     depth: int
-    #: The parent row's name (``None`` for a root).
+    #: The nearest ancestor with a row of its own (``None`` for a root): a container that
+    #: is never called itself (``nn.ModuleList``) has no row, and its children hang under
+    #: its parent.
     parent: str | None
     #: Steps in which the module ran (a forward, a backward or a recomputation).
     steps: int
@@ -242,18 +244,24 @@ def build_profile(
         for r in raws
         if r.steps or r.notes or r.raised
     }
+    # A row's parent is its nearest ancestor that ran: a container that is never called
+    # itself (``nn.ModuleList``) passes its children up to its own parent.
+    structural = {r.name: r.parent for r in raws}
     children: dict[str | None, list[ModuleStats]] = {}
     for row in rows.values():
-        parent = row.parent if row.parent in rows else None
-        children.setdefault(parent, []).append(row)
+        parent = row.parent
+        while parent is not None and parent not in rows:
+            parent = structural.get(parent)
+        children.setdefault(parent, []).append(replace(row, parent=parent))
 
     def order(row: ModuleStats) -> tuple[float, float, float, str]:
         return (-row.kept.mean, -row.backward_peak.max, -row.forward_peak.max, row.name)
 
     out: list[ModuleStats] = []
-    pending = sorted(children.get(None, []), key=order)[::-1]
+    pending = [(row, 0) for row in sorted(children.get(None, []), key=order)[::-1]]
     while pending:
-        row = pending.pop()
-        out.append(row)
-        pending.extend(sorted(children.get(row.name, []), key=order)[::-1])
+        row, depth = pending.pop()
+        out.append(replace(row, depth=depth))
+        kids = sorted(children.get(row.name, []), key=order)[::-1]
+        pending.extend((kid, depth + 1) for kid in kids)
     return ModuleProfile(tuple(out), steps, unmeasured, tuple(notes))

@@ -478,7 +478,14 @@ def test_kept_agrees_with_memtracker_on_cpu_tensors() -> None:
     ours = {r.name: r.kept.max for r in prof.profile.modules}
     assert ours["GPT2LMHeadModel.lm_head"] == theirs["GPT2LMHeadModel.lm_head"] > 0
     assert compare(ours, theirs, floor=1) == []
-    assert prof.profile.module("GPT2LMHeadModel.transformer.h.0").backward_calls.max == 1
+    p = prof.profile
+    block = p.module("GPT2LMHeadModel.transformer.h.0")
+    assert block.backward_calls.max == 1
+    # transformer.h (a ModuleList) never runs itself: the blocks hang under transformer.
+    assert (block.parent, block.depth) == ("GPT2LMHeadModel.transformer", 2)
+    for row in p.modules:  # each module's kept is its own code's plus its children's
+        children = [c for c in p.modules if c.parent == row.name]
+        assert row.kept.max == row.self_kept.max + sum(c.kept.max for c in children), row.name
 
 
 def test_reentrant_checkpointing_recomputes_inside_the_backward() -> None:
@@ -544,3 +551,11 @@ def test_cudamem_run_modules_names_the_top_modules(tmp_path: Any) -> None:
     assert "<h2>Memory per module</h2>" in render_html(report)
     with pytest.raises(TypeError, match="modules must be a bool"):
         run_script(str(script), modules=1)  # type: ignore[arg-type]
+
+
+def test_the_demo_names_seed_000s_activation_module() -> None:
+    from cudamem.demo.seeds import seed000_modules
+
+    exp = seed000_modules()
+    assert exp.passed, exp.checks
+    assert exp.rows[1][:3] == ("Seed000.activation", "10", "40.0 MiB")

@@ -103,9 +103,19 @@ def test_the_modules_add_up_to_the_steps_spans() -> None:
     assert root.backward_peak.max <= (bwd.peak_delta or 0) + MiB
 
 
+def _recomputed(profile: Any, name: str) -> float:
+    """Bytes re-made in the backward by ``name``'s forward: its own row's when its hooks ran
+    again (an older transformers checkpoints the block's ``__call__``), else its children's
+    (transformers >= 4.5x checkpoints ``forward``, leaving the block's own hooks outside)."""
+    row = profile.module(name)
+    children = [c for c in profile.modules if c.parent == name]
+    return max(row.recomputed.max, sum(c.recomputed.max for c in children))
+
+
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_checkpointing_moves_memory_from_forward_to_backward(reentrant: bool) -> None:
-    rows = {}
+    profiles = {}
+    block = "GPT2LMHeadModel.transformer.h.0"
     for ckpt in (False, True):
         model = _gpt2()
         if ckpt:
@@ -117,13 +127,14 @@ def test_checkpointing_moves_memory_from_forward_to_backward(reentrant: bool) ->
         step()
         with cudamem.track_modules(model) as prof:
             step()
-        rows[ckpt] = prof.profile.module("GPT2LMHeadModel.transformer.h.0")
-    plain, ckpt = rows[False], rows[True]
-    assert plain.recomputes.max == 0
-    assert ckpt.recomputes.max == 1
+        profiles[ckpt] = prof.profile
+    plain, ckpt = profiles[False].module(block), profiles[True].module(block)
+    assert plain.recomputes.max == 0 and _recomputed(profiles[False], block) == 0
     assert ckpt.kept.max < 0.5 * plain.kept.max  # the block keeps little in forward ...
-    assert ckpt.recomputed.max >= 0.5 * plain.kept.max  # ... and re-makes it in backward
-    assert "1+1r" in str(prof.profile)
+    # ... and re-makes it in the backward (the MLP's activations at least).
+    assert _recomputed(profiles[True], block) >= 0.3 * plain.kept.max
+    assert profiles[True].module(block + ".mlp.c_fc").recomputes.max == 1
+    assert "1+1r" in str(profiles[True])
 
 
 def test_autocast_and_gradscaler() -> None:

@@ -23,6 +23,7 @@ from .._format import format_bytes
 from ..census import live_storage_keys, live_tensors
 from ..holders import who_holds
 from ..host import to_host
+from ..modules import track_modules
 from ..release import release
 from ..scalars import ScalarLogger
 from ..span import MemorySpan, track
@@ -281,6 +282,91 @@ def seed000_losses() -> Experiment:
         rows=tuple(rows),
         checks=tuple(checks),
         notes=notes,
+    )
+
+
+class SigmoidOfDouble(torch.nn.Module):
+    """Seed 000's activation, ``torch.sigmoid(x * 2)``, as a module the profile can name."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(x * 2)
+
+
+class Seed000(torch.nn.Module):
+    """Seed 000's loss, ``sigmoid(x * 2).mean()``, with its activation as a submodule."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.activation = SigmoidOfDouble()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.activation(x)
+        return out.mean()
+
+
+def seed000_modules() -> Experiment:
+    """Seed 000: ten losses kept as tensors, profiled per module: the activation is named."""
+
+    key = "seed000-modules"
+    title = "Seed 000: which module keeps the ten losses' memory (cudamem.track_modules)"
+    explanation = (
+        "sigmoid(x * 2) as a module: each call keeps its 4 MiB sigmoid output for the "
+        "backward (x * 2 is freed at once), so ten losses kept as tensors are 40 MiB kept "
+        "by Seed000.activation, the profile's top module."
+    )
+    device = _gpu()
+    x = torch.randn(1024, 1024, device=_where(device), requires_grad=True)
+    model = Seed000()
+    gc.collect()
+    with contextlib.ExitStack() as stack:
+        if device is None:  # the CPU: live CPU storages as the allocator's counters
+            from ..integrations._cpu import CpuStorageBackend
+
+            stack.enter_context(_backend.use(CpuStorageBackend()))
+        with track_modules(model) as prof:
+            loss_history = [model(x) for _ in range(10)]
+    profile = prof.profile
+    del loss_history
+    top = profile.top(1)
+    act = profile.module("Seed000.activation")
+    per_call = act.kept.max / max(act.calls.max, 1)
+    rows = tuple(
+        (
+            r.name,
+            f"{r.calls.max:g}",
+            format_bytes(round(r.kept.max)),
+            format_bytes(round(r.self_kept.max)),
+            "n/a (CPU)" if device is None else format_bytes(round(r.forward_peak.max)),
+        )
+        for r in profile.modules
+    )
+    checks = [
+        Check(
+            "the profile names Seed000.activation as the top module",
+            bool(top) and top[0].name == "Seed000.activation",
+            top[0].name if top else "no module kept memory",
+        ),
+        Check(
+            "each call of the activation keeps its 4 MiB sigmoid output",
+            act.calls.max == 10 and abs(per_call - 4 * MiB) <= 4 * 1024,
+            f"{act.calls.max:g} calls, {format_bytes(round(per_call))} kept per call",
+        ),
+    ]
+    if device is not None:  # the CPU has no peak counter
+        checks.append(
+            Check(
+                "its forward peaks 8 MiB above its entry (x * 2 and the output)",
+                abs(act.forward_peak.max - 8 * MiB) <= 64 * 1024,
+                f"peak +{format_bytes(round(act.forward_peak.max))}",
+            )
+        )
+    return Experiment(
+        key,
+        title,
+        explanation,
+        headers=("module", "calls", "kept", "self", "forward peak"),
+        rows=rows,
+        checks=tuple(checks),
     )
 
 
@@ -915,6 +1001,7 @@ def experiments() -> Sequence[tuple[str, Callable[[], Experiment]]]:
         ("seed000-256mib", seed000_lifecycle),
         ("seed000-who-holds", seed000_who_holds),
         ("seed000-losses", seed000_losses),
+        ("seed000-modules", seed000_modules),
         ("seed001-context", seed001_context),
         ("seed001-sequential", seed001_sequential),
         ("seed001-stream-per-run", seed001_stream_per_run),
