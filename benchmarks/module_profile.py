@@ -4,10 +4,11 @@ against no instrumentation, in one interleaved run; and whether the two agree.
 Steps: a GPT-2 built from a transformers config (no download; GPT-2 small's shape by default:
 12 layers, 768 wide, batch 8 x 512 tokens, AdamW) and a torchvision ResNet-18 (batch 32 at
 224², SGD with momentum). Each round times one block of ``--steps`` steps per case, back to
-back, in turn: ``bare``, ``cudamem`` (``track_modules`` around the block), ``memtracker``
-(``MemTracker`` around each step, its stats reset in between: it refuses a second iteration
-otherwise). Per-step time is the block's wall time (synchronized at its end) over its steps;
-the overhead is the median over rounds of each round's ratio to its own bare block.
+back, in turn: ``bare``, ``cudamem`` (``track_modules`` around the block; installing and
+removing its hooks is timed apart, once per profile), ``memtracker`` (``MemTracker`` around
+each step, its stats reset in between: it refuses a second iteration otherwise). Per-step
+time is the block's wall time (synchronized at both ends) over its steps; the overhead is the
+median over rounds of each round's ratio to its own bare block.
 
 Agreement: each module's bytes kept by its forward, cudamem's against MemTracker's (its
 total at the forward's exit minus at entry), for the same step.
@@ -21,6 +22,7 @@ Usage: ``python benchmarks/module_profile.py [--quick] [--out benchmarks/results
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -92,40 +94,59 @@ def _sync() -> None:
 
 def time_cases(
     model: torch.nn.Module, external: list[Any], step: Callable[[], None], steps: int, rounds: int
-) -> dict[str, list[float]]:
-    """Seconds per step of each case, one block per case per round, interleaved."""
+) -> tuple[dict[str, list[float]], list[float]]:
+    """Seconds per step of each case, one block per case per round, interleaved; and the
+    seconds cudamem's profile took to install and remove its hooks (outside its block's
+    time: a profile is meant to run over many steps)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     tracker = MemTracker()
     tracker.track_external(model, *external)
+    setup: list[float] = []
 
-    def bare() -> None:
+    def bare() -> float:
+        _sync()
+        t0 = time.perf_counter()
         for _ in range(steps):
             step()
+        _sync()
+        return time.perf_counter() - t0
 
-    def profiled() -> None:
-        with cudamem.track_modules(model, optimizer=external):
-            for _ in range(steps):
-                step()
+    def profiled() -> float:
+        s0 = time.perf_counter()
+        prof = cudamem.track_modules(model, optimizer=external).start()
+        s1 = time.perf_counter()
+        _sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        _sync()
+        elapsed = time.perf_counter() - t0
+        s2 = time.perf_counter()
+        prof.stop()
+        setup.append(s1 - s0 + time.perf_counter() - s2)
+        return elapsed
 
-    def tracked() -> None:
+    def tracked() -> float:  # MemTracker is entered per iteration: it refuses a second one
+        _sync()
+        t0 = time.perf_counter()
         for _ in range(steps):
             tracker.reset_mod_stats()
             with tracker:
                 step()
+        _sync()
+        return time.perf_counter() - t0
 
     cases = {"bare": bare, "cudamem": profiled, "memtracker": tracked}
-    for fn in cases.values():  # warm every path (compiles nothing, allocates the state)
+    for fn in cases.values():  # warm every path
         fn()
+    setup.clear()
     out: dict[str, list[float]] = {k: [] for k in cases}
     for _ in range(rounds):
         for name, fn in cases.items():
-            _sync()
-            t0 = time.perf_counter()
-            fn()
-            _sync()
-            out[name].append((time.perf_counter() - t0) / steps)
-    return out
+            gc.collect()
+            out[name].append(fn() / steps)
+    return out, setup
 
 
 def overhead(times: dict[str, list[float]], case: str) -> tuple[float, float, float]:
@@ -163,7 +184,7 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/module-profile.json")
     args = parser.parse_args()
     rounds = 5 if args.quick else 15
-    steps = 3 if args.quick else 5
+    steps = 5 if args.quick else 10
     cases = [gpt2_case(args.quick)]
     try:
         cases.append(resnet_case())
@@ -171,7 +192,7 @@ def main() -> None:
         print("torchvision is not installed: the ResNet-18 rows are skipped")
     rows, data = [], {"rounds": rounds, "steps_per_block": steps, "device": DEVICE, "cases": {}}
     for model, external, step, label in cases:
-        times = time_cases(model, external, step, steps, rounds)
+        times, setup = time_cases(model, external, step, steps, rounds)
         ours, theirs = overhead(times, "cudamem"), overhead(times, "memtracker")
         ratio = theirs[0] / ours[0] if ours[0] > 0 else None
         for name in ("bare", "cudamem", "memtracker"):
@@ -183,6 +204,9 @@ def main() -> None:
             rows.append([label if name == "bare" else "", name, fmt_seconds(times[name]), pct])
         shown = "n/a (cudamem's median is not above bare)" if ratio is None else f"{ratio:.1f}x"
         rows.append(["", "MemTracker / cudamem overhead", "", shown])
+        rows.append(
+            ["", "cudamem hooks installed + removed", fmt_seconds(setup), "once per profile"]
+        )
         agree = agreement(model, external, step)
         worst = agree["worst_relative_difference_at_1MiB"]
         rows.append(
@@ -197,6 +221,7 @@ def main() -> None:
             "seconds_per_step": times,
             "overhead_percent": {"cudamem": ours, "memtracker": theirs},
             "memtracker_over_cudamem": ratio,
+            "cudamem_install_and_remove_seconds": setup,
             "agreement": agree,
         }
         del model, external, step

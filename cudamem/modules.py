@@ -30,7 +30,7 @@ dispatch mode):
   backward pass has finished; after the first ``profiler.step()`` call only ``step()``
   ends steps. Rows give mean and max per step over the steps a module ran in.
 - **State bytes** (parameters, buffers, gradients, optimizer state) are read at the end of
-  the first two backward passes, at the first step ends and at exit (largest value kept):
+  the first backward pass, at the first step ends and at exit (largest value kept):
   they do not change from step to step in ordinary training, and reading them walks every
   parameter. Optimizers are those passed in and any whose ``step()`` runs meanwhile.
 
@@ -62,7 +62,8 @@ COMPILED_NOTE = (
     "compiled (torch.compile): measured as one unit; its submodules run inside the "
     "compiled graph, where module hooks do not run"
 )
-#: Backward passes and step ends at which state bytes are read (besides exit).
+#: State bytes are read at the end of the first backward pass and at the first step end
+#: (after the first ``optimizer.step()``: its state exists), then at exit.
 _STATE_READS = 2
 
 # Indices of a step record (``module_profile.STEP_FIELDS``).
@@ -174,6 +175,7 @@ class ModuleProfiler:
         self._steps = 0
         self._state: dict[str, list[int]] = {}
         self._state_reads = 0
+        self._backward_read = False
         self._notes: list[str] = []
         self._unmeasured: str | None = None
         self._active = False
@@ -410,7 +412,8 @@ class ModuleProfiler:
         if self._callback_task == task:
             self._callback_task = -1
         self._backward_done = True
-        if self._state_reads < _STATE_READS:
+        if not self._backward_read:
+            self._backward_read = True
             self._read_state()
 
     def _record_backward(self, node: _Node, span: RawSpan) -> None:
@@ -436,7 +439,7 @@ class ModuleProfiler:
                 if node.cur is not None:
                     node.steps.append(tuple(node.cur))
                     node.cur = None
-            if self._state_reads < _STATE_READS + 2:
+            if self._state_reads < _STATE_READS:
                 self._read_state()
         # Backward hooks of forwards two steps old will not fire any more: drop them.
         for call in self._pending_old:
