@@ -116,9 +116,10 @@ class StepWatcher:
     opens itself stay top-level and keep their own history and growth detection.
     """
 
-    def __init__(self, name: str = STEP_SPAN) -> None:
+    def __init__(self, name: str = STEP_SPAN, on_step: Callable[[], None] | None = None) -> None:
         self.name = name
         self.steps = 0
+        self._on_step = on_step
         self._step = StepSpan(name, sync=False, peak=False)
         self._handle: Any = None
 
@@ -133,6 +134,8 @@ class StepWatcher:
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.steps += 1
         self._step.stop()
+        if self._on_step is not None:
+            self._on_step()
         self._step.start()
 
     def close(self) -> None:
@@ -346,8 +349,9 @@ def run_script(
     old_argv = sys.argv
     old_path = list(sys.path)
     collector = _LeakCollector()
-    watcher = StepWatcher()
     profiler = track_modules() if modules else None
+    # With --modules a profile step is a training step: optimizer.step() to optimizer.step().
+    watcher = StepWatcher(on_step=None if profiler is None else profiler.step)
     profile = None
     exit_code = 0
     info: ExceptionInfo | None = None
