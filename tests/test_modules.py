@@ -559,3 +559,20 @@ def test_the_demo_names_seed_000s_activation_module() -> None:
     exp = seed000_modules()
     assert exp.passed, exp.checks
     assert exp.rows[1][:3] == ("Seed000.activation", "10", "40.0 MiB")
+
+
+def test_the_root_adds_up_to_a_span_around_the_forward_and_user_peaks_survive(
+    fake: FakeAllocator,
+) -> None:
+    model = Outer(fake)
+    with cudamem.track("step") as step, cudamem.track_modules(model) as prof:
+        with cudamem.track("forward") as fwd:
+            model(torch.ones(2, 4))
+        fake.free(140 * KiB)
+    root = prof.profile.module("Outer")
+    assert root.kept.max == fwd.allocated_delta == 140 * KiB
+    assert root.forward_peak.max == fwd.peak_delta == 180 * KiB
+    # The profile reset the peak counter at every module entry: the user's spans still
+    # see the true peak, folded back into them.
+    assert step.peak_delta == 180 * KiB
+    assert cudamem.max_allocated() >= 180 * KiB
