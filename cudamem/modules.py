@@ -302,7 +302,9 @@ class ModuleProfiler:
                 skip.append(path)
                 continue
             self._handles.append(
-                module.register_forward_pre_hook(functools.partial(self._pre, node), prepend=True)
+                module.register_forward_pre_hook(
+                    functools.partial(self._pre, node), prepend=True, with_kwargs=True
+                )
             )
             self._handles.append(
                 module.register_forward_hook(functools.partial(self._post, node), always_call=True)
@@ -315,7 +317,7 @@ class ModuleProfiler:
         self._adopt(module)
         node = self._nodes.get(id(module))
         if node is not None and not node.notes:
-            self._pre(node, module, args)  # its own pre-hook missed this call
+            self._pre(node, module, args, {})  # its own pre-hook missed this call
 
     def _after_optimizer(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if all(ref() is not optimizer for ref in self._optimizers):
@@ -323,7 +325,7 @@ class ModuleProfiler:
 
     # -- forward ------------------------------------------------------------------------
 
-    def _pre(self, node: _Node, module: torch.nn.Module, args: Any) -> None:
+    def _pre(self, node: _Node, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
         if self._paused or _is_compiling():
             return
         stack = self._stack
@@ -333,6 +335,8 @@ class ModuleProfiler:
         source = None
         if not in_backward and _grad_enabled():
             first = _grad_tensor(args)
+            if first is None and kwargs:
+                first = _grad_tensor(kwargs)
             if first is not None:
                 source = first.grad_fn
         stack.append([node, open_quiet(node.name), in_backward, 0, source])

@@ -576,3 +576,26 @@ def test_the_root_adds_up_to_a_span_around_the_forward_and_user_peaks_survive(
     # see the true peak, folded back into them.
     assert step.peak_delta == 180 * KiB
     assert cudamem.max_allocated() >= 180 * KiB
+
+
+def test_a_module_called_with_keywords_ends_its_backward_at_its_input(
+    fake: FakeAllocator,
+) -> None:
+    class ByKeyword(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first = Grad(fake, keep=4 * KiB, temp=16 * KiB)
+            self.second = KeywordGrad(fake, keep=2 * KiB, temp=64 * KiB)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.second(x=self.first(x))  # type: ignore[no-any-return]
+
+    class KeywordGrad(Grad):
+        def forward(self, *, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+            return super().forward(x)
+
+    model = ByKeyword()
+    with cudamem.track_modules(model) as prof:
+        model(torch.ones(3, requires_grad=True)).sum().backward()
+    second = prof.profile.module("ByKeyword.second")
+    assert second.backward_delta.max == 2 * KiB  # first's 4 KiB come after its end
