@@ -400,6 +400,8 @@ def test_text_json_and_html_name_modules_and_bytes(fake: FakeAllocator) -> None:
     assert p.to_dict()["modules"][0]["name"] == "Outer"
     html = p._repr_html_()
     assert 'title="Outer.a"' in html and "140.0 KiB" in html and "<table" in html
+    assert 'class="cm-bar" style="width:160px"' in html  # the root, the widest bar
+    assert 'class="cm-bar" style="width:34px"' in html  # Outer.a: 30/140 of it
     assert str(prof) == text
 
 
@@ -549,6 +551,9 @@ def test_cudamem_run_modules_names_the_top_modules(tmp_path: Any) -> None:
     assert "top modules by activations kept by their own code (mean per step, 2 steps):" in text
     assert "Sequential.1" in text and "64.0 KiB" in text
     assert "<h2>Memory per module</h2>" in render_html(report)
+    data = json.loads(to_json(report, kind="cudamem.run"))
+    assert data["modules"]["steps"] == 2
+    assert {m["name"] for m in data["modules"]["modules"]} >= {"Sequential.0", "Sequential.1"}
     with pytest.raises(TypeError, match="modules must be a bool"):
         run_script(str(script), modules=1)  # type: ignore[arg-type]
 

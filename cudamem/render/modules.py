@@ -179,24 +179,28 @@ def render_module_stats(row: ModuleStats) -> str:
 
 _STYLE = (
     "<style>.cm-mod td{padding:0.1rem 0.5rem;font-variant-numeric:tabular-nums}"
-    ".cm-mod td.num{text-align:right}</style>"
+    ".cm-mod td.num{text-align:right}.cm-bar{background:#4c78a8;height:0.7rem}</style>"
 )
 
 
 @renders(ModuleProfile, "html")
 def render_profile_html(profile: ModuleProfile) -> str:
-    """The profile as an HTML table (the run report's section, a notebook cell)."""
+    """The profile as an HTML table with a bar per module for the bytes it kept (the run
+    report's section, a notebook cell)."""
     e = escape_html
     parts = [_STYLE, f"<p>{e(top_line(profile))}</p>"]
-    head = "".join(f"<th>{e(h)}</th>" for h in _HEADERS)
+    head = "".join(f"<th>{e(h)}</th>" for h in (_HEADERS[0], "kept (bar)", *_HEADERS[1:]))
+    widest = max((r.kept.mean for r in profile.modules), default=0.0)
     body = []
-    for row, cells in zip(
-        profile.modules, module_rows(profile, limit=len(profile.modules)), strict=True
-    ):
+    every = module_rows(profile, limit=len(profile.modules))
+    for row, cells in zip(profile.modules, every, strict=True):
         pad = f"padding-left:{0.5 + row.depth}rem"
         name = f'<td style="{pad}" title="{e(row.name)}">{e(_short(row))}</td>'
+        width = 0 if widest <= 0 else max(0, round(160 * row.kept.mean / widest))
+        bar = f'<td><div class="cm-bar" style="width:{width}px"></div></td>'
         nums = "".join(f'<td class="num">{e(c)}</td>' for c in cells[1:])
-        body.append(f"<tr>{name}{nums}</tr>")
+        body.append(f"<tr>{name}{bar}{nums}</tr>")
     parts.append(f'<table class="cm-mod"><tr>{head}</tr>{"".join(body)}</table>')
+    parts.append(f"<p>{e(LEGEND)}</p>")
     parts.extend(f"<p>{e(n)}</p>" for n in _notes(profile))
     return "".join(parts)
