@@ -282,7 +282,7 @@ class ModuleProfiler:
         for path, module in root.named_modules():
             if id(module) in self._nodes:
                 continue
-            if any(path == s or path.startswith(s + ".") for s in skip):
+            if any(not s or path == s or path.startswith(s + ".") for s in skip):
                 continue
             name = f"{base}.{path}" if path else base
             parent = None if not path else (f"{base}.{path.rpartition('.')[0]}".rstrip("."))
@@ -312,7 +312,7 @@ class ModuleProfiler:
 
     def _discover(self, module: torch.nn.Module, args: Any) -> None:
         """Without a model: a module called outside every profiled forward is a new root."""
-        if self._stack or id(module) in self._nodes or _is_compiling():
+        if _is_compiling() or self._stack or id(module) in self._nodes:
             return
         self._adopt(module)
         node = self._nodes.get(id(module))
@@ -326,7 +326,7 @@ class ModuleProfiler:
     # -- forward ------------------------------------------------------------------------
 
     def _pre(self, node: _Node, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
-        if self._paused or _is_compiling():
+        if _is_compiling() or self._paused:  # tracing first: dynamo sees a constant
             return
         stack = self._stack
         in_backward = _task_id() != -1

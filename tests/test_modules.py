@@ -604,3 +604,21 @@ def test_a_module_called_with_keywords_ends_its_backward_at_its_input(
         model(torch.ones(3, requires_grad=True)).sum().backward()
     second = prof.profile.module("ByKeyword.second")
     assert second.backward_delta.max == 2 * KiB  # first's 4 KiB come after its end
+
+
+def test_a_compiled_root_is_one_unit_and_a_function_compiled_around_the_model_is_quiet(
+    fake: FakeAllocator,
+) -> None:
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    compiled = torch.compile(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), backend="eager")
+    with cudamem.track_modules(compiled) as prof:
+        compiled(torch.ones(2, 4))
+    assert [r.name for r in prof.profile.modules] == ["OptimizedModule"]
+    model = Outer(fake)
+    run = torch.compile(lambda x: model(x), backend="eager")
+    with cudamem.track_modules(model) as prof:
+        run(torch.ones(2, 4))  # the hooks are traced away inside the compiled function
+    assert prof.profile.modules == ()
+    assert "no profiled module ran" in str(prof.profile)
