@@ -214,11 +214,7 @@ class ModuleProfiler:
         self._remove_hooks()
         while self._stack:  # forwards left open (the profile closed inside one)
             close_quiet(self._stack.pop()[1])
-        for call in list(self._open_backward.values()):
-            if call.span is not None:
-                close_quiet(call.span)
-                call.span = None
-        self._open_backward.clear()
+        self._drop_backward()
         for call in (*self._pending_old, *self._pending):
             call.remove()
         self._pending_old, self._pending = [], []
@@ -330,8 +326,11 @@ class ModuleProfiler:
             return
         stack = self._stack
         in_backward = _task_id() != -1
-        if not stack and not in_backward and self._auto_steps and self._backward_done:
-            self._end_step()
+        if not stack and not in_backward:
+            if self._open_backward:  # a backward pass that raised never reached its end
+                self._drop_backward()
+            if self._auto_steps and self._backward_done:
+                self._end_step()
         source = None
         if not in_backward and _grad_enabled():
             first = _grad_tensor(args)
@@ -419,6 +418,16 @@ class ModuleProfiler:
         if not self._backward_read:
             self._backward_read = True
             self._read_state()
+
+    def _drop_backward(self) -> None:
+        """Close, unrecorded, the backward spans a failed backward pass left open (else
+        every later span would fold its peak into them)."""
+        for call in list(self._open_backward.values()):
+            if call.span is not None:
+                close_quiet(call.span)
+                call.span = None
+        self._open_backward.clear()
+        self._callback_task = -1
 
     def _record_backward(self, node: _Node, span: RawSpan) -> None:
         cur = node.cur

@@ -622,3 +622,39 @@ def test_a_compiled_root_is_one_unit_and_a_function_compiled_around_the_model_is
         run(torch.ones(2, 4))  # the hooks are traced away inside the compiled function
     assert prof.profile.modules == ()
     assert "no profiled module ran" in str(prof.profile)
+
+
+class FailInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("backward failed")
+
+
+def test_a_failed_backward_leaves_no_span_open(fake: FakeAllocator) -> None:
+    from cudamem import span as _span
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first = Grad(fake, keep=KiB, temp=0)
+            self.second = Grad(fake, keep=KiB, temp=0)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.second(FailInBackward.apply(self.first(x)))  # type: ignore[no-any-return]
+
+    model = Net()
+    x = torch.ones(3, requires_grad=True)
+    with cudamem.track_modules(model) as prof:
+        with pytest.raises(RuntimeError, match="backward failed"):
+            model(x).sum().backward()
+        assert len(prof._open_backward) == 1  # the root's: its end never came
+        model(x)  # the next forward closes what the failed backward left open
+        assert prof._open_backward == {}
+        assert _span._open_peak == {}
+    p = prof.profile
+    assert p.module("Net.second").backward_calls.max == 1  # it finished before the failure
+    assert p.module("Net").backward_calls.max == 0  # never finished: not recorded
