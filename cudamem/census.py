@@ -33,7 +33,6 @@ from ._present import present
 from ._search import SearchLimits
 from ._sequence import ItemSequence
 from ._storages import StorageRef, ref_of
-from .culprits import through_graph
 from .holders import Holders, find_holders
 from .snapshot import Block, allocated_blocks
 
@@ -100,8 +99,8 @@ class LiveStorage:
     @property
     def through_autograd(self) -> bool:
         """Held only through other tensors' autograd graphs."""
-        paths = self.paths
-        return bool(paths) and all(through_graph(p) for p in paths)
+        found = self.holders
+        return bool(found) and all(h.route.through_graph for h in found or ())
 
     @property
     def truncated(self) -> bool:

@@ -27,6 +27,8 @@ from cudamem.snapshot import CacheSplit, PrivatePool
 from cudamem.span import DeviceSpan, ExceptionInfo, SpanRecord
 from cudamem.stats import AllocatorStats
 
+from .routes import split
+
 MiB = 1024**2
 GiB = 1024**3
 
@@ -101,10 +103,10 @@ def history(*stats_: SpanStats, spans: tuple[SpanRecord, ...] = (), dropped: int
     return History(spans=spans, stats=stats_, dropped=dropped, maxlen=1000)
 
 
-def holder(path: str = "__main__.saved[0]", **kw: Any) -> Holder:
+def holder(path: str = "__main__.saved[0]", root_kind: str = "global", **kw: Any) -> Holder:
+    """A holder of ``path`` (split into steps by ``tests.routes.split``)."""
     values: dict[str, Any] = dict(
-        path=path,
-        root_kind="global",
+        route=split(path, root_kind),
         root="__main__",
         via="itself",
         nbytes=4 * MiB,

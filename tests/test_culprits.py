@@ -13,18 +13,12 @@ from cudamem import census
 from cudamem._data import to_data
 from cudamem._storages import StorageRef, ref_of
 from cudamem.census import LiveStorage
-from cudamem.culprits import (
-    NO_HOLDER,
-    Culprit,
-    container_of,
-    first_step,
-    group_culprits,
-    item_of,
-    pattern_of,
-    through_graph,
-)
+from cudamem.culprits import NO_HOLDER, Culprit, group_culprits
+from cudamem.holder_path import HolderPath, Step
 from cudamem.holders import Holder, Holders
 from cudamem.render.leaks import render_culprit
+
+from .routes import route, split, step
 
 M = "tests.test_culprits"
 
@@ -48,109 +42,144 @@ def _clean() -> Iterator[None]:
 
 
 @pytest.mark.parametrize(
-    ("path", "container", "pattern", "item"),
+    ("steps", "container", "pattern", "item"),
     [
         (
-            "__main__.loss_history[3]",
+            ("__main__.loss_history", "[3]"),
             "__main__.loss_history",
             "__main__.loss_history[*]",
             "__main__.loss_history[3]",
         ),
         (
-            "__main__.loss_history[3] → grad_fn MeanBackward0 → SigmoidBackward0 saved result",
+            (
+                "__main__.loss_history",
+                "[3]",
+                " → grad_fn MeanBackward0 → SigmoidBackward0 saved result",
+            ),
             "__main__.loss_history",
             "__main__.loss_history[*]",
             "__main__.loss_history[3]",
         ),
         (
-            "__main__.errors[2].__traceback__.tb_next → train.py:11 in g(): local 'x'",
+            (
+                "__main__.errors",
+                "[2]",
+                ".__traceback__",
+                ".tb_next",
+                " → train.py:11 in g(): local 'x'",
+            ),
             "__main__.errors",
             "__main__.errors[*].__traceback__.tb_next",
             "__main__.errors[2]",
         ),
         (
-            "m.model.step_outputs[7]['preds']",
+            ("m.model", ".step_outputs", "[7]", "['preds']"),
             "m.model.step_outputs",
             "m.model.step_outputs[*]['preds']",
             "m.model.step_outputs[7]",
         ),
         (
-            "__main__.outs['val'][2]",
+            ("__main__.outs", "['val']", "[2]"),
             "__main__.outs['val']",
             "__main__.outs['val'][*]",
             "__main__.outs['val'][2]",
         ),
         (
-            "__main__.activations['fc1']",
+            ("__main__.activations", "['fc1']"),
             "__main__.activations['fc1']",
             "__main__.activations['fc1']",
             "__main__.activations['fc1']",
         ),
         # A dict's integer keys are indices too (outputs[step] = ...).
-        ("__main__.by_step[12]", "__main__.by_step", "__main__.by_step[*]", "__main__.by_step[12]"),
-        ("__main__.grid[1][-2]", "__main__.grid", "__main__.grid[*][*]", "__main__.grid[1]"),
-        # Quotes and brackets inside keys are not subscripts.
-        ("__main__.d['a]b']", "__main__.d['a]b']", "__main__.d['a]b']", "__main__.d['a]b']"),
         (
-            "__main__.d['x[3]'][0]",
+            ("__main__.by_step", "[12]"),
+            "__main__.by_step",
+            "__main__.by_step[*]",
+            "__main__.by_step[12]",
+        ),
+        (
+            ("__main__.grid", "[1]", "[-2]"),
+            "__main__.grid",
+            "__main__.grid[*][*]",
+            "__main__.grid[1]",
+        ),
+        # Keys are steps of their own: brackets and quotes inside them are text.
+        (("__main__.d", "['a]b']"), "__main__.d['a]b']", "__main__.d['a]b']", "__main__.d['a]b']"),
+        (
+            ("__main__.d", "['x[3]']", "[0]"),
             "__main__.d['x[3]']",
             "__main__.d['x[3]'][*]",
             "__main__.d['x[3]'][0]",
         ),
         (
-            '__main__.d["it\'s"][4]',
-            '__main__.d["it\'s"]',
-            '__main__.d["it\'s"][*]',
-            '__main__.d["it\'s"][4]',
+            ("__main__.d", "[(1, 2)]"),
+            "__main__.d[(1, 2)]",
+            "__main__.d[(1, 2)]",
+            "__main__.d[(1, 2)]",
         ),
-        ("__main__.d[(1, 2)]", "__main__.d[(1, 2)]", "__main__.d[(1, 2)]", "__main__.d[(1, 2)]"),
-        ("__main__.last", "__main__.last", "__main__.last", "__main__.last"),
+        (("__main__.last",), "__main__.last", "__main__.last", "__main__.last"),
         (
-            "train.py:42 in step(): local 'loss'",
+            ("train.py:42 in step(): local 'loss'",),
             "train.py:42 in step(): local 'loss'",
             "train.py:42 in step(): local 'loss'",
             "train.py:42 in step(): local 'loss'",
         ),
         (
-            "train.py:42 in step(): batch[0]",
+            ("train.py:42 in step(): batch", "[0]"),
             "train.py:42 in step(): batch",
             "train.py:42 in step(): batch[*]",
             "train.py:42 in step(): batch[0]",
         ),
-        # A file name with brackets is part of the frame's label, not a subscript.
+        # A file name with brackets is part of the frame's label, the root step.
         (
-            "exp[1].py:42 in step(): local 'x'",
+            ("exp[1].py:42 in step(): local 'x'",),
             "exp[1].py:42 in step(): local 'x'",
             "exp[1].py:42 in step(): local 'x'",
             "exp[1].py:42 in step(): local 'x'",
         ),
-        ("[0].weird", "[0].weird", "[*].weird", "[0].weird"),
-        ("__main__.broken[3", "__main__.broken[3", "__main__.broken[3", "__main__.broken[3"),
-        ("__main__.m[0].bias.grad", "__main__.m", "__main__.m[*].bias.grad", "__main__.m[0]"),
+        (
+            ("__main__.m", "[0]", ".bias", ".grad"),
+            "__main__.m",
+            "__main__.m[*].bias.grad",
+            "__main__.m[0]",
+        ),
+        # A bound method's object reads as itself: the container runs through it.
+        (
+            ("__main__.cb", ".log", " → LitModel", ".seen", "[3]"),
+            "__main__.cb.log → LitModel.seen",
+            "__main__.cb.log → LitModel.seen[*]",
+            "__main__.cb.log → LitModel.seen[3]",
+        ),
     ],
 )
-def test_path_rules(path: str, container: str, pattern: str, item: str) -> None:
-    assert container_of(path) == container
-    assert pattern_of(path) == pattern
-    assert item_of(path) == item
+def test_path_rules(steps: tuple[str, ...], container: str, pattern: str, item: str) -> None:
+    path = _self_route(*steps)
+    assert path.container == container
+    assert path.item_pattern == pattern
+    assert path.item == item
+
+
+def _self_route(root: str, *steps: str) -> HolderPath:
+    """``route``, with `` → LitModel`` read as a bound method's object."""
+    kinds = [Step("self", s) if s == " → LitModel" else step(s) for s in steps]
+    return HolderPath("global", (Step("root", root), *kinds))
 
 
 def test_first_step_and_through_graph() -> None:
-    path = "__main__.h[0] → grad_fn MeanBackward0 → SigmoidBackward0 saved result"
-    assert first_step(path) == "__main__.h[0]"
-    assert through_graph(path)
-    assert not through_graph("__main__.h[0]")
-    assert not through_graph("__main__.e.__traceback__ → train.py:3 in f(): local 'x'")
+    path = route("__main__.h", "[0]", " → grad_fn MeanBackward0 → SigmoidBackward0 saved result")
+    assert path.first_step == "__main__.h[0]"
+    assert path.through_graph
+    assert not route("__main__.h", "[0]").through_graph
+    traceback = route("__main__.e", ".__traceback__", " → train.py:3 in f(): local 'x'")
+    assert not traceback.through_graph
+    assert traceback.first_step == "__main__.e.__traceback__"
 
 
-def test_hostile_paths_stay_linear_and_total() -> None:
-    deep = "__main__.x" + "[0]" * 20_000
-    assert container_of(deep) == "__main__.x"
-    assert pattern_of(deep) == "__main__.x" + "[*]" * 20_000
-    quoted = "__main__.d['" + "\\'" * 5_000 + "']"
-    assert container_of(quoted) == quoted
-    for odd in ("", "[", "]", "'", "[[[", "]]]", "a[']", "→", " → "):
-        container_of(odd), pattern_of(odd), item_of(odd)  # never raises
+def test_deep_paths_stay_linear() -> None:
+    deep = route("__main__.x", *["[0]"] * 20_000)
+    assert deep.container == "__main__.x"
+    assert deep.item_pattern == "__main__.x" + "[*]" * 20_000
+    assert HolderPath("global", ()).container == ""  # no steps: nothing, never an error
 
 
 # --------------------------------------------------------------------------- grouping
@@ -158,7 +187,7 @@ def test_hostile_paths_stay_linear_and_total() -> None:
 
 def _storage(nbytes: int, *holders: tuple[str, str]) -> LiveStorage:
     """A storage held through ``(path, root_kind)`` pairs."""
-    found = tuple(Holder(p, kind, "?", "itself", nbytes, "cpu") for p, kind in holders)
+    found = tuple(Holder(split(p, kind), "?", "itself", nbytes, "cpu") for p, kind in holders)
     return LiveStorage(
         "cpu", nbytes, "float32", (), 1, False, 0, Holders("T", nbytes, "cpu", found)
     )
@@ -182,12 +211,10 @@ def test_unrooted_holders_are_never_culprits_of_their_own() -> None:
     assert groups[1].example == "<Tensor object>"
 
 
-def test_unrooted_labels_recognised_without_root_kinds() -> None:
+def test_a_storage_without_holders_is_no_holders() -> None:
     s = LiveStorage("cpu", 8, "float32", (), 1, False, 0, None)
-    assert group_culprits([s])[0].holder == NO_HOLDER
-    # Plain path strings (no Holder objects): the label form says what is unrooted.
-    plain = LiveStorage("cpu", 8, "float32", (), 1, False, 0, ("<Tensor object>", "x.y"))  # type: ignore[arg-type]
-    assert group_culprits([plain])[0].holder == "x.y"
+    (culprit,) = group_culprits([s])
+    assert (culprit.holder, culprit.example, culprit.nbytes) == (NO_HOLDER, NO_HOLDER, 8)
 
 
 def _refs(tensors: list[torch.Tensor]) -> list[StorageRef]:

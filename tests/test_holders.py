@@ -651,3 +651,96 @@ def test_the_direct_holder_survives_max_paths_when_many_roots_reach_a_graph() ->
     assert any(p.endswith("in owner(): local 'x'") for p in found.paths), found.paths
     assert any("AccumulateGrad" in p for p in found.paths)  # the graph paths fill the rest
     assert "more paths than max_paths; the rest are not shown" in found.notes
+
+
+# --------------------------------------------------------------------------- path structure
+
+
+class LitModel:
+    """A module whose bound method a callback keeps (``self.log = module.log``)."""
+
+    def __init__(self) -> None:
+        self.seen: list[torch.Tensor] = []
+
+    def log(self) -> None:
+        pass
+
+
+class Callback:
+    log: Any = None
+
+
+def test_a_bound_method_reads_as_the_object_it_is_bound_to() -> None:
+    global cb
+    model = LitModel()
+    model.seen.append(torch.ones(16))
+    cb = Callback()
+    cb.log = model.log
+    ref = weakref.ref(model)
+    del model
+    try:
+        assert ref() is not None  # only the bound method keeps the model
+        held = cudamem.who_holds(cb.log.__self__.seen[0])
+        (h,) = [h for h in held if not h.caller]
+        assert h.path == f"{M}.cb.log → LitModel.seen[0]"
+        assert "__self__" not in h.path
+        assert h.route.container == f"{M}.cb.log → LitModel.seen"
+        assert [s.kind for s in h.route.steps] == ["root", "attr", "self", "attr", "index"]
+    finally:
+        _clear("cb")
+
+
+def _failing_step() -> None:
+    hidden = torch.ones(32)
+
+    def inner() -> torch.Tensor:  # makes ``hidden`` a cell the frame shares
+        return hidden
+
+    raise RuntimeError(f"step failed ({inner().numel()} values)")
+
+
+def test_a_frame_on_a_path_is_named_by_its_function() -> None:
+    global errors
+    errors = []
+    try:
+        _failing_step()
+    except RuntimeError as exc:
+        errors.append(exc)
+    try:
+        tb = errors[0].__traceback__
+        assert tb is not None and tb.tb_next is not None
+        hidden = tb.tb_next.tb_frame.f_locals["hidden"]
+        held = cudamem.who_holds(hidden)
+        mine = [h for h in held if h.path.startswith(f"{M}.errors")]
+        assert len(mine) == 1, held.paths
+        h = mine[0]
+        assert h.path.startswith(f"{M}.errors[0].__traceback__.tb_next → test_holders.py:")
+        assert h.path.endswith(" in _failing_step(): local 'hidden'")
+        assert "<frame>" not in h.path and "cell_contents" not in h.path
+        assert h.route.container == f"{M}.errors"
+        assert h.route.item_pattern == f"{M}.errors[*].__traceback__.tb_next"
+        assert not h.route.through_graph
+        del hidden
+    finally:
+        _clear("errors")
+
+
+def test_routes_of_a_real_search_carry_the_graph_and_the_item() -> None:
+    global history
+    w = torch.ones(64, 64, requires_grad=True)
+    history = [(torch.sigmoid(w * 2)).mean() for _ in range(3)]
+    try:
+        saved = history[1].grad_fn.next_functions[0][0]._saved_result  # type: ignore[union-attr]
+        found = cudamem.who_holds(saved)
+        graph = [h for h in found if h.route.through_graph]
+        assert graph and all(h.via == "saved" for h in graph)
+        h = graph[0]
+        assert h.route.container == f"{M}.history"
+        assert h.route.item == f"{M}.history[1]"
+        assert h.route.first_step == f"{M}.history[1]"
+        assert [s.kind for s in h.route.steps][:2] == ["root", "index"]
+        assert h.route.steps[-1].kind == "graph"
+        assert json.loads(to_json(h))["path"] == h.path == str(h.route)
+        del saved
+    finally:
+        _clear("history")

@@ -12,9 +12,11 @@ import cudamem
 from cudamem import _backend
 from cudamem.census import Census
 from cudamem.diff import DiffEntry, MemoryDiff
+from cudamem.memviz import CONTAINER_KEY
 from cudamem.render.json import to_json
 
 from .fakes import FakeAllocator
+from .routes import split
 
 MiB = 1024**2
 
@@ -82,13 +84,17 @@ def test_censuses_without_holders_are_grouped_as_unnamed() -> None:
 
 
 def _snapshot(blocks: list[tuple[int, str | None, str | None]]) -> dict[str, Any]:
-    """Live blocks of the given size, each with a holder frame and/or an allocation frame."""
+    """Live blocks of the given size, each with a holder frame (as ``dump_snapshot`` writes
+    it: the path and its container) and/or an allocation frame."""
     out = []
     address = 1 << 30
     for size, holder, site in blocks:
         frames: list[dict[str, Any]] = []
         if holder is not None:
-            frames.append({"filename": "cudamem holder", "line": 0, "name": holder})
+            container = split(holder.split(" (+")[0]).container
+            frames.append(
+                {"filename": "cudamem holder", "line": 0, "name": holder, CONTAINER_KEY: container}
+            )
         if site is not None:
             frames.append({"filename": site, "line": 12, "name": "step"})
         out.append(

@@ -19,7 +19,7 @@ from torch.cuda import _memory_viz
 
 import cudamem
 from cudamem import _backend
-from cudamem.memviz import HOLDER_FILENAME, annotate_snapshot, auto_dump
+from cudamem.memviz import CONTAINER_KEY, HOLDER_FILENAME, annotate_snapshot, auto_dump
 
 from .fakes import FakeAllocator
 
@@ -153,6 +153,7 @@ def test_live_blocks_are_named_by_their_holders(fake: SnapshotFake, tmp_path: Pa
         "filename": HOLDER_FILENAME,
         "line": 0,
         "name": f"{here}.losses[0]",
+        CONTAINER_KEY: f"{here}.losses",  # what cudamem.diff groups by
     }
     assert first_frame(seg_b["blocks"][0])["name"] == f"{here}.activations['layer1']"
     # A block no tensor lives in, of the cuBLAS workspace size.

@@ -24,7 +24,7 @@ import cudamem
 from cudamem import _backend, census
 from cudamem._data import to_data
 from cudamem.census import LiveStorage
-from cudamem.culprits import NO_HOLDER, Culprit, container_of, group_culprits
+from cudamem.culprits import NO_HOLDER, Culprit, group_culprits
 from cudamem.holders import Holder, Holders
 from cudamem.leaks import (
     _WATCH,
@@ -36,6 +36,7 @@ from cudamem.leaks import (
 from cudamem.render.json import to_json
 
 from .fakes import FakeAllocator, leak_detection, leak_warnings
+from .routes import split
 
 MiB = 1024**2
 
@@ -456,11 +457,13 @@ def test_growth_is_json_ready(fake: CpuFake) -> None:
 
 
 def test_container_strips_indices_not_keys() -> None:
-    assert container_of("__main__.loss_history[3] → grad_fn MeanBackward0") == (
+    assert split("__main__.loss_history[3] → grad_fn MeanBackward0").container == (
         "__main__.loss_history"
     )
-    assert container_of("__main__.trainer.outputs['val'][2]") == "__main__.trainer.outputs['val']"
-    assert container_of("train.py:42 in step(): local 'batch'") == (
+    assert split("__main__.trainer.outputs['val'][2]").container == (
+        "__main__.trainer.outputs['val']"
+    )
+    assert split("train.py:42 in step(): local 'batch'", "frame").container == (
         "train.py:42 in step(): local 'batch'"
     )
 
@@ -472,7 +475,13 @@ def _storage(nbytes: int, *paths: str, root_kind: str = "global") -> LiveStorage
         nbytes,
         "cpu",
         tuple(
-            Holder(p, "unknown" if p.startswith("<") else root_kind, "?", "itself", nbytes, "cpu")
+            Holder(
+                split(p, "unknown" if p.startswith("<") else root_kind),
+                "?",
+                "itself",
+                nbytes,
+                "cpu",
+            )
             for p in paths
         ),
     )

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import re
 import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -46,7 +45,7 @@ from .. import _backend
 from .._autograd import storage_of
 from .._storages import StorageRef, ref_of
 from ..census import live_storages
-from ..culprits import NO_HOLDER, Culprit, container_of
+from ..culprits import NO_HOLDER, Culprit
 from ..release import release
 from ._steps import StepMeter
 from .results import TrainerRelease
@@ -278,22 +277,6 @@ def release_trainer(trainer: Any, *, keep_model: bool = False) -> TrainerRelease
     )
 
 
-_FIRST_STEP = re.compile(r"^(?:\.|: )(?:local '[^']*'|[A-Za-z_][A-Za-z0-9_]*)")
-
-
-def _owner(holder: Any) -> str:
-    """The variable a path starts from: ``__main__.model`` for ``__main__.model.lm_head.weight``,
-    ``train.py:12 in main(): model`` for a local. A model's hundreds of parameters are one
-    line, named by what keeps them all."""
-    path, root = str(holder.path), str(holder.root)
-    if path.startswith(root):
-        m = _FIRST_STEP.match(path[len(root) :])
-        if m is not None:
-            return root + m.group(0)
-
-    return container_of(path)
-
-
 def _holders_of(alive: dict[StorageRef, int], notes: list[str]) -> tuple[Culprit, ...]:
     """Still-alive storages grouped by the variable that holds them, the largest first."""
 
@@ -305,7 +288,7 @@ def _holders_of(alive: dict[StorageRef, int], notes: list[str]) -> tuple[Culprit
     groups: dict[str, dict[str, Any]] = {}
     for s in found:
         holders = [h for h in (s.holders or ()) if not h.caller]
-        name = _owner(holders[0]) if holders else NO_HOLDER
+        name = holders[0].route.owner if holders else NO_HOLDER
         g = groups.setdefault(name, {"n": 0, "bytes": 0, "example": ""})
         g["n"] += 1
         g["bytes"] += s.nbytes

@@ -16,6 +16,8 @@ from cudamem.holders import Holder, Holders
 from cudamem.integrations.notebook import classify, explain_holders
 from cudamem.render.notebook import holders_html, record_html
 
+from ..routes import route
+
 IPython = pytest.importorskip("IPython")
 
 MiB = 1024**2
@@ -161,29 +163,33 @@ def test_repr_html_of_spans_holders_and_ledger(shell: Any) -> None:
 
 
 def test_html_escapes_hostile_paths() -> None:
-    h = Holder("__main__.d['<script>alert(1)</script>']", "global", "__main__", "itself", 4, "cpu")
+    h = Holder(route("__main__.d", "['<script>alert(1)</script>']"), "__main__", "itself", 4, "cpu")
     html = holders_html(Holders("Tensor float32[1] on cpu", 4, "cpu", (h,)))
     assert "<script>" not in html and "&lt;script&gt;" in html
     # A bidi override in a name cannot reorder what the notebook shows (one escaper for
     # every HTML cudamem writes).
-    h = Holder("__main__.d['key\u202egnp.exe']", "global", "__main__", "itself", 4, "cpu")
+    h = Holder(route("__main__.d", "['key\u202egnp.exe']"), "__main__", "itself", 4, "cpu")
     html = holders_html(Holders("Tensor float32[1] on cpu", 4, "cpu", (h,)))
     assert "\u202e" not in html and "key\\u202egnp.exe" in html
 
 
 def test_classify_notebook_paths() -> None:
-    def kind(path: str, root_kind: str = "global", caller: bool = False) -> str:
-        return classify(Holder(path, root_kind, "__main__", "itself", 1, "cpu", caller))
+    def kind(*steps: str, root_kind: str = "global", caller: bool = False) -> str:
+        path = route(*steps, root_kind=root_kind)
+        return classify(Holder(path, "__main__", "itself", 1, "cpu", caller))
 
-    assert kind("Out[3]", "ipython") == "output"
-    assert kind("_oh[3]", "ipython") == "output"
-    assert kind("_", "ipython") == "output"
+    assert kind("Out", "[3]", root_kind="ipython") == "output"
+    assert kind("_oh", "[3]", root_kind="ipython") == "output"
+    assert kind("_", root_kind="ipython") == "output"
     assert kind("__main__._12") == "output"
-    assert kind("IPython.core.interactiveshell.InteractiveShell._instance.user_ns_hidden['_']") == (
-        "output"
-    )
-    assert kind("sys.last_traceback → cell:3 in f(): local 'x'", "traceback") == "traceback"
-    assert kind("__main__.exit._ip.InteractiveTB.tb.tb_next → f(): local 'x'") == "traceback"
-    assert kind("__main__.losses[3]") == "user"
-    assert kind("__main__._private_cache[0]") == "user"  # not an output variable
+    hidden = ("IPython.core.interactiveshell.InteractiveShell", "._instance", ".user_ns_hidden")
+    assert kind(*hidden, "['_']") == "output"
+    assert kind(*hidden, "['x']") == "ipython"  # IPython's own namespace, not the cache
+    assert kind("sys.displayhook", ".shell", ".user_ns_hidden", "['__']") == "output"
+    tb = " → cell:3 in f(): local 'x'"
+    assert kind("sys.last_traceback", tb, root_kind="traceback") == "traceback"
+    assert kind("__main__.exit", "._ip", ".InteractiveTB", ".tb", ".tb_next", tb) == "traceback"
+    assert kind("__main__.losses", "[3]") == "user"
+    assert kind("__main__._private_cache", "[0]") == "user"  # not an output variable
+    assert kind("__main__._ip") == "user"  # a name of the user's, through no IPython object
     assert kind("x", caller=True) == "caller"
