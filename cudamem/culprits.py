@@ -28,8 +28,8 @@ holds: ``<Tensor object>``; or a reference cycle) never make culprits of their o
 storage is attributed to a rooted holder when it has one, else to
 ``(no holder reachable from Python)``.
 
-The example a culprit shows is the path of its largest storage, so it leads to memory that
-is part of the culprit's figure.
+The example a culprit shows leads to one of its storages: the largest one that is not a
+parameter's ``.grad`` (whose path names the parameter), else the largest.
 """
 
 from __future__ import annotations
@@ -58,10 +58,14 @@ NO_HOLDER = "(no holder reachable from Python)"
 
 
 class Routed(Protocol):
-    """A holder as grouping reads it: its path's structure (``cudamem.holders.Holder``)."""
+    """A holder as grouping reads it (``cudamem.holders.Holder``): its path's structure,
+    and how the path's last object holds the storage (``itself``, ``grad``, ``saved``, ...)."""
 
     @property
     def route(self) -> HolderPath: ...
+
+    @property
+    def via(self) -> str: ...
 
 
 class Listed(Routed, Protocol):
@@ -69,9 +73,6 @@ class Listed(Routed, Protocol):
 
     @property
     def root(self) -> str: ...
-
-    @property
-    def via(self) -> str: ...
 
     @property
     def caller(self) -> bool: ...
@@ -141,13 +142,7 @@ def direct_first(holders: Iterable[H]) -> list[H]:
 # --------------------------------------------------------------------------- grouping
 
 
-def _routes(s: HeldStorage) -> list[HolderPath]:
-    """The paths of a storage's holders, most direct first."""
-    found = s.holders
-    return [] if found is None else [h.route for h in found]
-
-
-def _candidates(s: HeldStorage) -> tuple[tuple[HolderPath, ...], HolderPath | None]:
+def _candidates(s: HeldStorage) -> tuple[tuple[Routed, ...], Routed | None]:
     """The paths a storage may be attributed to, and an unrooted example when none is.
 
     Rooted holders only (a view's base ``<Tensor object>`` is not a holder of its own);
@@ -155,16 +150,16 @@ def _candidates(s: HeldStorage) -> tuple[tuple[HolderPath, ...], HolderPath | No
     among those, direct ones (not only through an autograd graph) when there are any: a
     parameter that every loss's graph reaches stays the model's.
     """
-    routes = _routes(s)
-    rooted = [r for r in routes if r.rooted]
+    found = list(s.holders or ())
+    rooted = [h for h in found if h.route.rooted]
     if not rooted:
-        return (), (routes[0] if routes else None)
+        return (), (found[0] if found else None)
     # Direct holders first (a parameter that every loss's graph reaches stays the model's,
     # a leaf that a test's frame holds stays that frame's); among those, a module global (or
     # class, or notebook history) beats a running frame's local.
-    direct = [r for r in rooted if not r.through_graph]
+    direct = [h for h in rooted if not h.route.through_graph]
     pool = direct or rooted
-    lasting = tuple(r for r in pool if r.lasting)
+    lasting = tuple(h for h in pool if h.route.lasting)
     return (lasting or tuple(pool)), None
 
 
@@ -173,7 +168,7 @@ class _Acc:
 
     def __init__(self) -> None:
         self.example = NO_HOLDER
-        self.top = (-1, 0)  # (bytes, -length) of the example's storage and path
+        self.top = (False, -1, 0)  # how good an example the current one is (``_example``)
         self.items: set[str] = set()
         self.steps: set[str] = set()
         self.patterns: dict[str, int] = {}
@@ -182,15 +177,24 @@ class _Acc:
         self.autograd = 0
 
 
-def _choice(votes: dict[str, int]) -> Callable[[HolderPath], tuple[int, bool, int]]:
+def _choice(votes: dict[str, int]) -> Callable[[Routed], tuple[int, bool, int]]:
     """Which of a storage's paths names its culprit: the container with the most entries
     holding the storages given, then a path through an entry (the accumulating list
     rather than the loop variable holding the latest item), then the shorter."""
 
-    def key(r: HolderPath) -> tuple[int, bool, int]:
+    def key(h: Routed) -> tuple[int, bool, int]:
+        r = h.route
         return (votes.get(r.container, 0), r.in_container, -len(r.text))
 
     return key
+
+
+def _example(via: str, nbytes: int, text: str) -> tuple[bool, int, int]:
+    """How good an example of its culprit a storage's path is (higher is better): not a
+    parameter's ``.grad`` (the path names the parameter, which the user did not keep),
+    then the larger storage (a loss's saved activations before the scalar), then the
+    shorter path."""
+    return (via != "grad", nbytes, -len(text))
 
 
 def group_culprits(
@@ -204,37 +208,39 @@ def group_culprits(
     storages without one are left out (the totals of culprits already named).
     """
     items = list(storages)
-    cands: list[tuple[tuple[HolderPath, ...], HolderPath | None]] = []
+    cands: list[tuple[tuple[Routed, ...], Routed | None]] = []
     for s in items:
-        routes, unrooted = _candidates(s)
+        held, unrooted = _candidates(s)
         if patterns is not None:
-            routes = tuple(r for r in routes if r.item_pattern in patterns)
+            held = tuple(h for h in held if h.route.item_pattern in patterns)
             unrooted = None
-        cands.append((routes, unrooted))
+        cands.append((held, unrooted))
     # A container's vote is the number of its entries that hold these storages: the list
     # that accumulates (``outputs[0]``, ``[1]``, ...) beats a framework's ``args`` tuple or
     # ``callbacks`` list that reaches them all through one entry, and the loop's ``loss``.
     entries: dict[str, set[str]] = {}
-    for routes, _ in cands:
-        for r in routes:
-            entries.setdefault(r.container, set()).add(r.item)
+    for held, _ in cands:
+        for h in held:
+            entries.setdefault(h.route.container, set()).add(h.route.item)
     votes = {g: len(e) for g, e in entries.items()}
     best = _choice(votes)
     acc: dict[str, _Acc] = {}
-    for s, (routes, unrooted) in zip(items, cands, strict=True):
+    for s, (held, unrooted) in zip(items, cands, strict=True):
         route: HolderPath | None = None
-        if routes:
-            route = max(routes, key=best)
+        if held:
+            chosen = max(held, key=best)
+            route, via = chosen.route, chosen.via
             group, text = route.container, route.text
         elif patterns is not None:
             continue
         else:
-            group, text = NO_HOLDER, (unrooted.text if unrooted is not None else NO_HOLDER)
+            group, via = NO_HOLDER, (unrooted.via if unrooted is not None else "itself")
+            text = unrooted.route.text if unrooted is not None else NO_HOLDER
         a = acc.get(group)
         if a is None:
             a = acc[group] = _Acc()
-        top = (s.nbytes, -len(text))
-        if top > a.top:  # the example leads to the group's largest storage
+        top = _example(via, s.nbytes, text)
+        if top > a.top:
             a.top, a.example = top, text
         a.storages += 1
         a.nbytes += s.nbytes

@@ -351,3 +351,27 @@ def test_culprit_value_is_frozen_and_json_ready() -> None:
         "patterns": ["a.b[*]"],
     }
     assert str(c) == "a.b: 2 tensors, 10 B"
+
+
+def test_the_example_leads_to_a_tensor_that_is_the_storage() -> None:
+    """A stored exception keeps the failed step's frame: its activations and, through a
+    closure, the model, whose new gradients survived too. The example names the step's own
+    local, not the parameter whose ``.grad`` a storage is."""
+    tb = ("__main__.errors", "[0]", ".__traceback__", ".tb_next")
+
+    def storage(nbytes: int, *steps: str, via: str) -> LiveStorage:
+        h = Holder(route(*tb, *steps), "__main__", via, nbytes, "cpu")
+        return LiveStorage(
+            "cpu", nbytes, "float32", (), 1, False, 0, Holders("T", nbytes, "cpu", (h,))
+        )
+
+    grad = storage(4096, " → train.py:9 in main(): models", "[0]", ".weight", via="grad")
+    hidden = storage(1024, " → train.py:3 in step(): local 'hidden'", via="itself")
+    bigger = storage(2048, " → train.py:3 in step(): local 'logits'", via="itself")
+    for order in ([grad, hidden, bigger], [bigger, hidden, grad], [hidden, grad, bigger]):
+        (culprit,) = group_culprits(order)
+        assert culprit.holder == "__main__.errors" and culprit.nbytes == 7168
+        assert (
+            culprit.example
+            == "__main__.errors[0].__traceback__.tb_next → train.py:3 in step(): local 'logits'"
+        )
