@@ -23,7 +23,7 @@ RESULTS = {
     "leaks": ("LeakSettings",),
     "oom": ("OomReport", "OomEvent", "OomGuard"),
     "ledger": ("Explanation", "DeviceLedger", "LedgerLine", "MachineStatus", "StatusLine"),
-    "release": ("ReleaseResult", "DeviceRelease", "RemainingStorage"),
+    "release": ("ReleaseResult", "DeviceRelease"),
     "scalars": ("Series", "SeriesSummary", "LoggerStats"),
     "host": ("HostCopy",),
     "runner": ("RunReport",),
