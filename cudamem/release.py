@@ -37,6 +37,9 @@ class DeviceRelease:
     reserved but not allocated stayed (``None`` without a snapshot).
     """
 
+    #: Its JSON layout's version (``cudamem.render.json``): 2 since ``remaining`` lists
+    #: ``LiveStorage`` values.
+    json_schema: ClassVar[int] = 2
     json_properties: ClassVar[tuple[str, ...]] = (
         "freed_reserved",
         "freed_allocated",
