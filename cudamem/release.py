@@ -135,6 +135,22 @@ def largest_storages(
     return tuple(out)
 
 
+def __getattr__(name: str) -> Any:
+    """``RemainingStorage``, the old name of what ``DeviceRelease.remaining`` lists: it is
+    ``cudamem.census.LiveStorage`` now (``describe()`` for the description, ``paths`` for the
+    holder paths)."""
+    if name == "RemainingStorage":
+        import warnings
+
+        warnings.warn(
+            "cudamem.release.RemainingStorage is cudamem.census.LiveStorage now",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return LiveStorage
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def _nvml_used(device: int) -> int | None:
     got = _nvml.query_device(device, _backend.get().device_uuid(device))
     if isinstance(got, _nvml.NvmlDevice) and got.memory is not None:
