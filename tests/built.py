@@ -20,7 +20,7 @@ from cudamem.holders import GraphHolder, GraphHolders, Holder, Holders
 from cudamem.leaks import Growth, LeakReport
 from cudamem.ledger import DeviceLedger, Explanation, LedgerLine, MachineStatus
 from cudamem.oom import OomReport, StrandedCache
-from cudamem.release import DeviceRelease, ReleaseResult, RemainingStorage
+from cudamem.release import DeviceRelease, ReleaseResult
 from cudamem.runner import RunReport
 from cudamem.scalars import LoggerStats, SeriesSummary
 from cudamem.snapshot import CacheSplit, PrivatePool
@@ -364,7 +364,7 @@ def device_release(**kw: Any) -> DeviceRelease:
         nvml_used_before=2 * GiB,
         nvml_used_after=2 * GiB - 40 * MiB,
         remaining=(
-            RemainingStorage(0, 4 * MiB, "float32[1024, 1024]", ("__main__.kept", "__main__.x")),
+            live_storage(holders=holders(holder(path="__main__.kept"), holder(path="__main__.x"))),
         ),
         cublas_freed=32 * MiB,
         kept=None,

@@ -172,7 +172,7 @@ for k in range(3):
     print(r)
     d = r[0]
     after.append(dict(allocated=d.still_allocated, reserved=d.after.reserved,
-                      holders=[h for s in d.remaining for h in s.holders],
+                      holders=[p for s in d.remaining for p in s.paths[:5]],
                       largest=[s.nbytes for s in d.remaining]))
 emit(after=after)
 """

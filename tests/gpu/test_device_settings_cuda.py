@@ -139,7 +139,7 @@ def test_cuda_graph_private_pool_line() -> None:
             if tuple(s["segment_pool_id"]) == pid
         )
         got["annotated"] = [
-            s.description for s in kept[0].remaining if "private pool" in s.description
+            s.describe() for s in kept[0].remaining if s.pool is not None
         ]
         del g
         gc.collect()

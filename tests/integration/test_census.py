@@ -10,6 +10,7 @@ import torch
 
 import cudamem
 from cudamem import _backend, census
+from cudamem._storages import ref_of
 from cudamem.census import Census, LiveStorage, _classify_blocks
 from cudamem.render.json import to_json
 from cudamem.snapshot import Block, Frame, allocated_blocks
@@ -108,7 +109,8 @@ def test_live_storage_keys_and_adapter_contract() -> None:
     keys = census.live_storage_keys("cpu")
     assert keys[("cpu", t.untyped_storage().data_ptr())] == 28
     entry = _mine(cudamem.live_tensors("cpu"), t)[0]
-    assert entry.key == ("cpu", t.untyped_storage().data_ptr()) and not entry.truncated
+    assert (entry.device, entry.data_ptr) == ("cpu", t.untyped_storage().data_ptr())
+    assert entry.ref == ref_of(t) and not entry.truncated
 
 
 def test_device_argument() -> None:

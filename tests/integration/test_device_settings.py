@@ -821,10 +821,14 @@ def test_remaining_storage_in_a_held_pool_is_named_so() -> None:
     pool = PrivatePool((1, 0), "cuda_graph", 1, True, 1, 4 * MiB, 3 * MiB)
     blocks = PoolBlocks(0, (PoolBlock(ptr, 3 * MiB, (1, 0), "cuda_graph"),), (pool,))
     (top,) = largest_storages("cpu", 1, holders=False, pools=blocks)
-    assert top.nbytes == 3 * MiB
-    assert "in private pool (1, 0) of a torch.cuda.graph" in top.description
+    assert top.nbytes == 3 * MiB and top.pool == f"private pool (1, 0) of {pool.description}"
+    assert top.describe() == (
+        f"uint8[3145728] (in private pool (1, 0) of {pool.description}: freed only with the "
+        "graphs that use it)"
+    )
+    assert "in private pool (1, 0) of a torch.cuda.graph" in top.describe()
     # a pool no graph uses any more is not worth the remark
     gone = PoolBlocks(0, blocks.blocks, (dataclasses.replace(pool, held=False, graphs=0),))
     (plain,) = largest_storages("cpu", 1, holders=False, pools=gone)
-    assert "private pool" not in plain.description
+    assert plain.pool is None and plain.describe() == "uint8[3145728]"
     del big

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import cudamem
+from cudamem.census import StorageSnapshot
 from cudamem.integrations.pytest_plugin import MemoryCheck, TestMemory, parse_size
 
 pytest_plugins = ["pytester"]
@@ -447,9 +448,9 @@ def test_the_last_look_serves_as_the_next_baseline_only_when_nothing_was_allocat
 
     censuses: list[str] = []
 
-    def census(device: str) -> dict[Any, tuple[str, int]]:
+    def census(device: str) -> StorageSnapshot:
         censuses.append(device)
-        return {}
+        return StorageSnapshot()
 
     monkeypatch.setattr(pp, "live_refs", census)
     fake = Counting()

@@ -171,3 +171,76 @@ def test_census_passes_keep_nothing_alive(pass_: str) -> None:
     gc.collect()
     assert w() is None
     del got
+
+
+# --------------------------------------------------------------------------- snapshots
+
+
+def test_new_since_a_freed_storage_whose_address_was_reused_is_new() -> None:
+    kept = torch.randn(100)
+    first = at_buffer()
+    base = census.live_refs("cpu")
+    del first
+    gc.collect()
+    second = at_buffer()  # at the first one's address
+    created = torch.randn(30)
+    new = census.live_refs("cpu").new_since(base)
+    assert ref_of(second) in new and ref_of(created) in new
+    assert ref_of(kept) not in new  # it was there at the base
+    assert new[ref_of(created)] == ("cpu", 120)
+    # what survived since the base: the kept storage, and not the second buffer storage
+    survived = base.alive()
+    assert ref_of(kept) in survived and survived[ref_of(kept)] == ("cpu", 400)
+    assert all(r.alive for r in survived) and len(survived) < len(base)
+    assert ref_of(second) not in survived
+    del second, created
+
+
+def test_new_since_does_not_depend_on_order() -> None:
+    tensors = [torch.randn(n) for n in (10, 20, 30, 40)]
+    both = census.StorageSnapshot.of(tensors)
+    forward = census.StorageSnapshot.of(tensors[:2])
+    backward = census.StorageSnapshot.of(reversed(tensors[:2]))
+    assert list(forward) != list(backward) and forward == backward
+    new = both.new_since(forward)
+    assert new == both.new_since(backward) == census.StorageSnapshot.of(reversed(tensors[2:]))
+    assert new.nbytes == 280 and len(new) == 2
+    assert not forward.new_since(both)  # nothing of the smaller one is new to the larger
+
+
+def test_snapshot_of_tensors_counts_each_storage_once() -> None:
+    t = torch.randn(16, 16)
+    snap = census.StorageSnapshot.of([t, t[3:], t.detach(), t.t(), torch.empty(0)])
+    assert dict(snap) == {ref_of(t): ("cpu", 1024)}
+    assert snap.nbytes == 1024
+
+
+def test_snapshot_analyses_return_new_values() -> None:
+    small, large, gone = torch.randn(10), torch.randn(1000), torch.randn(100)
+    snap = census.StorageSnapshot.of([small, large, gone])
+    del gone
+    gc.collect()
+    assert snap.alive() == census.StorageSnapshot.of([small, large])
+    assert len(snap) == 3  # unchanged: the analysis made a new value
+    assert list(snap.largest(1)) == [ref_of(large)]
+    assert snap.largest(5) is snap
+    assert snap.on("cpu") == snap and snap.on(None) is snap and not snap.on("cuda")
+    other = census.StorageSnapshot({ref_of(small): ("cpu", 1)})
+    merged = other.union(snap)
+    assert merged[ref_of(small)] == ("cpu", 1) and len(merged) == 3  # its own figure wins
+    assert "3 storages" in repr(snap)
+    found = snap.storages(holders=True)  # the census of those still alive, largest first
+    assert [s.nbytes for s in found] == [4000, 40]
+    assert any("local 'large'" in p for p in found[0].paths)
+    assert census.StorageSnapshot().storages() == ()
+
+
+def test_storages_since_matches_new_since() -> None:
+    base = census.live_refs(None)
+    first = torch.randn(500)
+    second = torch.randn(250)
+    found, total = census.storages_since(base, limit=1)
+    assert total == len(census.live_refs(None).new_since(base)) >= 2
+    assert [s.ref for s in found] == [ref_of(first)]
+    assert any("local 'first'" in p for p in found[0].paths)
+    del first, second

@@ -23,7 +23,7 @@ RESULTS = {
     "leaks": ("LeakSettings",),
     "oom": ("OomReport", "OomEvent", "OomGuard"),
     "ledger": ("Explanation", "DeviceLedger", "LedgerLine", "MachineStatus", "StatusLine"),
-    "release": ("ReleaseResult", "DeviceRelease", "RemainingStorage"),
+    "release": ("ReleaseResult", "DeviceRelease"),
     "scalars": ("Series", "SeriesSummary", "LoggerStats"),
     "host": ("HostCopy",),
     "runner": ("RunReport",),
@@ -84,3 +84,16 @@ def test_result_types_live_in_their_modules() -> None:
             assert name in module.__all__, (module_name, name)
             assert name not in cudamem.__all__, name
             assert f"{module.__name__}.{name}" in DOCUMENTED, (module_name, name)
+
+
+def test_the_old_remaining_storage_name_is_live_storage() -> None:
+    import pytest
+
+    from cudamem.census import LiveStorage
+
+    release = importlib.import_module("cudamem.release")  # cudamem.release is the function
+
+    with pytest.warns(DeprecationWarning, match="LiveStorage"):
+        assert release.RemainingStorage is LiveStorage
+    with pytest.raises(AttributeError, match="no attribute 'Missing'"):
+        release.Missing

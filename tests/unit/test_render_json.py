@@ -10,6 +10,7 @@ from typing import ClassVar
 import pytest
 
 from cudamem._data import to_data
+from cudamem.integrations.results import TrainerRelease
 from cudamem.render.json import SCHEMA, to_json
 
 from ..built import (
@@ -23,6 +24,8 @@ from ..built import (
     live_storage,
     machine_status,
     nvml_device,
+    release_result,
+    run_report,
     span,
     stats,
 )
@@ -121,3 +124,22 @@ def test_anything_else_is_refused_by_name() -> None:
 
     with pytest.raises(TypeError, match="cannot render Opaque as JSON"):
         to_json({"x": Opaque()})
+
+
+def test_a_release_document_is_schema_2_and_lists_live_storages() -> None:
+    doc = json.loads(to_json(release_result(device_release()), kind="cudamem.release"))
+    assert doc["schema"] == 2  # DeviceRelease.remaining: LiveStorage values since 2
+    (storage,) = doc["devices"][0]["remaining"]
+    assert storage == to_data(device_release().remaining[0])
+    assert (storage["device"], storage["nbytes"], storage["pool"]) == ("cuda:0", 4 * MiB, None)
+    assert [h["path"] for h in storage["holders"]["holders"]] == ["__main__.kept", "__main__.x"]
+    trainer = TrainerRelease(("trainer.optimizer",), 2, 8 * MiB, 1, 4 * MiB, (), None)
+    assert json.loads(to_json(trainer))["schema"] == SCHEMA == 1  # no release inside
+    with_release = TrainerRelease(
+        ("trainer.optimizer",), 2, 8 * MiB, 1, 4 * MiB, (), release_result(device_release())
+    )
+    assert json.loads(to_json(with_release))["schema"] == 2
+    assert json.loads(to_json([span(), device_release()]))["schema"] == 2
+    # documents without a release keep schema 1
+    assert json.loads(to_json(run_report(), kind="cudamem.run"))["schema"] == 1
+    assert json.loads(to_json(census(live_storage())))["schema"] == 1
