@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-FILES = sorted(p.name for p in (ROOT / "tests" / "frameworks").glob("test_*.py"))
+FILES = sorted(p.name for p in (ROOT / "tests" / "integration" / "frameworks").glob("test_*.py"))
 
 
 def test_every_framework_file_is_run_here() -> None:
