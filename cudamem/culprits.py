@@ -47,6 +47,7 @@ __all__ = [
     "HeldStorage",
     "Routed",
     "direct_first",
+    "group_by_owner",
     "group_culprits",
     "rank_holders",
 ]
@@ -67,15 +68,15 @@ class Routed(Protocol):
     @property
     def via(self) -> str: ...
 
+    @property
+    def caller(self) -> bool: ...
+
 
 class Listed(Routed, Protocol):
     """A holder as ranking reads it (``cudamem.holders.Holder``)."""
 
     @property
     def root(self) -> str: ...
-
-    @property
-    def caller(self) -> bool: ...
 
 
 class HeldStorage(Protocol):
@@ -264,5 +265,23 @@ def group_culprits(
         )
         for g, a in acc.items()
     ]
+    culprits.sort(key=lambda c: c.nbytes, reverse=True)
+    return culprits
+
+
+def group_by_owner(storages: Iterable[HeldStorage]) -> list[Culprit]:
+    """Group storages by the variable their first holder (not the caller's own reference)
+    starts from (``HolderPath.owner``): a model's hundreds of parameters are one line,
+    ``__main__.model``, named by what keeps them all. Most bytes first."""
+    groups: dict[str, list[int]] = {}  # owner -> [storages, bytes]
+    examples: dict[str, str] = {}
+    for s in storages:
+        held = [h for h in (s.holders or ()) if not h.caller]
+        name = held[0].route.owner if held else NO_HOLDER
+        g = groups.setdefault(name, [0, 0])
+        g[0] += 1
+        g[1] += s.nbytes
+        examples.setdefault(name, held[0].route.text if held else name)
+    culprits = [Culprit(n, c, c, b, 0, examples[n]) for n, (c, b) in groups.items()]
     culprits.sort(key=lambda c: c.nbytes, reverse=True)
     return culprits

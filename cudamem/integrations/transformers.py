@@ -43,7 +43,7 @@ from transformers import TrainerCallback
 
 from .. import _backend
 from ..census import StorageSnapshot
-from ..culprits import NO_HOLDER, Culprit
+from ..culprits import Culprit, group_by_owner
 from ..release import release
 from ._steps import StepMeter
 from .results import TrainerRelease
@@ -277,16 +277,4 @@ def _holders_of(alive: StorageSnapshot, notes: list[str]) -> tuple[Culprit, ...]
     except Exception as exc:
         notes.append(f"holders not found: {type(exc).__name__}: {exc}")
         return ()
-    groups: dict[str, dict[str, Any]] = {}
-    for s in found:
-        holders = [h for h in (s.holders or ()) if not h.caller]
-        name = holders[0].route.owner if holders else NO_HOLDER
-        g = groups.setdefault(name, {"n": 0, "bytes": 0, "example": ""})
-        g["n"] += 1
-        g["bytes"] += s.nbytes
-        g["example"] = g["example"] or (holders[0].path if holders else name)
-    culprits = [
-        Culprit(name, g["n"], g["n"], g["bytes"], 0, g["example"]) for name, g in groups.items()
-    ]
-    culprits.sort(key=lambda c: c.nbytes, reverse=True)
-    return tuple(culprits)
+    return tuple(group_by_owner(found))

@@ -13,7 +13,7 @@ from cudamem import census
 from cudamem._data import to_data
 from cudamem._storages import StorageRef, ref_of
 from cudamem.census import LiveStorage
-from cudamem.culprits import NO_HOLDER, Culprit, group_culprits
+from cudamem.culprits import NO_HOLDER, Culprit, group_by_owner, group_culprits
 from cudamem.holder_path import HolderPath, Step
 from cudamem.holders import Holder, Holders
 from cudamem.render.leaks import render_culprit
@@ -375,3 +375,30 @@ def test_the_example_leads_to_a_tensor_that_is_the_storage() -> None:
             culprit.example
             == "__main__.errors[0].__traceback__.tb_next → train.py:3 in step(): local 'logits'"
         )
+
+
+def test_group_by_owner_names_the_variable_that_keeps_a_model() -> None:
+    def storage(nbytes: int, *holders: Holder) -> LiveStorage:
+        return LiveStorage(
+            "cpu", nbytes, "float32", (), 1, False, 0, Holders("T", nbytes, "cpu", holders)
+        )
+
+    def held(path: HolderPath, caller: bool = False) -> Holder:
+        return Holder(path, "__main__", "itself", 8, "cpu", caller)
+
+    frame = "train.py:12 in main(): model"
+    items = [
+        storage(100, held(route("__main__.model", ".lm_head", ".weight"))),
+        storage(50, held(route("__main__.model", ".wte", ".weight"))),
+        storage(70, held(route(frame, ".head", ".bias", root_kind="frame"))),
+        storage(5, held(route("Cache", ".store", "['a']", root_kind="class"))),
+        storage(9, held(route("__main__.t"), caller=True)),  # only the caller's own reference
+    ]
+    groups = group_by_owner(items)
+    assert [(c.holder, c.storages, c.nbytes) for c in groups] == [
+        ("__main__.model", 2, 150),
+        (frame, 1, 70),
+        (NO_HOLDER, 1, 9),
+        ("Cache.store", 1, 5),
+    ]
+    assert groups[0].example == "__main__.model.lm_head.weight"
