@@ -50,7 +50,10 @@ __all__ = [
     "walk_graphs",
 ]
 
-#: ``(device type, device index or -1, data_ptr)``: what identifies memory.
+#: ``(device type, device index or -1, data_ptr)``: where a storage's memory is, within one
+#: pass (which holds every storage it names meanwhile). Not an identity: the allocator gives
+#: a freed address to the next block; storages are compared across time only by
+#: ``cudamem._storages.StorageRef``.
 StorageKey = tuple[str, int, int]
 
 _TB = torch._C.TensorBase

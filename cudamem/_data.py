@@ -4,8 +4,10 @@ A result's data is its fields, by their own names: a dataclass becomes a dict of
 fields (a ``NamedTuple`` likewise), tuples become lists, mappings dicts. A class may name
 derived values worth a key of their own (a sum, a difference: properties, or methods that
 take no argument) in a ``json_properties`` class attribute, and leave a field out with
-``field(metadata={"json": False})``. The same idea therefore has the same key everywhere:
-``nbytes`` for a storage's bytes, ``device`` as the result holds it.
+``field(metadata={"json": False})``; ``json_order`` names keys that come first, in that
+order (a value computed from a structure that its document has always led with). The same
+idea therefore has the same key everywhere: ``nbytes`` for a storage's bytes, ``device`` as
+the result holds it.
 
 Results use it for ``to_dict()``; ``cudamem.render.json`` writes it out as a document.
 """
@@ -42,7 +44,8 @@ def to_data(obj: Any) -> Any:
         for name in getattr(type(obj), "json_properties", ()):
             value = getattr(obj, name)
             out[name] = to_data(value() if callable(value) else value)
-        return out
+        first = getattr(type(obj), "json_order", ())
+        return {**{k: out[k] for k in first if k in out}, **out} if first else out
     if isinstance(obj, tuple) and hasattr(obj, "_asdict"):
         return {k: to_data(v) for k, v in obj._asdict().items()}
     if isinstance(obj, Mapping):

@@ -57,7 +57,8 @@ _MAX_KEY_TEXT = 60
 class Seg(NamedTuple):
     """One step of a path. ``kind`` decides how it is written (see ``holders._join``)."""
 
-    #: attr key index member keyof local dictattrs closure via autograd storage; lazy: an
+    #: attr key index member keyof local dictattrs closure via autograd storage; self: the
+    #: object a bound method is bound to (``text``: its class); lazy: an
     #: instance attribute named only once the path is read (see ``resolve_lazy``);
     #: framelocals: a finished frame's copy of its locals (no path goes through it).
     kind: str
@@ -535,7 +536,9 @@ def _function_refs(ref: Any, child: Any) -> list[Seg]:
 
 def _method_refs(ref: Any, child: Any) -> list[Seg]:
     if _METHOD_SELF.__get__(ref) is child:
-        return [Seg("attr", "__self__")]
+        # The object a bound method is bound to reads as itself, by type (``cb.log →
+        # LitModel.seen``): the user knows it as that object, not as ``__self__``.
+        return [Seg("self", type_name(type(child)))]
     return [Seg("attr", "__func__")]
 
 
@@ -548,7 +551,18 @@ def _frame_refs(ref: Any, child: Any) -> list[Seg]:
                 return [Seg("framelocals", "")]
         except Exception:
             pass
-    return _frame_edges(ref, child, frame_label(ref)) or [Seg("via", "frame")]
+    label = frame_label(ref)
+    if type(child) is types.CellType:
+        # A variable the frame shares with its inner functions lives in a cell: named by
+        # the variable (``train.py:9 in step(): local 'hidden'``), its cell step skipped.
+        try:
+            value = _CELL_CONTENTS.__get__(child)
+        except Exception:  # an empty cell
+            value = _EMPTY
+        named = [Seg("local", n, label) for n, v in frame_locals(ref) if v is value]
+        if named:
+            return named
+    return _frame_edges(ref, child, label) or [Seg("via", f"{label} frame")]
 
 
 def _traceback_refs(ref: Any, child: Any) -> list[Seg]:
@@ -569,6 +583,8 @@ def _generator_refs(ref: Any, child: Any) -> list[Seg]:
 
 
 _METHOD_SELF = _METHOD.__dict__["__self__"]
+_CELL_CONTENTS = types.CellType.__dict__["cell_contents"]
+_EMPTY = object()
 _TB_FRAME = types.TracebackType.__dict__["tb_frame"]
 _SPECIAL: dict[type, Any] = {
     types.CellType: _cell_refs,

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from ._naming import Ref, Seg, resolve_lazy
+from .holder_path import HolderPath, Step
 
-__all__ = ["Group", "Path", "PathReader", "RawHolder"]
+__all__ = ["Group", "Path", "PathReader", "RawHolder", "write"]
 
 
 @dataclass
@@ -216,6 +217,9 @@ class PathReader:
         self.late = late  # whether the time for reading is up
         #: Whether a group was left out for ``max_paths``.
         self.cut = False
+        #: ``walk_down``'s answers by start: many roots lead to one object (every test
+        #: module's ``cudamem`` global), and its walk is the same each time.
+        self._walked: dict[int, list[Path]] = {}
 
     def add(
         self,
@@ -252,7 +256,14 @@ class PathReader:
         """Shortest paths down from ``oid`` to the objects holding a target storage (BFS over
         the recorded edges): for each such object, one ``Path`` per shape of the last
         step's container (``log[i]``, ``rows[i]['t']``), sibling paths of that shape (60,000
-        dicts in one list that each hold the object) counted into it."""
+        dicts in one list that each hold the object) counted into it. Read-only results,
+        computed once per start."""
+        walked = self._walked.get(oid)
+        if walked is None:
+            walked = self._walked[oid] = self._walk(oid)
+        return walked
+
+    def _walk(self, oid: int) -> list[Path]:
         prev: dict[int, tuple[int, Ref] | None] = {oid: None}
         level = {oid: 0}
         sig = {oid: 0}
@@ -347,3 +358,132 @@ class PathReader:
             Path(target, [*refs, Ref((seg,))], via, ids, times, ranges, stars)
             for target, seg, via in self.start[x]
         ]
+
+
+# --------------------------------------------------------------------------- writing
+
+_IPYTHON_NAMES = ("Out", "_oh", "_", "__", "___")
+_TRACEBACK_NAMES = ("last_traceback", "last_exc", "last_value")
+_MODULE_CONTAINERS = ("_parameters", "_buffers", "_modules")
+_INT_TEXT = frozenset("-0123456789")
+
+
+def write(raw: RawHolder, key_names: dict[str, str], *, in_ipython: bool = False) -> HolderPath:
+    """``raw`` as a ``HolderPath``: each step in Python syntax (see ``Seg``); dict keys that
+    are objects named by ``key_names``; the steps where the group's paths differ marked
+    with their range or ``*``. A path from ``sys.last_traceback`` (and the like) has the
+    root kind ``traceback``, one from IPython's output history (``in_ipython``)
+    ``ipython``."""
+    kind, root, segs = raw.root_kind, raw.root, raw.segs
+    if kind == "global" and segs and segs[0].kind == "key":
+        name = _unquote(segs[0].text)
+        if root == "sys" and name in _TRACEBACK_NAMES:
+            kind = "traceback"
+        elif root == "__main__" and name in _IPYTHON_NAMES and in_ipython:
+            kind = "ipython"
+    steps = _steps(kind, root, segs, key_names, raw.subs if raw.count > 1 else {})
+    return HolderPath(kind, steps)
+
+
+def _unquote(text: str) -> str | None:
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        inner = text[1:-1]
+        return inner if inner.isidentifier() else None
+    return None
+
+
+def _int_of(text: str) -> int | None:
+    body = text[1:] if text.startswith("-") else text
+    return int(text) if body.isdigit() and set(text) <= _INT_TEXT else None
+
+
+def _steps(
+    kind: str, root: str, segs: list[Seg], key_names: dict[str, str], subs: dict[int, str]
+) -> tuple[Step, ...]:
+    out: list[Step] = []
+    i = 0
+    if kind in ("global", "traceback", "ipython") and segs and segs[0].kind == "key":
+        name = _unquote(segs[0].text)
+        if kind == "ipython":
+            head = name if name is not None else f"vars({root})[{segs[0].text}]"
+        else:
+            head = f"{root}.{name}" if name is not None else f"vars({root})[{segs[0].text}]"
+        out.append(Step("root", head))
+        i = 1
+    elif kind == "frame" and segs and segs[0].kind == "local":
+        out.append(Step("root", _local(segs[0], segs[1:])))
+        i = 1
+    else:
+        out.append(Step("root", root))
+    while i < len(segs):
+        seg = segs[i]
+        nxt = segs[i + 1] if i + 1 < len(segs) else None
+        after = segs[i + 2] if i + 2 < len(segs) else None
+        if seg.kind == "dictattrs":
+            name = _unquote(nxt.text) if nxt is not None and nxt.kind == "key" else None
+            if name is None:
+                out.append(Step("attr", ".__dict__"))
+                i += 1
+                continue
+            child: str | None = None
+            if after is not None and after.kind == "key":
+                child = after.text.strip("'")
+                child = child if child.isdigit() else _unquote(after.text)
+            if seg.extra == "m" and name in _MODULE_CONTAINERS and child is not None:
+                out.append(_module_child(child))  # model._parameters['w'] -> model.w
+                i += 3
+                continue
+            out.append(Step("attr", f".{name}"))
+            i += 2
+            continue
+        if seg.kind == "closure":
+            if nxt is not None and nxt.kind == "index":
+                names = seg.text.split(",")
+                idx = int(nxt.text)
+                var = names[idx] if idx < len(names) else nxt.text
+                out.append(Step("closure", f" (closure '{var}')"))
+                i += 3 if after is not None and after.text == "cell_contents" else 2
+                continue
+            out.append(Step("attr", ".__closure__"))
+        elif seg.kind == "local":
+            if nxt is not None and nxt.kind == "attr" and nxt.text == "cell_contents":
+                i += 1  # the frame's cell for a variable its inner functions share
+            out.append(Step("frame", " → " + _local(seg, segs[i + 1 :])))
+        elif seg.kind == "self":
+            out.append(Step("self", f" → {seg.text}"))  # the object a bound method is bound to
+        elif seg.kind == "attr":
+            inner = _unquote(nxt.text) if nxt is not None and nxt.kind == "key" else None
+            if (
+                seg.extra == "m"
+                and seg.text in _MODULE_CONTAINERS
+                and nxt is not None
+                and (inner is not None or nxt.text.strip("'").isdigit())
+            ):
+                out.append(_module_child(inner or nxt.text.strip("'")))
+                i += 2
+                continue
+            out.append(Step("attr", f".{seg.text}"))
+        elif seg.kind in ("key", "index"):
+            text = key_names.get(seg.extra, seg.text) if seg.extra else seg.text
+            out.append(Step(seg.kind, f"[{text}]", _int_of(text), subs.get(i)))
+        elif seg.kind == "member":
+            out.append(Step("member", " (set member)"))
+        elif seg.kind == "keyof":
+            out.append(Step("keyof", " (dict key)"))
+        elif seg.kind == "autograd":
+            out.append(Step("graph", f" → {seg.text}"))
+        elif seg.kind == "via":
+            out.append(Step("object", f" → <{seg.text}>"))
+        # storage / tbframe: nothing to write
+        i += 1
+    return tuple(out)
+
+
+def _module_child(name: str) -> Step:
+    """``.lin1`` for a named child, ``[0]`` for ``Sequential``/``ModuleList`` entries."""
+    return Step("index", f"[{name}]", int(name)) if name.isdigit() else Step("attr", f".{name}")
+
+
+def _local(seg: Seg, rest: list[Seg]) -> str:
+    more = any(s.kind not in ("storage", "tbframe") for s in rest)
+    return f"{seg.extra}: {seg.text}" if more else f"{seg.extra}: local '{seg.text}'"

@@ -16,7 +16,9 @@ equal exactly when they name the same storage, at whatever times they were taken
 ``StorageRef.alive`` says whether it still exists. The reference is released when the
 ``StorageRef`` is garbage collected.
 
-This module imports only torch: the census, the autograd walk and the reports build on it.
+It is cudamem's one storage identity: ``LiveStorage.ref`` and the keys of a
+``cudamem.census.StorageSnapshot`` are refs. This module imports only torch: the census, the
+autograd walk and the reports build on it.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import bisect
 import gc
 import sys
 import time
-from collections.abc import Container, Iterable, Sequence
+from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -32,14 +32,14 @@ from ._naming import frame_locals
 from ._present import present
 from ._search import SearchLimits
 from ._sequence import ItemSequence
-from ._storages import StorageRef, ref_of
-from .culprits import through_graph
+from ._storages import StorageRef, matches_type, ref_of
 from .holders import Holders, find_holders
 from .snapshot import Block, allocated_blocks
 
 __all__ = [
     "Census",
     "LiveStorage",
+    "StorageSnapshot",
     "Unaccounted",
     "ledger_view",
     "listing_order",
@@ -76,16 +76,15 @@ class LiveStorage:
     holders: Holders | None = None
     #: ``file:line in function`` where it was allocated (OOM reports with history on).
     allocated_at: str | None = None
-    #: Its identity: a weak reference to the StorageImpl, equal to another ref of the same
-    #: storage whenever either was taken (``None`` for a storage with no real data).
+    #: The CUDA graphs' private pool it lives in, while graphs still use that pool
+    #: (``release()``): ``private pool (1, 0) of a torch.cuda.graph``.
+    pool: str | None = None
+    #: Its identity, the one cudamem compares storages by: a weak reference to the
+    #: StorageImpl, equal to another ref of the same storage whenever either was taken
+    #: (``None`` for a storage with no real data).
     ref: StorageRef | None = field(
         default=None, compare=False, repr=False, metadata={"json": False}
     )
-
-    @property
-    def key(self) -> tuple[str, int]:
-        """``(device, data_ptr)``: where it is. Compare ``ref`` to ask "the same one?"."""
-        return (self.device, self.data_ptr)
 
     @property
     def alive(self) -> bool:
@@ -100,8 +99,8 @@ class LiveStorage:
     @property
     def through_autograd(self) -> bool:
         """Held only through other tensors' autograd graphs."""
-        paths = self.paths
-        return bool(paths) and all(through_graph(p) for p in paths)
+        found = self.holders
+        return bool(found) and all(h.route.through_graph for h in found or ())
 
     @property
     def truncated(self) -> bool:
@@ -114,9 +113,14 @@ class LiveStorage:
         return self.tensors > 0
 
     def describe(self) -> str:
-        """``float32[256, 256]``, prefixed ``saved by autograd`` when no tensor object holds it."""
+        """``float32[256, 256]``, prefixed ``saved by autograd`` when no tensor object holds it,
+        and the private pool it lives in, if any."""
         what = f"{self.dtype}[{', '.join(map(str, self.shape))}]"
-        return what if self.python else f"saved by autograd {what}"
+        if not self.python:
+            what = f"saved by autograd {what}"
+        if self.pool is not None:
+            what += f" (in {self.pool}: freed only with the graphs that use it)"
+        return what
 
     def __str__(self) -> str:
 
@@ -158,6 +162,98 @@ class Census(ItemSequence[LiveStorage]):
 
     def __str__(self) -> str:
         return present(self)
+
+
+class StorageSnapshot(Mapping[StorageRef, tuple[str, int]]):
+    """Which storages existed at one moment: each one's identity (``StorageRef``) →
+    ``(device, bytes)``. Keeps nothing alive (the refs are weak).
+
+    A read-only mapping that never changes: the analyses return new snapshots, so that
+    "what a span or a test created and is still alive" reads as
+    ``live_refs().new_since(before).alive()``. Storages are compared by identity, never by
+    address: one freed since ``before`` whose address a new storage took is not in
+    ``before``, and the new one is new. ``storages()`` is the census of those still alive,
+    as ``LiveStorage`` values with holders.
+    """
+
+    __slots__ = ("_sizes",)
+
+    def __init__(self, sizes: Mapping[StorageRef, tuple[str, int]] | None = None) -> None:
+        self._sizes: dict[StorageRef, tuple[str, int]] = {} if sizes is None else dict(sizes)
+
+    @classmethod
+    def _owning(cls, sizes: dict[StorageRef, tuple[str, int]]) -> StorageSnapshot:
+        """A snapshot of ``sizes`` without a copy: the caller gives the dict up."""
+        snap = cls.__new__(cls)
+        snap._sizes = sizes
+        return snap
+
+    @classmethod
+    def of(cls, tensors: Iterable[Any]) -> StorageSnapshot:
+        """The storages of ``tensors`` (each once; views and copies of one storage are
+        one): a baseline of chosen tensors rather than of everything alive."""
+        sizes: dict[StorageRef, tuple[str, int]] = {}
+        for t in tensors:
+            info = _autograd.storage_of(t)
+            ref = None if info is None else ref_of(t)
+            if info is not None and ref is not None and ref not in sizes:
+                sizes[ref] = (_autograd.key_device(info[0]), info[1])
+        return cls._owning(sizes)
+
+    def __getitem__(self, ref: StorageRef) -> tuple[str, int]:
+        return self._sizes[ref]
+
+    def __contains__(self, ref: object) -> bool:
+        return ref in self._sizes
+
+    def __iter__(self) -> Iterator[StorageRef]:
+        return iter(self._sizes)
+
+    def __len__(self) -> int:
+        return len(self._sizes)
+
+    def __repr__(self) -> str:
+        return f"<StorageSnapshot: {len(self)} storages, {format_bytes(self.nbytes)}>"
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all its storages."""
+        return sum(n for _d, n in self._sizes.values())
+
+    def new_since(self, base: Container[StorageRef]) -> StorageSnapshot:
+        """The storages of this snapshot that ``base`` (an earlier snapshot) does not have:
+        those created between the two."""
+        return self._owning({r: v for r, v in self._sizes.items() if r not in base})
+
+    def alive(self) -> StorageSnapshot:
+        """Those of its storages that still exist now (no census: each ref is asked)."""
+        return self._owning({r: v for r, v in self._sizes.items() if r.alive})
+
+    def on(self, device_type: str | None) -> StorageSnapshot:
+        """Those on devices of ``device_type`` (``'cuda'``, ``'cpu'``; ``None``: all)."""
+        if device_type is None:
+            return self
+        return self._owning(
+            {r: v for r, v in self._sizes.items() if matches_type(v[0], device_type)}
+        )
+
+    def largest(self, n: int) -> StorageSnapshot:
+        """Its ``n`` largest storages (all of them when it has no more)."""
+        if len(self._sizes) <= n:
+            return self
+        top = sorted(self._sizes.items(), key=lambda kv: kv[1][1], reverse=True)[:n]
+        return self._owning(dict(top))
+
+    def union(self, other: Mapping[StorageRef, tuple[str, int]]) -> StorageSnapshot:
+        """Its storages and ``other``'s (this snapshot's figures where both have one)."""
+        return self._owning({**other, **self._sizes})
+
+    def storages(self, *, holders: bool = True) -> tuple[LiveStorage, ...]:
+        """The census of those of its storages still alive now, largest first; ``holders``:
+        with the holders of each (one search for all of them)."""
+        if not self._sizes:
+            return ()
+        return _census(None, holders, self, sys._getframe(1))[0].storages
 
 
 @dataclass(frozen=True, slots=True)
@@ -398,13 +494,14 @@ def live_storage_keys(device_type: str | None = None) -> dict[tuple[str, int], i
     return out
 
 
-def live_refs(device_type: str | None = None) -> dict[StorageRef, tuple[str, int]]:
+def live_refs(device_type: str | None = None) -> StorageSnapshot:
     """Every live storage on devices of ``device_type`` (``'cuda'``, ``'cpu'``, ``None``):
-    its ``cudamem._storages.StorageRef`` → ``(device, bytes)``.
+    a ``StorageSnapshot``, each storage's ``cudamem._storages.StorageRef`` →
+    ``(device, bytes)``.
 
     The cheap pass (no holders) that before/after comparisons use: a storage of one pass is
     in another exactly when it is the same storage, wherever the allocator put the others.
-    Keeps nothing alive; the refs are released with the dict.
+    Keeps nothing alive; the refs are released with the snapshot.
     """
     acc, _ = _gather(None, refs=True, counts=False)
     out: dict[StorageRef, tuple[str, int]] = {}
@@ -412,7 +509,7 @@ def live_refs(device_type: str | None = None) -> dict[StorageRef, tuple[str, int
         if a.ref is not None and (device_type is None or key[0] == device_type):
             out[a.ref] = (_autograd.key_device(key), a.nbytes)
         a.first = a.ref = None
-    return out
+    return StorageSnapshot._owning(out)
 
 
 def live_tensors(device: DeviceLike | None = None, *, holders: bool = False) -> Census:
@@ -435,31 +532,29 @@ def live_storages(
     """Live storages on devices of ``device_type`` (``'cuda'``, ``'cpu'``, ``None``), largest
     first; the holder search covers only these.
 
-    ``among``: only the storages of these refs (from ``live_refs`` or
-    ``LiveStorage.ref``, taken at any earlier time) that are still alive.
+    ``among``: only the storages of these refs (a ``StorageSnapshot`` from ``live_refs``,
+    ``LiveStorage.ref``s, taken at any earlier time) that are still alive.
     """
-    only = None if among is None else set(among)
+    only = None if among is None else among if isinstance(among, Mapping) else set(among)
     return _census(None, holders, only, sys._getframe(1), device_type)[0].storages
 
 
-def storages_since(
-    before: Container[StorageRef], *, limit: int
-) -> tuple[tuple[LiveStorage, ...], int]:
-    """One census for a span's exit: the live storages (any device) that are not in
-    ``before`` (a ``live_refs`` of the entry), the largest ``limit`` of them with holders,
-    largest first; and how many there were before the limit."""
-    census, total = _census(None, True, None, sys._getframe(1), exclude=before, limit=limit)
+def storages_since(base: StorageSnapshot, *, limit: int) -> tuple[tuple[LiveStorage, ...], int]:
+    """One census for a span's exit: the live storages (any device) new since ``base`` (a
+    ``live_refs`` of the entry: ``StorageSnapshot.new_since``), the largest ``limit`` of
+    them with holders, largest first; and how many there were before the limit."""
+    census, total = _census(None, True, None, sys._getframe(1), since=base, limit=limit)
     return census.storages, total
 
 
 def _census(
     device: str | None,
     holders: bool,
-    only: set[StorageRef] | None,
+    only: Container[StorageRef] | None,
     frame: Any,
     device_type: str | None = None,
     *,
-    exclude: Container[StorageRef] | None = None,
+    since: StorageSnapshot | None = None,
     limit: int | None = None,
 ) -> tuple[Census, int]:
     """The census, and how many storages passed the filters (before ``limit``)."""
@@ -471,8 +566,16 @@ def _census(
         keys = [k for k in keys if k[0] == device_type]
     if only is not None:
         keys = [k for k in keys if acc[k].ref in only]
-    if exclude is not None:
-        keys = [k for k in keys if acc[k].ref not in exclude]
+    if since is not None:
+        sizes: dict[StorageRef, tuple[str, int]] = {}
+        for k in keys:
+            ref = acc[k].ref
+            if ref is not None:
+                sizes[ref] = (_autograd.key_device(k), acc[k].nbytes)
+        new = StorageSnapshot._owning(sizes).new_since(since)
+        # A storage without an identity cannot have been in ``since``: it counts as new.
+        keys = [k for k in keys if acc[k].ref is None or acc[k].ref in new]
+        del sizes, new
     total = len(keys)
     if limit is not None:
         keys = keys[:limit]

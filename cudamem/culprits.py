@@ -1,22 +1,23 @@
 """Which container is the culprit: the one rule for grouping holder paths.
 
 Leak warnings, ``track(leaks=True)`` reports, OOM post-mortems, ``cudamem run`` and
-``cudamem.find_graph_holders`` all turn holder paths into culprits with this module.
+``cudamem.find_graph_holders`` all turn holder paths into culprits with this module. It
+reads each path's structure (``cudamem.holder_path.HolderPath``), never its text.
 
 A holder path reads from a root:
-``__main__.loss_history[3] → grad_fn MeanBackward0 → SigmoidBackward0 saved result``. Its
-*first step* (before the first ``→``) is what Python holds. From that step:
+``__main__.loss_history[3] → grad_fn MeanBackward0 → SigmoidBackward0 saved result``. What
+Python holds is the part before the first arrow (a graph edge, a frame). From it:
 
 * the **container** is the part before the first integer subscript, wherever it is (a
   list or tuple index, or an integer dict key): ``__main__.loss_history[3]`` →
   ``__main__.loss_history``; ``__main__.errors[2].__traceback__.tb_next`` →
-  ``__main__.errors``; ``model.step_outputs[7]['preds']`` → ``model.step_outputs``. A step
+  ``__main__.errors``; ``model.step_outputs[7]['preds']`` → ``model.step_outputs``. A path
   without one is its own container: a variable, an attribute, or a dict entry under a
   named key (``activations['fc1']``: a dict's named keys say different things, a list's
   indices do not);
-* the **pattern** is the step with every integer subscript written ``[*]``:
+* the **pattern** is that part with every integer subscript written ``[*]``:
   ``__main__.errors[*].__traceback__.tb_next``, ``model.step_outputs[*]['preds']``;
-* the **item** is the container's entry: the step up to its first integer subscript
+* the **item** is the container's entry: up to its first integer subscript
   (``__main__.errors[2]``).
 
 A ``Culprit`` is one container with the number of its items and tensors that keep
@@ -26,50 +27,67 @@ gc sees no referrer of, such as a view's base tensor, which only the view's C++ 
 holds: ``<Tensor object>``; or a reference cycle) never make culprits of their own: a
 storage is attributed to a rooted holder when it has one, else to
 ``(no holder reachable from Python)``.
+
+The example a culprit shows leads to one of its storages: the largest one that is not a
+parameter's ``.grad`` (whose path names the parameter), else the largest.
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from ._present import present
+from .holder_path import HolderPath
 
 __all__ = [
     "NO_HOLDER",
     "Culprit",
     "HeldStorage",
-    "container_of",
-    "first_step",
+    "Routed",
+    "direct_first",
+    "group_by_owner",
     "group_culprits",
-    "item_of",
-    "pattern_of",
-    "through_graph",
+    "rank_holders",
 ]
+
+H = TypeVar("H", bound="Listed")
 
 #: The group of storages no rooted holder explains.
 NO_HOLDER = "(no holder reachable from Python)"
 
-_ARROW = re.compile(r"\s+(?:→|->)\s+")
-_INT = re.compile(r"-?\d+")
-#: ``train.py:42 in step(): `` (a frame's label, whose file name may contain brackets).
-_FRAME_LABEL = re.compile(r"^.*?:\d+ in [^\s]*\(\)(?: \(suspended \w+\))?: ")
-#: ``<Tensor object>``: the label of an object no root explains.
-_UNROOTED = re.compile(r"^<[^<>\s]+ object>")
-_UNROOTED_KINDS = ("unknown", "cycle", "partial")
+
+class Routed(Protocol):
+    """A holder as grouping reads it (``cudamem.holders.Holder``): its path's structure,
+    and how the path's last object holds the storage (``itself``, ``grad``, ``saved``, ...)."""
+
+    @property
+    def route(self) -> HolderPath: ...
+
+    @property
+    def via(self) -> str: ...
+
+    @property
+    def caller(self) -> bool: ...
+
+
+class Listed(Routed, Protocol):
+    """A holder as ranking reads it (``cudamem.holders.Holder``)."""
+
+    @property
+    def root(self) -> str: ...
 
 
 class HeldStorage(Protocol):
-    """What grouping reads of a storage: its bytes and its holders (each a path string or
-    an object with ``path`` and ``root_kind``). ``cudamem.census.LiveStorage`` is one."""
+    """What grouping reads of a storage: its bytes and its holders.
+    ``cudamem.census.LiveStorage`` is one."""
 
     @property
     def nbytes(self) -> int: ...
 
     @property
-    def holders(self) -> Iterable[object] | None: ...
+    def holders(self) -> Iterable[Routed] | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,114 +114,36 @@ class Culprit:
         return present(self)
 
 
-# --------------------------------------------------------------------------- path rules
+# --------------------------------------------------------------------------- ranking
+
+#: The order of root kinds in a listing of holders.
+_ROOT_RANK = {"global": 0, "ipython": 0, "class": 1, "frame": 2, "traceback": 3, "partial": 5}
 
 
-def first_step(path: str) -> str:
-    """What Python holds: the path up to its first ``→`` (a graph edge, a frame)."""
-    return _ARROW.split(path, maxsplit=1)[0].strip()
+def rank_holders(holders: Iterable[H]) -> list[H]:
+    """``who_holds``'s order: your own reference last; roots by kind (globals, classes,
+    frames, tracebacks, the rest); ``__main__`` first; a tensor as a dict key after the
+    paths to it; shortest first."""
+
+    def key(h: H) -> tuple[int, int, int, int, int]:
+        route = h.route
+        main = 0 if h.root == "__main__" else 1
+        rank = _ROOT_RANK.get(route.root_kind, 4)
+        return (int(h.caller), rank, main, int(route.as_dict_key), len(route.text))
+
+    return sorted(holders, key=key)
 
 
-def through_graph(path: str) -> bool:
-    """Whether a holder path reaches the storage through an autograd graph."""
-    parts = _ARROW.split(path)
-    return len(parts) > 1 and any("grad_fn" in p or "saved" in p for p in parts[1:])
-
-
-def _brackets(step: str, start: int) -> Iterator[tuple[int, int]]:
-    """``(open, close)`` of each outermost ``[...]`` of ``step`` from ``start``: quotes and
-    nesting respected (a quoted name outside brackets, ``local 'x[0]'``, has none)."""
-    depth, quote, opened, i = 0, "", -1, start
-    while i < len(step):
-        c = step[i]
-        if quote:
-            if c == "\\":
-                i += 1
-            elif c == quote:
-                quote = ""
-        elif c in "'\"":
-            quote = c
-        elif c == "[":
-            if depth == 0:
-                opened = i
-            depth += 1
-        elif c == "]" and depth:
-            depth -= 1
-            if depth == 0:
-                yield opened, i
-        i += 1
-
-
-def _int_subscripts(step: str) -> list[tuple[int, int]]:
-    """``(open, close)`` of every integer subscript of a step (``[3]``, not ``['a']``)."""
-    label = _FRAME_LABEL.match(step)
-    return [
-        (i, j)
-        for i, j in _brackets(step, label.end() if label else 0)
-        if _INT.fullmatch(step[i + 1 : j].strip())
-    ]
-
-
-def container_of(path: str) -> str:
-    """The container a holder path names (see the module docstring)."""
-    step = first_step(path)
-    subs = _int_subscripts(step)
-    if subs and subs[0][0] > 0:
-        return step[: subs[0][0]]
-    return step
-
-
-def item_of(path: str) -> str:
-    """The container's entry a holder path goes through: ``errors[2]`` of ``errors[2].x``."""
-    step = first_step(path)
-    subs = _int_subscripts(step)
-    if subs and subs[0][0] > 0:
-        return step[: subs[0][1] + 1]
-    return step
-
-
-def pattern_of(path: str) -> str:
-    """The first step with every integer subscript as ``[*]``."""
-    step = first_step(path)
-    out, last = [], 0
-    for i, j in _int_subscripts(step):
-        out.append(step[last:i])
-        out.append("[*]")
-        last = j + 1
-    out.append(step[last:])
-    return "".join(out)
-
-
-def _unrooted(path: str, root_kind: str | None) -> bool:
-    if root_kind is not None:
-        return root_kind in _UNROOTED_KINDS
-    return bool(_UNROOTED.match(path))
+def direct_first(holders: Iterable[H]) -> list[H]:
+    """Holders a name Python holds directly first (globals before frames), those through
+    autograd graphs after them: which path a report shows first."""
+    return sorted(holders, key=lambda h: (h.via == "saved", h.route.root_kind != "global"))
 
 
 # --------------------------------------------------------------------------- grouping
 
 
-#: Roots that outlive any one call: a path from one of them names what keeps the memory,
-#: where a running frame's local (often a library's ``args`` tuple) only passes it along.
-_LASTING_ROOTS = ("global", "class", "ipython")
-
-
-def _holder_paths(s: HeldStorage) -> list[tuple[str, bool, bool]]:
-    """``(path, rooted, lasting)`` of each holder of a storage, most direct first."""
-    found = s.holders
-    if found is None:
-        return []
-    out: list[tuple[str, bool, bool]] = []
-    for h in found:
-        path = getattr(h, "path", h)
-        if type(path) is not str:
-            continue
-        kind = getattr(h, "root_kind", None)
-        out.append((path, not _unrooted(path, kind), kind in _LASTING_ROOTS))
-    return out
-
-
-def _candidates(s: HeldStorage) -> tuple[tuple[str, ...], str | None]:
+def _candidates(s: HeldStorage) -> tuple[tuple[Routed, ...], Routed | None]:
     """The paths a storage may be attributed to, and an unrooted example when none is.
 
     Rooted holders only (a view's base ``<Tensor object>`` is not a holder of its own);
@@ -211,31 +151,25 @@ def _candidates(s: HeldStorage) -> tuple[tuple[str, ...], str | None]:
     among those, direct ones (not only through an autograd graph) when there are any: a
     parameter that every loss's graph reaches stays the model's.
     """
-    paths = _holder_paths(s)
-    rooted = [(p, lasting) for p, ok, lasting in paths if ok]
+    found = list(s.holders or ())
+    rooted = [h for h in found if h.route.rooted]
     if not rooted:
-        return (), (paths[0][0] if paths else None)
+        return (), (found[0] if found else None)
     # Direct holders first (a parameter that every loss's graph reaches stays the model's,
     # a leaf that a test's frame holds stays that frame's); among those, a module global (or
     # class, or notebook history) beats a running frame's local.
-    direct = [(p, last) for p, last in rooted if not through_graph(p)]
+    direct = [h for h in rooted if not h.route.through_graph]
     pool = direct or rooted
-    lasting = tuple(p for p, last in pool if last)
-    return (lasting or tuple(p for p, _ in pool)), None
-
-
-def _in_container(path: str) -> bool:
-    """Whether the path goes through an entry of a container: on a tie, the container that
-    accumulates beats the loop variable that holds the latest item."""
-    step = first_step(path)
-    return step.endswith("]") or bool(_int_subscripts(step))
+    lasting = tuple(h for h in pool if h.route.lasting)
+    return (lasting or tuple(pool)), None
 
 
 class _Acc:
-    __slots__ = ("autograd", "example", "items", "nbytes", "patterns", "steps", "storages")
+    __slots__ = ("autograd", "example", "items", "nbytes", "patterns", "steps", "storages", "top")
 
-    def __init__(self, example: str) -> None:
-        self.example = example
+    def __init__(self) -> None:
+        self.example = NO_HOLDER
+        self.top = (False, -1, 0)  # how good an example the current one is (``_example``)
         self.items: set[str] = set()
         self.steps: set[str] = set()
         self.patterns: dict[str, int] = {}
@@ -244,54 +178,79 @@ class _Acc:
         self.autograd = 0
 
 
+def _choice(votes: dict[str, int]) -> Callable[[Routed], tuple[int, bool, int]]:
+    """Which of a storage's paths names its culprit: the container with the most entries
+    holding the storages given, then a path through an entry (the accumulating list
+    rather than the loop variable holding the latest item), then the shorter."""
+
+    def key(h: Routed) -> tuple[int, bool, int]:
+        r = h.route
+        return (votes.get(r.container, 0), r.in_container, -len(r.text))
+
+    return key
+
+
+def _example(via: str, nbytes: int, text: str) -> tuple[bool, int, int]:
+    """How good an example of its culprit a storage's path is (higher is better): not a
+    parameter's ``.grad`` (the path names the parameter, which the user did not keep),
+    then the larger storage (a loss's saved activations before the scalar), then the
+    shorter path."""
+    return (via != "grad", nbytes, -len(text))
+
+
 def group_culprits(
     storages: Iterable[HeldStorage], *, patterns: Collection[str] | None = None
 ) -> list[Culprit]:
     """Group storages by container; each storage counts once; most bytes first.
 
     Among a storage's candidate holders, the container with the most entries holding the
-    storages given wins (a loss history list rather than the loop's ``loss`` local that also holds
-    the latest one). ``patterns``: only holders with those patterns count, and storages
-    without one are left out (the totals of culprits already named).
+    storages given wins (a loss history list rather than the loop's ``loss`` local that also
+    holds the latest one). ``patterns``: only holders with those patterns count, and
+    storages without one are left out (the totals of culprits already named).
     """
     items = list(storages)
-    cands: list[tuple[tuple[str, ...], str | None]] = []
+    cands: list[tuple[tuple[Routed, ...], Routed | None]] = []
     for s in items:
-        paths, unrooted = _candidates(s)
+        held, unrooted = _candidates(s)
         if patterns is not None:
-            paths = tuple(p for p in paths if pattern_of(p) in patterns)
+            held = tuple(h for h in held if h.route.item_pattern in patterns)
             unrooted = None
-        cands.append((paths, unrooted))
+        cands.append((held, unrooted))
     # A container's vote is the number of its entries that hold these storages: the list
     # that accumulates (``outputs[0]``, ``[1]``, ...) beats a framework's ``args`` tuple or
     # ``callbacks`` list that reaches them all through one entry, and the loop's ``loss``.
     entries: dict[str, set[str]] = {}
-    for paths, _ in cands:
-        for p in paths:
-            entries.setdefault(container_of(p), set()).add(item_of(p))
+    for held, _ in cands:
+        for h in held:
+            entries.setdefault(h.route.container, set()).add(h.route.item)
     votes = {g: len(e) for g, e in entries.items()}
+    best = _choice(votes)
     acc: dict[str, _Acc] = {}
-    for s, (paths, unrooted) in zip(items, cands, strict=True):
-        if paths:
-            path = max(
-                paths, key=lambda p: (votes.get(container_of(p), 0), _in_container(p), -len(p))
-            )
-            group = container_of(path)
+    for s, (held, unrooted) in zip(items, cands, strict=True):
+        route: HolderPath | None = None
+        if held:
+            chosen = max(held, key=best)
+            route, via = chosen.route, chosen.via
+            group, text = route.container, route.text
         elif patterns is not None:
             continue
         else:
-            path, group = unrooted or NO_HOLDER, NO_HOLDER
+            group, via = NO_HOLDER, (unrooted.via if unrooted is not None else "itself")
+            text = unrooted.route.text if unrooted is not None else NO_HOLDER
         a = acc.get(group)
         if a is None:
-            a = acc[group] = _Acc(path)
+            a = acc[group] = _Acc()
+        top = _example(via, s.nbytes, text)
+        if top > a.top:
+            a.top, a.example = top, text
         a.storages += 1
         a.nbytes += s.nbytes
-        if group != NO_HOLDER:
-            a.items.add(item_of(path))
-            a.steps.add(first_step(path))
-            pattern = pattern_of(path)
+        if route is not None:
+            a.items.add(route.item)
+            a.steps.add(route.first_step)
+            pattern = route.item_pattern
             a.patterns[pattern] = a.patterns.get(pattern, 0) + s.nbytes
-            if through_graph(path):
+            if route.through_graph:
                 a.autograd += s.nbytes
     culprits = [
         Culprit(
@@ -306,5 +265,23 @@ def group_culprits(
         )
         for g, a in acc.items()
     ]
+    culprits.sort(key=lambda c: c.nbytes, reverse=True)
+    return culprits
+
+
+def group_by_owner(storages: Iterable[HeldStorage]) -> list[Culprit]:
+    """Group storages by the variable their first holder (not the caller's own reference)
+    starts from (``HolderPath.owner``): a model's hundreds of parameters are one line,
+    ``__main__.model``, named by what keeps them all. Most bytes first."""
+    groups: dict[str, list[int]] = {}  # owner -> [storages, bytes]
+    examples: dict[str, str] = {}
+    for s in storages:
+        held = [h for h in (s.holders or ()) if not h.caller]
+        name = held[0].route.owner if held else NO_HOLDER
+        g = groups.setdefault(name, [0, 0])
+        g[0] += 1
+        g[1] += s.nbytes
+        examples.setdefault(name, held[0].route.text if held else name)
+    culprits = [Culprit(n, c, c, b, 0, examples[n]) for n, (c, b) in groups.items()]
     culprits.sort(key=lambda c: c.nbytes, reverse=True)
     return culprits

@@ -25,8 +25,8 @@ from ._format import format_bytes
 from ._present import present
 from ._sequence import ItemSequence
 from .census import Census
-from .culprits import NO_HOLDER, container_of, group_culprits
-from .memviz import _LIVE, HOLDER_FILENAME, NOTE_FILENAME
+from .culprits import NO_HOLDER, group_culprits
+from .memviz import _LIVE, CONTAINER_KEY, HOLDER_FILENAME, NOTE_FILENAME
 from .snapshot import load_snapshot
 from .span import MemorySpan, SpanRecord
 
@@ -170,8 +170,7 @@ def _block_group(frames: Any, skip: tuple[str, ...]) -> tuple[str, str]:
             continue
         filename, name = str(f.get("filename", "")), str(f.get("name", ""))
         if filename == HOLDER_FILENAME:
-            path = name.split(" (+", 1)[0]
-            return container_of(path), name
+            return str(f.get(CONTAINER_KEY, name)), name
         if filename == NOTE_FILENAME:
             return f"({name})", name
     for f in frames:

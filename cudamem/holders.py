@@ -22,7 +22,7 @@ import time
 import types
 import warnings
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -32,11 +32,13 @@ from ._args import check_int, check_seconds
 from ._autograd import StorageKey
 from ._format import format_bytes
 from ._frames import own_frame
-from ._naming import Seg, is_sub, type_name
+from ._naming import is_sub, type_name
+from ._paths import write
 from ._present import present
 from ._search import RawHolder, Search, SearchLimits
 from ._sequence import ItemSequence
-from .culprits import container_of
+from .culprits import rank_holders
+from .holder_path import HolderPath
 
 __all__ = [
     "GraphHolder",
@@ -47,20 +49,17 @@ __all__ = [
     "who_holds",
 ]
 
-_IPYTHON_NAMES = ("Out", "_oh", "_", "__", "___")
-_TRACEBACK_NAMES = ("last_traceback", "last_exc", "last_value")
-_MODULE_CONTAINERS = ("_parameters", "_buffers", "_modules")
-
 
 @dataclass(frozen=True, slots=True)
 class Holder:
     """One path from a root that keeps the queried memory alive."""
 
-    #: Python-like path from the root, e.g. ``__main__.trainer.outputs['val'][2]``.
-    path: str
-    #: ``global``, ``class``, ``frame``, ``traceback``, ``ipython``, ``cycle``, ``unknown``,
-    #: or ``partial`` (where a search cut short by a limit had got to, below no root yet).
-    root_kind: str
+    json_properties: ClassVar[tuple[str, ...]] = ("path", "root_kind", "pattern")
+    json_order: ClassVar[tuple[str, ...]] = ("path", "root_kind")
+
+    #: The path as structure (``cudamem.holder_path``): its steps, container, pattern, and
+    #: whether it goes through an autograd graph. ``path`` is its text.
+    route: HolderPath = field(metadata={"json": False})
     #: The root: a module name, a class, a frame (``train.py:42 in step()``), ...
     root: str
     #: ``itself``, ``view``, ``alias``, ``saved``, ``grad``, ``numpy`` (a numpy array sharing
@@ -75,9 +74,24 @@ class Holder:
     #: References this entry stands for: ``log = [t] * 3000`` is one entry with 3000, as are
     #: 3000 dicts in one list that each hold it (paths differing only in list indices).
     count: int = 1
-    #: With ``count > 1``: the path with what varies written as a range or ``*``, e.g.
-    #: ``__main__.log[0..2999]`` or ``__main__.rows[*]['t']``; else ``None``.
-    pattern: str | None = None
+
+    @property
+    def path(self) -> str:
+        """Python-like path from the root, e.g. ``__main__.trainer.outputs['val'][2]``."""
+        return self.route.text
+
+    @property
+    def root_kind(self) -> str:
+        """``global``, ``class``, ``frame``, ``traceback``, ``ipython``, ``cycle``,
+        ``unknown``, or ``partial`` (where a search cut short by a limit had got to, below
+        no root yet)."""
+        return self.route.root_kind
+
+    @property
+    def pattern(self) -> str | None:
+        """With ``count > 1``: the path with what varies written as a range or ``*``, e.g.
+        ``__main__.log[0..2999]`` or ``__main__.rows[*]['t']``; else ``None``."""
+        return self.route.pattern if self.count > 1 else None
 
     @property
     def is_alias(self) -> bool:
@@ -236,7 +250,7 @@ def _find_holders(
     out = []
     for i in range(len(keys)):
         device = _device_text(keys[i])
-        holders = _order(_dedupe_caller(per[i]))
+        holders = rank_holders(_dedupe_caller(per[i]))
         out.append(
             Holders(targets[i], nbytes[i], device, tuple(holders), tuple(notes), elapsed, stopped)
         )
@@ -301,19 +315,6 @@ def _describe(obj: Any) -> str:
     return f"{type_name(tp)} object"
 
 
-def _order(holders: list[Holder]) -> list[Holder]:
-    """Your own reference last; roots by kind (globals, classes, frames, tracebacks, the
-    rest); ``__main__`` first; a tensor as a dict key after the paths to it; shortest first."""
-    rank = {"global": 0, "ipython": 0, "class": 1, "frame": 2, "traceback": 3, "partial": 5}
-
-    def key(h: Holder) -> tuple[int, int, int, int, int]:
-        main = 0 if h.root == "__main__" else 1
-        as_key = int(h.path.endswith(" (dict key)"))
-        return (int(h.caller), rank.get(h.root_kind, 4), main, as_key, len(h.path))
-
-    return sorted(holders, key=key)
-
-
 def _dedupe_caller(holders: list[Holder]) -> list[Holder]:
     out: list[Holder] = []
     seen_caller = False
@@ -360,7 +361,7 @@ def _key_name(raws: list[RawHolder]) -> str | None:
             continue
         if raw.via not in ("itself", "object"):
             continue
-        path = _join(raw.root_kind, raw.root, raw.segs, {}).removeprefix("__main__.")
+        path = write(raw, {}).text.removeprefix("__main__.")
         subscripts = any(s.kind in ("index", "key") for s in raw.segs[1:])
         score = (int(subscripts), len(path), path)
         if best is None or score < best:
@@ -371,129 +372,8 @@ def _key_name(raws: list[RawHolder]) -> str | None:
 def _freeze(
     raw: RawHolder, key: StorageKey | None, nbytes: int | None, key_names: dict[str, str]
 ) -> Holder:
-    kind, root = raw.root_kind, raw.root
-    segs = raw.segs
-    if kind == "global" and segs and segs[0].kind == "key":
-        name = _unquote(segs[0].text)
-        if root == "sys" and name in _TRACEBACK_NAMES:
-            kind = "traceback"
-        elif root == "__main__" and name in _IPYTHON_NAMES and "IPython" in sys.modules:
-            kind = "ipython"
-    path = _join(kind, root, segs, key_names)
-    pattern = _join(kind, root, segs, key_names, raw.subs) if raw.count > 1 else None
-    if kind == "ipython":
-        path = path.removeprefix("__main__.")
-        pattern = pattern.removeprefix("__main__.") if pattern is not None else None
-    device = _device_text(key)
-    return Holder(path, kind, root, raw.via, nbytes, device, raw.caller, raw.count, pattern)
-
-
-def _unquote(text: str) -> str | None:
-    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
-        inner = text[1:-1]
-        return inner if inner.isidentifier() else None
-    return None
-
-
-def _join(
-    kind: str,
-    root: str,
-    segs: list[Seg],
-    key_names: dict[str, str],
-    subs: dict[int, str] | None = None,
-) -> str:
-    """Write a path: root, then each step in Python syntax (see ``Seg``); ``subs``
-    replaces the subscripts of some steps (``0..2999``, ``*``)."""
-    subs = subs or {}
-    out: list[str] = []
-    i = 0
-    if kind in ("global", "traceback", "ipython") and segs and segs[0].kind == "key":
-        name = _unquote(segs[0].text)
-        out.append(f"{root}.{name}" if name is not None else f"vars({root})[{segs[0].text}]")
-        i = 1
-    elif kind == "frame" and segs and segs[0].kind == "local":
-        out.append(_local(segs[0], segs[1:]))
-        i = 1
-    else:
-        out.append(root)
-    while i < len(segs):
-        seg = segs[i]
-        nxt = segs[i + 1] if i + 1 < len(segs) else None
-        if seg.kind == "dictattrs":
-            name = _unquote(nxt.text) if nxt is not None and nxt.kind == "key" else None
-            after = segs[i + 2] if i + 2 < len(segs) else None
-            if (
-                seg.extra == "m"
-                and name in _MODULE_CONTAINERS
-                and after is not None
-                and after.kind == "key"
-                and after.text.strip("'").isdigit()
-            ):
-                out.append(_module_child(after.text.strip("'")))
-                i += 3
-                continue
-            if name is None:
-                out.append(".__dict__")
-                i += 1
-                continue
-            after = segs[i + 2] if i + 2 < len(segs) else None
-            inner = _unquote(after.text) if after is not None and after.kind == "key" else None
-            if seg.extra == "m" and name in _MODULE_CONTAINERS and inner is not None:
-                out.append(_module_child(inner))  # model._parameters['w'] -> model.w
-                i += 3
-                continue
-            out.append(f".{name}")
-            i += 2
-            continue
-        if seg.kind == "closure":
-            if nxt is not None and nxt.kind == "index":
-                names = seg.text.split(",")
-                idx = int(nxt.text)
-                var = names[idx] if idx < len(names) else nxt.text
-                out.append(f" (closure '{var}')")
-                skip = 2
-                third = segs[i + 2] if i + 2 < len(segs) else None
-                if third is not None and third.text == "cell_contents":
-                    skip = 3
-                i += skip
-                continue
-            out.append(".__closure__")
-        elif seg.kind == "local":
-            out.append(" → " + _local(seg, segs[i + 1 :]))
-        elif seg.kind == "attr":
-            inner = _unquote(nxt.text) if nxt is not None and nxt.kind == "key" else None
-            if (
-                seg.extra == "m"
-                and seg.text in _MODULE_CONTAINERS
-                and nxt is not None
-                and (inner is not None or nxt.text.strip("'").isdigit())
-            ):
-                out.append(_module_child(inner or nxt.text.strip("'")))
-                i += 2
-                continue
-            out.append(f".{seg.text}")
-        elif seg.kind in ("key", "index"):
-            text = key_names.get(seg.extra, seg.text) if seg.extra else seg.text
-            out.append(f"[{subs.get(i, text)}]")
-        elif seg.kind == "member":
-            out.append(" (set member)")
-        elif seg.kind == "keyof":
-            out.append(" (dict key)")
-        elif seg.kind in ("via", "autograd"):
-            out.append(f" → {seg.text}" if seg.kind == "autograd" else f" → <{seg.text}>")
-        # storage / tbframe: nothing to write
-        i += 1
-    return "".join(out)
-
-
-def _module_child(name: str) -> str:
-    """``.lin1`` for a named child, ``[0]`` for ``Sequential``/``ModuleList`` entries."""
-    return f"[{name}]" if name.isdigit() else f".{name}"
-
-
-def _local(seg: Seg, rest: list[Seg]) -> str:
-    more = any(s.kind not in ("storage", "tbframe") for s in rest)
-    return f"{seg.extra}: {seg.text}" if more else f"{seg.extra}: local '{seg.text}'"
+    route = write(raw, key_names, in_ipython="IPython" in sys.modules)
+    return Holder(route, raw.root, raw.via, nbytes, _device_text(key), raw.caller, raw.count)
 
 
 # --------------------------------------------------------------------------- graph holders
@@ -629,9 +509,9 @@ def find_graph_holders(
                 if owner is None:
                     continue
                 for h in found:
-                    if h.via != "itself" or " → " in h.path:
+                    if h.via != "itself" or h.route.held != h.route.steps:
                         continue  # an alias, or a tensor inside another graph
-                    name = container_of(h.path)
+                    name = h.route.container
                     group = groups.get(name)
                     if group is None:
                         group = groups[name] = _Group(h.root_kind, h.path)

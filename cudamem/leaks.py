@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Any
 from . import _backend, census
 from ._format import format_bytes
 from ._frames import is_library_file
-from ._storages import StorageRef, matches_type
+from .census import StorageSnapshot
 from .culprits import NO_HOLDER, Culprit, group_culprits
 from .leak_report import Growth, LeakReport
 from .span import MemorySpan, add_entry_hook, add_exit_hook
@@ -86,9 +86,6 @@ MAX_KEYS = 100_000
 MAX_LISTED = 50
 #: Consecutive calls looked at for survivors before a slope they do not explain is let go.
 MAX_ATTEMPTS = 3
-
-#: What a capture keeps: each storage's identity → ``(device, bytes)``.
-Refs = dict[StorageRef, tuple[str, int]]
 
 
 class LeakWarning(UserWarning):
@@ -188,12 +185,6 @@ def configure_leaks(**changes: Any) -> LeakSettings:
 # --------------------------------------------------------------------------- span capture
 
 
-def _report(name: str, checked: str, refs: Iterable[StorageRef], notes: list[str]) -> LeakReport:
-    """Holders for the storages among ``refs`` still alive now (any device)."""
-    found = census.live_storages(None, holders=True, among=refs)
-    return _leak_report(name, checked, found, notes)
-
-
 def _leak_report(
     name: str, checked: str, found: Iterable[LiveStorage], notes: list[str]
 ) -> LeakReport:
@@ -215,7 +206,7 @@ class _Capture:
 
     __slots__ = ("name", "notes", "refs", "report")
 
-    def __init__(self, name: str, refs: Refs, notes: list[str]) -> None:
+    def __init__(self, name: str, refs: StorageSnapshot, notes: list[str]) -> None:
         self.name = name
         self.refs = refs
         self.notes = notes
@@ -226,21 +217,13 @@ def _cap_note(total: int) -> str:
     return f"{total} new storages; only the largest {MAX_KEYS} are followed"
 
 
-def _largest(refs: Refs, notes: list[str]) -> Refs:
-    if len(refs) <= MAX_KEYS:
-        return refs
-    notes.append(_cap_note(len(refs)))
-    top = sorted(refs.items(), key=lambda kv: kv[1][1], reverse=True)[:MAX_KEYS]
-    return dict(top)
-
-
 def _failed(name: str, notes: list[str]) -> _Capture:
-    capture = _Capture(name, {}, notes)
+    capture = _Capture(name, StorageSnapshot(), notes)
     capture.report = LeakReport(name, "at exit", 0, 0, (), (), tuple(notes))
     return capture
 
 
-def begin(name: str) -> Refs | None:
+def begin(name: str) -> StorageSnapshot | None:
     """Span entry (``leaks=True`` or a capture armed by the detector): every live storage.
 
     Every device: a span's report names host storages too; the detector keeps only those
@@ -253,7 +236,7 @@ def begin(name: str) -> Refs | None:
         return None
 
 
-def end(name: str, start: Refs | None, *, explicit: bool) -> _Capture | None:
+def end(name: str, start: StorageSnapshot | None, *, explicit: bool) -> _Capture | None:
     """Span exit: the storages created inside and alive now; the report when ``explicit``.
 
     Returns the capture only when ``explicit`` (``leaks=True``): the detector keeps its own.
@@ -270,17 +253,15 @@ def end(name: str, start: Refs | None, *, explicit: bool) -> _Capture | None:
             return _failed(name, notes)
         watched = _backend.get().storage_device_type()
         if not explicit:  # the detector's capture: no holders yet
-            now = census.live_refs(None)
-            new = _largest({r: v for r, v in now.items() if r not in start}, notes)
-            del now
-            _detector.captured(name, {r: v for r, v in new.items() if matches_type(v[0], watched)})
+            new = census.live_refs(None).new_since(start).largest(MAX_KEYS)
+            _detector.captured(name, new.on(watched))
             return None
         # One census: what is new since the entry, with holders (the largest MAX_KEYS).
         found, total = census.storages_since(start, limit=MAX_KEYS)
         if total > MAX_KEYS:
             notes.append(_cap_note(total))
-        new = {s.ref: (s.device, s.nbytes) for s in found if s.ref is not None}
-        _detector.captured(name, {r: v for r, v in new.items() if matches_type(v[0], watched)})
+        new = StorageSnapshot({s.ref: (s.device, s.nbytes) for s in found if s.ref is not None})
+        _detector.captured(name, new.on(watched))
         capture = _Capture(name, new, notes)
         capture.report = _leak_report(name, "at exit", found, list(notes))
         return capture
@@ -309,7 +290,8 @@ def leaks(since: MemorySpan) -> LeakReport:
     if not isinstance(since, MemorySpan):
         raise TypeError(f"since must be a MemorySpan, not {type(since).__name__}")
     capture = since._leak_capture()
-    return _report(capture.name, "now", capture.refs, list(capture.notes))
+    found = capture.refs.storages(holders=True)
+    return _leak_report(capture.name, "now", found, list(capture.notes))
 
 
 # --------------------------------------------------------------------------- detector
@@ -387,9 +369,9 @@ class _Series:
         self.armed_exits = 0
         self.cooldown = 0
         #: The capture of the call that just ended (set by ``end`` before exit hooks).
-        self.captured: Refs | None = None
+        self.captured: StorageSnapshot | None = None
         #: The capture whose survivors are checked at the next exit.
-        self.pending: Refs | None = None
+        self.pending: StorageSnapshot | None = None
         #: Captured calls already found not to explain the growth, this episode.
         self.attempts = 0
         self.checked_rate = 0.0
@@ -405,7 +387,7 @@ class _Series:
 #: Levels the lock-free path queues per series before the exiting thread drains them.
 _SERIES_DRAIN_AT = 64
 #: An investigation made due: (captured storages, levels, calls, settings).
-_Due = tuple["Refs", tuple[int, ...], int, LeakSettings]
+_Due = tuple[StorageSnapshot, tuple[int, ...], int, LeakSettings]
 
 
 class _Detector:
@@ -454,7 +436,7 @@ class _Detector:
             s.hold = settings.window * 2 ** min(s.quiet, 5)
             s.quiet += 1
 
-    def captured(self, name: str, refs: Refs) -> None:
+    def captured(self, name: str, refs: StorageSnapshot) -> None:
         """A span of ``name`` finished a capture (called before the exit hooks run)."""
         with self.lock:
             s = self.series.get(name)
@@ -526,7 +508,7 @@ class _Detector:
         """One call of the series; caller holds ``lock``."""
         try:
             if self._count(name, s, level, own, settings):
-                due.append((s.pending or {}, _trimmed(s), s.calls, settings))
+                due.append((s.pending or StorageSnapshot(), _trimmed(s), s.calls, settings))
                 s.pending, s.phase = None, _CHECKING
         finally:
             s.steady = bool(s.levels) and s.phase == _WATCH and True not in s.rises
@@ -622,7 +604,7 @@ class _Detector:
     def _investigate(
         self,
         name: str,
-        pending: Refs,
+        pending: StorageSnapshot,
         levels: tuple[int, ...],
         calls: int,
         settings: LeakSettings,
@@ -630,7 +612,7 @@ class _Detector:
         rate = theil_sen(levels)
         try:
             # The cheap test first: do the captured call's storages still exist?
-            retained = sum(v[1] for r, v in pending.items() if r.alive)
+            retained = pending.alive().nbytes
         except Exception as exc:  # never into the user's step
             logger.debug("cudamem: checking the survivors of %r failed: %r", name, exc)
             retained = 0
@@ -676,7 +658,7 @@ class _Detector:
         _emit(growth)
 
 
-def _name_culprits(pending: Refs, notes: list[str]) -> list[Culprit]:
+def _name_culprits(pending: StorageSnapshot, notes: list[str]) -> list[Culprit]:
     """Culprits for the storages a captured call left alive, with container totals.
 
     The containers are named from the survivors, by a holder search of their own: what
@@ -688,7 +670,7 @@ def _name_culprits(pending: Refs, notes: list[str]) -> list[Culprit]:
     container, that container keeps the survivors' figures and a note says so.
     """
     device_type = _backend.get().storage_device_type()
-    survivors = census.live_storages(device_type, holders=True, among=pending)
+    survivors = pending.storages(holders=True)
     named = group_culprits(survivors)
     wanted = {p for c in named for p in c.patterns}
     totals: dict[str, Culprit] = {}

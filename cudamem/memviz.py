@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from .leaks import Growth
 
 __all__ = [
+    "CONTAINER_KEY",
     "HOLDER_FILENAME",
     "AutoDump",
     "SnapshotDump",
@@ -61,6 +62,8 @@ __all__ = [
 HOLDER_FILENAME = "cudamem holder"
 #: The ``filename`` of the synthetic frames that say no holder was found.
 NOTE_FILENAME = "cudamem"
+#: The key of a holder frame that names the holder's container (``cudamem.diff`` groups by it).
+CONTAINER_KEY = "cudamem_container"
 
 _LIVE = frozenset({"active_allocated", "active_pending_free", "active_awaiting_free"})
 
@@ -99,11 +102,14 @@ def _frame(filename: str, name: str) -> dict[str, Any]:
 
 
 def _storage_frame(s: LiveStorage) -> dict[str, Any]:
-    """The synthetic frame naming what holds ``s``."""
-    paths = [] if s.holders is None else [h.path for h in s.holders if not h.caller]
-    if paths:
-        more = f" (+{len(paths) - 1} more)" if len(paths) > 1 else ""
-        return _frame(HOLDER_FILENAME, paths[0] + more)
+    """The synthetic frame naming what holds ``s``: the first holder's path, and its
+    container under ``CONTAINER_KEY`` (memory_viz reads only filename, line and name)."""
+    held = [] if s.holders is None else [h for h in s.holders if not h.caller]
+    if held:
+        more = f" (+{len(held) - 1} more)" if len(held) > 1 else ""
+        frame = _frame(HOLDER_FILENAME, held[0].path + more)
+        frame[CONTAINER_KEY] = held[0].route.container
+        return frame
     if s.holders is None:
         return _frame(NOTE_FILENAME, "holders not searched")
     if not s.python:

@@ -10,38 +10,23 @@ storages still allocated.
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 from . import _backend, _nvml, census
 from ._args import check_bool, check_int
 from ._device_arg import DeviceLike, resolve_device
-from ._format import format_bytes
 from ._present import present
+from .census import LiveStorage
 from .snapshot import CacheSplit, PoolBlocks, has_private_pools, pool_blocks_of, split_cache
 from .stats import AllocatorStats, device_name
 
 __all__ = [
     "DeviceRelease",
     "ReleaseResult",
-    "RemainingStorage",
     "largest_storages",
     "release",
 ]
-
-
-@dataclass(frozen=True, slots=True)
-class RemainingStorage:
-    """A storage still allocated after ``release``, and the paths that hold it."""
-
-    device: int | str
-    nbytes: int
-    description: str
-    holders: tuple[str, ...]
-
-    def __str__(self) -> str:
-        held = "; ".join(self.holders) if self.holders else "no holder found"
-        return f"{format_bytes(self.nbytes)} {self.description} held by {held}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +37,9 @@ class DeviceRelease:
     reserved but not allocated stayed (``None`` without a snapshot).
     """
 
+    #: Its JSON layout's version (``cudamem.render.json``): 2 since ``remaining`` lists
+    #: ``LiveStorage`` values.
+    json_schema: ClassVar[int] = 2
     json_properties: ClassVar[tuple[str, ...]] = (
         "freed_reserved",
         "freed_allocated",
@@ -65,7 +53,8 @@ class DeviceRelease:
     after: AllocatorStats
     nvml_used_before: int | None
     nvml_used_after: int | None
-    remaining: tuple[RemainingStorage, ...]
+    #: The largest storages still allocated, with their holders.
+    remaining: tuple[LiveStorage, ...]
     #: Allocated bytes the cuBLAS workspace clear gave back (0 when not cleared).
     cublas_freed: int = 0
     kept: CacheSplit | None = None
@@ -122,34 +111,44 @@ def largest_storages(
     top: int = 5,
     *,
     holders: bool = True,
-    paths: int = 5,
     pools: PoolBlocks | None = None,
-) -> tuple[RemainingStorage, ...]:
-    """The ``top`` largest storages alive on ``device`` and the paths that hold each.
+) -> tuple[LiveStorage, ...]:
+    """The ``top`` largest storages alive on ``device``, with their holders.
 
     Args:
         device: a CUDA index or ``'cpu'``.
         top: how many storages.
         holders: search who holds each (one search for all of them).
-        paths: holder paths kept per storage.
-        pools: private-pool blocks of the device; a storage inside one is described so.
+        pools: private-pool blocks of the device; a storage inside one that graphs still
+            use says so (``LiveStorage.pool``).
 
     One census with one holder search for every storage. Keeps no reference.
     """
     found = census.live_tensors(device, holders=holders)
     out = []
     for s in list(found.storages)[:top]:
-        what = f"{'saved by autograd ' if not s.python else ''}{s.dtype}{list(s.shape)}"
         block = None if pools is None else pools.pool_of(s.data_ptr)
         pool = None if pools is None or block is None else pools.pool(block.pool_id)
         if pool is not None and pool.held:
-            what += (
-                f" (in private pool {pool.pool_id} of {pool.description}: freed only with the "
-                "graphs that use it)"
-            )
-        held = () if s.holders is None else tuple(s.holders.paths[:paths])
-        out.append(RemainingStorage(device, int(s.nbytes), what, held))
+            s = replace(s, pool=f"private pool {pool.pool_id} of {pool.description}")
+        out.append(s)
     return tuple(out)
+
+
+def __getattr__(name: str) -> Any:
+    """``RemainingStorage``, the old name of what ``DeviceRelease.remaining`` lists: it is
+    ``cudamem.census.LiveStorage`` now (``describe()`` for the description, ``paths`` for the
+    holder paths)."""
+    if name == "RemainingStorage":
+        import warnings
+
+        warnings.warn(
+            "cudamem.release.RemainingStorage is cudamem.census.LiveStorage now",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return LiveStorage
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _nvml_used(device: int) -> int | None:
@@ -237,7 +236,7 @@ def release(
             kept, pools = _kept(d)
         except Exception as exc:
             notes.append(f"{device_name(d)}: cache not analysed: {type(exc).__name__}: {exc}")
-        remaining: tuple[RemainingStorage, ...] = ()
+        remaining: tuple[LiveStorage, ...] = ()
         if after.allocated and top:
             try:
                 remaining = largest_storages(d, top, holders=holders, pools=pools)

@@ -20,12 +20,14 @@ from cudamem.holders import GraphHolder, GraphHolders, Holder, Holders
 from cudamem.leaks import Growth, LeakReport
 from cudamem.ledger import DeviceLedger, Explanation, LedgerLine, MachineStatus
 from cudamem.oom import OomReport, StrandedCache
-from cudamem.release import DeviceRelease, ReleaseResult, RemainingStorage
+from cudamem.release import DeviceRelease, ReleaseResult
 from cudamem.runner import RunReport
 from cudamem.scalars import LoggerStats, SeriesSummary
 from cudamem.snapshot import CacheSplit, PrivatePool
 from cudamem.span import DeviceSpan, ExceptionInfo, SpanRecord
 from cudamem.stats import AllocatorStats
+
+from .routes import split
 
 MiB = 1024**2
 GiB = 1024**3
@@ -101,10 +103,10 @@ def history(*stats_: SpanStats, spans: tuple[SpanRecord, ...] = (), dropped: int
     return History(spans=spans, stats=stats_, dropped=dropped, maxlen=1000)
 
 
-def holder(path: str = "__main__.saved[0]", **kw: Any) -> Holder:
+def holder(path: str = "__main__.saved[0]", root_kind: str = "global", **kw: Any) -> Holder:
+    """A holder of ``path`` (split into steps by ``tests.routes.split``)."""
     values: dict[str, Any] = dict(
-        path=path,
-        root_kind="global",
+        route=split(path, root_kind),
         root="__main__",
         via="itself",
         nbytes=4 * MiB,
@@ -362,7 +364,7 @@ def device_release(**kw: Any) -> DeviceRelease:
         nvml_used_before=2 * GiB,
         nvml_used_after=2 * GiB - 40 * MiB,
         remaining=(
-            RemainingStorage(0, 4 * MiB, "float32[1024, 1024]", ("__main__.kept", "__main__.x")),
+            live_storage(holders=holders(holder(path="__main__.kept"), holder(path="__main__.x"))),
         ),
         cublas_freed=32 * MiB,
         kept=None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
 
 import pytest
@@ -23,7 +24,25 @@ HAS_CUDA = _has_cuda()
 GPU_COUNT = torch.cuda.device_count() if HAS_CUDA else 0
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--shuffle",
+        type=int,
+        default=None,
+        metavar="SEED",
+        help="run the tests in a random order drawn from SEED (no test may depend on order)",
+    )
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    seed = config.getoption("--shuffle")
+    return None if seed is None else f"cudamem: tests shuffled with seed {seed}"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    seed = config.getoption("--shuffle")
+    if seed is not None:
+        random.Random(seed).shuffle(items)
     skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU")
     skip_multi = pytest.mark.skip(reason="needs two CUDA GPUs")
     for item in items:

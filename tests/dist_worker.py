@@ -1,5 +1,5 @@
-"""One rank of the two-process gloo tests of ``cudamem.distributed`` (tests/test_distributed.py
-launches it through torchrun; pytest does not collect it).
+"""One rank of the two-process gloo tests of ``cudamem.distributed``
+(tests/integration/test_distributed.py launches it through torchrun; pytest does not collect it).
 
 Usage: ``dist_worker.py MODE OUT_DIR``. Every rank runs eight tracked steps of 1 MiB tensors on
 the CPU, measured by a stand-in allocator that counts live CPU tensors; rank 1 keeps each

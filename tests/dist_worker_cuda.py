@@ -1,4 +1,4 @@
-"""One rank of the GPU tests of ``cudamem.distributed`` (tests/test_distributed_cuda.py launches
+"""One rank of the GPU tests of ``cudamem.distributed`` (tests/gpu/test_distributed_cuda.py launches
 it through torchrun with NCCL; pytest does not collect it).
 
 Usage: ``dist_worker_cuda.py MODE OUT_DIR``. Modes:

@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import ast
 import gc
+import itertools
 import re
 import shlex
 import sys
 from typing import TYPE_CHECKING, Any
 
 from .._present import present
+from ..holder_path import Step
 from ..holders import Holder, Holders, who_holds
 from ..span import track
 from .results import IPythonHold, NotebookHolders
@@ -43,12 +45,11 @@ __all__ = [
     "load_ipython_extension",
 ]
 
-_OUT = re.compile(r"^(?:Out|_oh)\[(\d+)\]")
-_OUT_VAR = re.compile(r"^(?:__main__\.)?_(\d+)(?![\w])")
-_LAST = re.compile(r"^_{1,3}(?![\w])")
+_OUT_ROOTS = ("Out", "_oh")
+_OUT_VAR = re.compile(r"^(?:__main__\.)?_(\d+)$")
+_LAST = ("_", "__", "___")
 _OUT_NAME = re.compile(r"^_\d+$")
-_HIDDEN_OUT = ("user_ns_hidden['_']", "user_ns_hidden['__']", "user_ns_hidden['___']")
-_TRACEBACK = ("sys.last_traceback", "sys.last_value", "sys.last_exc", ".InteractiveTB.tb")
+_IPYTHON_ROOTS = ("IPython.", "ipykernel.", "[thread IPython", "interactiveshell.py:")
 
 _WHAT = {
     "output": "IPython's output cache keeps it",
@@ -67,41 +68,70 @@ def _short(path: str) -> str:
 
 
 def classify(holder: Holder) -> str:
-    """``user``, ``output``, ``traceback``, ``ipython`` or ``caller`` for one holder."""
-    path = holder.path
+    """``user``, ``output``, ``traceback``, ``ipython`` or ``caller`` for one holder, from its
+    path's steps."""
     if holder.caller:
         return "caller"
-    if holder.root_kind == "traceback" or any(t in path for t in _TRACEBACK):
-        return "traceback"
-    if "last_execution_result" in path and "error_in_exec" in path:
+    route = holder.route
+    steps = route.steps
+    root = steps[0].text if steps else ""
+    attrs = [s.text[1:] for s in steps if s.kind == "attr"]
+    if (
+        route.root_kind == "traceback"
+        or _follows(attrs, "InteractiveTB", "tb")
+        or ("last_execution_result" in attrs and "error_in_exec" in attrs)
+    ):
         return "traceback"
     if (
-        holder.root_kind == "ipython"
-        or _OUT.match(path)
-        or _OUT_VAR.match(path)
-        or _LAST.match(path)
-        or any(t in path for t in _HIDDEN_OUT)
-        or "user_ns_hidden['_oh']" in path
-        or "user_ns_hidden['Out']" in path
-        or "displayhook" in path
+        route.root_kind == "ipython"
+        or _OUT_VAR.match(root)
+        or "displayhook" in attrs
+        or root.endswith(".displayhook")
+        or _hidden_output(steps)
     ):
         return "output"
-    first = path.split(" → ", 1)[0]
+    held = route.held
+    inner = [s.text[1:] for s in held[1:-1] if s.kind == "attr"]  # followed by another step
     if (
-        first.startswith(("IPython.", "ipykernel.", "[thread IPython"))
-        or "get_ipython" in first
-        or "._ip." in first
-        or first.startswith("interactiveshell.py:")
-        or ".InteractiveShell." in first
+        root.startswith(_IPYTHON_ROOTS)
+        or any("get_ipython" in s.text for s in held)
+        or "_ip" in inner
+        or "InteractiveShell" in inner
+        or ".InteractiveShell" in root
     ):
         return "ipython"
     return "user"
+
+
+def _follows(names: list[str], first: str, then: str) -> bool:
+    return any(a == first and b == then for a, b in itertools.pairwise(names))
+
+
+def _hidden_output(steps: tuple[Step, ...]) -> bool:
+    """``user_ns_hidden['_']`` (and ``'__'``, ``'___'``, ``'_oh'``, ``'Out'``): IPython's
+    hidden copy of the output cache."""
+    return any(
+        a.kind == "attr"
+        and a.text == ".user_ns_hidden"
+        and b.kind == "key"
+        and b.text[1:-1].strip("'\"") in (*_LAST, *_OUT_ROOTS)
+        for a, b in itertools.pairwise(steps)
+    )
+
+
+def _cell(holder: Holder) -> int | None:
+    """The cell number of an ``Out[12]`` (``_oh[12]``) path."""
+    steps = holder.route.steps
+    if len(steps) > 1 and steps[0].text in _OUT_ROOTS and steps[1].index is not None:
+        return steps[1].index
+    return None
 
 
 def explain_holders(holders: Holders) -> NotebookHolders:
     """Split ``holders`` into your own paths and IPython's, each of IPython's with its fix."""
     user: list[str] = []
     kinds: dict[str, list[str]] = {}
+    cells: set[int] = set()
     for h in holders:
         kind = classify(h)
         if kind == "caller":
@@ -110,16 +140,17 @@ def explain_holders(holders: Holders) -> NotebookHolders:
             user.append(_short(h.path))
         else:
             kinds.setdefault(kind, []).append(_short(h.path))
+            cell = _cell(h)
+            if cell is not None:
+                cells.add(cell)
     held = []
     for kind in ("output", "traceback", "ipython"):
         paths = kinds.get(kind)
         if not paths:
             continue
         what = _WHAT[kind]
-        if kind == "output":
-            cells = sorted({int(m.group(1)) for p in paths if (m := _OUT.match(p))})
-            if cells:
-                what += " as " + ", ".join(f"Out[{n}]" for n in cells)
+        if kind == "output" and cells:
+            what += " as " + ", ".join(f"Out[{n}]" for n in sorted(cells))
         held.append(IPythonHold(kind, what, tuple(paths), _FIX[kind]))
     return NotebookHolders(holders, tuple(user), tuple(held))
 

@@ -30,8 +30,7 @@ from typing import Any
 import pytest
 
 from .. import _backend
-from .._storages import StorageRef
-from ..census import LiveStorage, live_refs, live_storages
+from ..census import LiveStorage, StorageSnapshot, live_refs
 from ..span import StepSpan
 from .results import MemoryCheck
 
@@ -139,8 +138,8 @@ class _CpuPeak:
 @dataclass
 class _Baseline:
     device: str
-    #: Every storage alive at the start: identity (a weak reference) -> (device, bytes).
-    keys: dict[StorageRef, tuple[str, int]]
+    #: Every storage alive at the start.
+    keys: StorageSnapshot
     allocated: dict[int, int]
     cpu_peak: _CpuPeak | None = None
     #: The CUDA peak: a step span of cudamem's own (no history, no growth detection).
@@ -155,7 +154,7 @@ class _Look:
 
     device: str
     counts: dict[int, int]
-    keys: dict[StorageRef, tuple[str, int]]
+    keys: StorageSnapshot
 
 
 #: The last look of the previous judged test (see ``_baseline``).
@@ -174,7 +173,7 @@ def _alloc_counts(device: str) -> dict[int, int] | None:
     return counts
 
 
-def _look(device: str) -> dict[StorageRef, tuple[str, int]]:
+def _look(device: str) -> StorageSnapshot:
     """Every live storage of ``device`` now, remembered (with the allocation counts read
     before it) for the next test's baseline."""
     counts = _alloc_counts(device)
@@ -183,7 +182,7 @@ def _look(device: str) -> dict[StorageRef, tuple[str, int]]:
     return keys
 
 
-def _reused(device: str) -> dict[StorageRef, tuple[str, int]] | None:
+def _reused(device: str) -> StorageSnapshot | None:
     """The previous test's last look, when no CUDA allocation happened since it: then every
     storage alive now was alive at that look, and the look serves as this test's baseline
     (a clean test then costs one census instead of two). Storages that a look listed and
@@ -239,21 +238,18 @@ def _cuda_peaks(base: _Baseline) -> list[tuple[str, int]]:
     ]
 
 
-def _survivors(
-    base: _Baseline, *, settle_first: bool
-) -> tuple[dict[StorageRef, tuple[str, int]], bool]:
+def _survivors(base: _Baseline, *, settle_first: bool) -> tuple[StorageSnapshot, bool]:
     """Storages created since ``base`` that stay alive through a few settle rounds, and
     whether it settled. The first look is without a collection unless ``settle_first``: a
     clean test (nothing new) needs none, and a collection of a large heap is most of what
     the check would cost."""
-    new: dict[StorageRef, tuple[str, int]] = {}
+    new = StorageSnapshot()
     settled = False
     for i in range(RECHECKS + 1):
         if i or settle_first:
             _settle(base.device)
             settled = True
-        now = _look(base.device)
-        new = {k: n for k, n in now.items() if k not in base.keys}
+        new = _look(base.device).new_since(base.keys)
         if not new:
             break
     return new, settled
@@ -282,7 +278,7 @@ def _judge(
     if leak_limit is not None:
         for settle_first in (False, True):
             new, settled = _survivors(base, settle_first=settle_first)
-            leaked = live_storages(base.device, holders=True, among=new.keys()) if new else ()
+            leaked = new.storages(holders=True)
             del new
             total = sum(s.nbytes for s in leaked)
             unexplained = _unexplained(base, leaked, leak_limit) if base.device == "cuda" else []

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import re
 import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -43,10 +42,8 @@ from typing import TYPE_CHECKING, Any
 from transformers import TrainerCallback
 
 from .. import _backend
-from .._autograd import storage_of
-from .._storages import StorageRef, ref_of
-from ..census import live_storages
-from ..culprits import NO_HOLDER, Culprit, container_of
+from ..census import StorageSnapshot
+from ..culprits import Culprit, group_by_owner
 from ..release import release
 from ._steps import ModuleMeter, StepMeter
 from .results import TrainerRelease
@@ -193,19 +190,16 @@ def _tensors(model: Any, optimizer: Any) -> Iterator[Any]:
                         yield value
 
 
-def _track(model: Any, optimizer: Any) -> tuple[dict[StorageRef, int], list[str]]:
-    """Each storage's identity (a weak reference) -> bytes: keeps nothing alive."""
-
-    tracked: dict[StorageRef, int] = {}
+def _track(model: Any, optimizer: Any) -> tuple[StorageSnapshot, list[str]]:
+    """The storages of ``model`` and ``optimizer``'s state: keeps nothing alive."""
+    tensors: list[Any] = []
     notes: list[str] = []
     try:
-        for t in _tensors(model, optimizer):
-            info = storage_of(t)
-            ref = ref_of(t) if info is not None else None
-            if info is not None and ref is not None and ref not in tracked:
-                tracked[ref] = info[1]
+        tensors.extend(_tensors(model, optimizer))
     except Exception as exc:
         notes.append(f"could not list every storage: {type(exc).__name__}: {exc}")
+    tracked = StorageSnapshot.of(tensors)
+    tensors.clear()
     return tracked, notes
 
 
@@ -217,7 +211,7 @@ def _drop(trainer: Any, name: str, dropped: list[str], *, keep: bool = False) ->
 
 
 #: Per Trainer (weakly): storages a release found still alive, checked again next time.
-_earlier: weakref.WeakKeyDictionary[Any, dict[StorageRef, int]] = weakref.WeakKeyDictionary()
+_earlier: weakref.WeakKeyDictionary[Any, StorageSnapshot] = weakref.WeakKeyDictionary()
 
 
 def release_trainer(trainer: Any, *, keep_model: bool = False) -> TrainerRelease:
@@ -241,8 +235,7 @@ def release_trainer(trainer: Any, *, keep_model: bool = False) -> TrainerRelease
     tracked, notes = _track(None if keep_model else model, getattr(trainer, "optimizer", None))
     # Storages an earlier call found still alive are checked again (after `del model`).
     with contextlib.suppress(TypeError):
-        for key, value in _earlier.pop(trainer, {}).items():
-            tracked.setdefault(key, value)
+        tracked = tracked.union(_earlier.pop(trainer, StorageSnapshot()))
     if keep_model and model is not None:
         # Gradients are not needed to save or evaluate the model.
         import torch
@@ -276,61 +269,31 @@ def release_trainer(trainer: Any, *, keep_model: bool = False) -> TrainerRelease
         result = release(holders=False)
     except Exception as exc:
         notes.append(f"cudamem.release() failed: {type(exc).__name__}: {exc}")
-    alive = {r: n for r, n in tracked.items() if r.alive}
-    count, tracked_bytes = len(tracked), sum(tracked.values())
+    alive = tracked.alive()
     if alive:
         with contextlib.suppress(TypeError):  # a Trainer that takes no weak reference
-            _earlier[trainer] = {k: v for k, v in tracked.items() if k in alive}
-    tracked.clear()
+            _earlier[trainer] = alive
     remaining: tuple[Culprit, ...] = ()
     if alive:
         remaining = _holders_of(alive, notes)
     return TrainerRelease(
         dropped=tuple(dropped),
-        tracked=count,
-        tracked_bytes=tracked_bytes,
-        freed=count - len(alive),
-        freed_bytes=tracked_bytes - sum(alive.values()),
+        tracked=len(tracked),
+        tracked_bytes=tracked.nbytes,
+        freed=len(tracked) - len(alive),
+        freed_bytes=tracked.nbytes - alive.nbytes,
         remaining=remaining,
         release=result,
         notes=tuple(notes),
     )
 
 
-_FIRST_STEP = re.compile(r"^(?:\.|: )(?:local '[^']*'|[A-Za-z_][A-Za-z0-9_]*)")
-
-
-def _owner(holder: Any) -> str:
-    """The variable a path starts from: ``__main__.model`` for ``__main__.model.lm_head.weight``,
-    ``train.py:12 in main(): model`` for a local. A model's hundreds of parameters are one
-    line, named by what keeps them all."""
-    path, root = str(holder.path), str(holder.root)
-    if path.startswith(root):
-        m = _FIRST_STEP.match(path[len(root) :])
-        if m is not None:
-            return root + m.group(0)
-
-    return container_of(path)
-
-
-def _holders_of(alive: dict[StorageRef, int], notes: list[str]) -> tuple[Culprit, ...]:
+def _holders_of(alive: StorageSnapshot, notes: list[str]) -> tuple[Culprit, ...]:
     """Still-alive storages grouped by the variable that holds them, the largest first."""
 
     try:
-        found = live_storages(None, holders=True, among=alive.keys())
+        found = alive.storages(holders=True)
     except Exception as exc:
         notes.append(f"holders not found: {type(exc).__name__}: {exc}")
         return ()
-    groups: dict[str, dict[str, Any]] = {}
-    for s in found:
-        holders = [h for h in (s.holders or ()) if not h.caller]
-        name = _owner(holders[0]) if holders else NO_HOLDER
-        g = groups.setdefault(name, {"n": 0, "bytes": 0, "example": ""})
-        g["n"] += 1
-        g["bytes"] += s.nbytes
-        g["example"] = g["example"] or (holders[0].path if holders else name)
-    culprits = [
-        Culprit(name, g["n"], g["n"], g["bytes"], 0, g["example"]) for name, g in groups.items()
-    ]
-    culprits.sort(key=lambda c: c.nbytes, reverse=True)
-    return tuple(culprits)
+    return tuple(group_by_owner(found))

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .._format import escape_html, format_bytes, format_duration
+from ..culprits import direct_first
 from .modules import render_profile_html
 from .report import command_line, leak_line, unmeasured
 from .series import nothing_to_plot, points
@@ -40,13 +41,6 @@ def _pre(text: str) -> str:
     return f"<pre>{escape_html(text, keep=chr(10))}</pre>"
 
 
-def _direct_first(holders: Any) -> list[str]:
-    """Holder paths with a name Python holds directly first (globals before frames), paths
-    through autograd graphs after them."""
-    ordered = sorted(holders, key=lambda h: (h.via == "saved", h.root_kind != "global"))
-    return [h.path for h in ordered]
-
-
 def _groups_table(report: RunReport) -> str:
     rows = []
     for g in report.groups:
@@ -73,7 +67,7 @@ def _groups_table(report: RunReport) -> str:
 def _live_table(live: Any) -> str:
     rows = []
     for s in live:
-        paths = _direct_first(s.holders) if s.holders is not None else []
+        paths = [h.path for h in direct_first(s.holders or ())]
         held = "<br>".join(_e(p) for p in paths[:5]) or "<em>no holder found</em>"
         if len(paths) > 5:
             held += f"<br>… and {len(paths) - 5} more"

@@ -143,7 +143,7 @@ def _device_release(r: DeviceRelease) -> str:
             lines.extend(f"    {reason}" for reason in render_kept(r.kept))
     if r.remaining:
         rows = [
-            [format_bytes(s.nbytes), s.description, "; ".join(s.holders) or "no holder found"]
+            [format_bytes(s.nbytes), s.describe(), "; ".join(s.paths[:5]) or "no holder found"]
             for s in r.remaining
         ]
         lines.append(

@@ -38,3 +38,37 @@ for bad in ({"timeout": None}, {"max_depth": "10"}, {"max_nodes": -1}):
         cudamem.who_holds(t, **bad)
     except (TypeError, ValueError) as exc:
         print(f"{type(exc).__name__}: {exc}")
+
+print("=== structure ===")  # a path is structure: steps, container, item, pattern, graph
+
+
+class Model:
+    def __init__(self) -> None:
+        self.seen: list[torch.Tensor] = []
+
+    def log(self, value: torch.Tensor) -> None:
+        self.seen.append(value)
+
+
+class Callback:
+    log = None
+
+
+model = Model()
+cb = Callback()
+cb.log = model.log  # a callback keeps a bound method, so the model lives on through it
+del model
+w = torch.ones(256, requires_grad=True)
+for _ in range(3):
+    cb.log((torch.sigmoid(w * 2)).sum())
+step = cb.log.__self__.seen[2]
+saved = step.grad_fn.next_functions[0][0]._saved_result  # sigmoid's output, kept for backward
+del step
+for h in cudamem.who_holds(saved):
+    if h.caller:
+        continue
+    r = h.route
+    print(h.path)
+    print(f"  steps={[s.kind for s in r.steps]}")
+    print(f"  container={r.container!r} item={r.item!r}")
+    print(f"  pattern={r.item_pattern!r} through_graph={r.through_graph}")

@@ -1,0 +1,1 @@
+"""Tests that need a CUDA GPU (marked cuda; they skip without one)."""

@@ -1,0 +1,1 @@
+"""Integration tests on the CPU: real heap searches, censuses, subprocesses, frameworks."""

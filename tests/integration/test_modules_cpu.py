@@ -1,0 +1,178 @@
+"""The per-module profile on real CPU tensors (live CPU storages as the allocator: a heap
+scan per read): checkpointing, autocast, PyTorch's MemTracker as the anchor, ``cudamem run
+--modules`` and the demo's seed 000 module."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import cudamem
+from cudamem import _backend
+from cudamem.integrations._cpu import CpuStorageBackend
+from cudamem.render.json import to_json
+
+
+def test_checkpointing_moves_kept_memory_into_the_backward_on_cpu_tensors() -> None:
+    """Real CPU storages as the allocator: the block's activations are kept without
+    checkpointing, re-made in the backward with it."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up = nn.Linear(64, 256)
+            self.down = nn.Linear(256, 64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.down(torch.relu(self.up(x)))  # type: ignore[no-any-return]
+
+    class Net(nn.Module):
+        def __init__(self, ckpt: bool) -> None:
+            super().__init__()
+            self.block = Block()
+            self.ckpt = ckpt
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.ckpt:
+                return checkpoint(self.block, x, use_reentrant=False)  # type: ignore[no-any-return]
+            return self.block(x)  # type: ignore[no-any-return]
+
+    x = torch.randn(128, 64, requires_grad=True)
+    rows = {}
+    with _backend.use(CpuStorageBackend()):
+        for ckpt in (False, True):
+            net = Net(ckpt)
+            with cudamem.track_modules(net) as prof:
+                net(x).sum().backward()
+            rows[ckpt] = prof.profile.module("Net.block")
+    plain, ckpt = rows[False], rows[True]
+    activation = 128 * 256 * 4  # relu's output, which down saves (up's is freed)
+    output = 128 * 64 * 4
+    assert plain.kept.max == activation + output
+    assert (plain.recomputes.max, plain.recomputed.max) == (0, 0)
+    assert ckpt.kept.max < activation  # only the block's output
+    assert ckpt.recomputes.max == 1
+    assert ckpt.recomputed.max >= activation
+    assert ckpt.backward_calls.max == 1
+
+
+def _tiny_gpt2() -> Any:
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=256, n_positions=32, attn_pdrop=0.0
+    )
+    return transformers.GPT2LMHeadModel(config)
+
+
+def test_kept_agrees_with_memtracker_on_cpu_tensors() -> None:
+    """The anchor on CPU: with live CPU storages as the allocator, each module's kept bytes
+    are MemTracker's for the same step (no allocator rounding on the CPU: exactly)."""
+    from ..memtracker import compare, memtracker_kept
+
+    model = _tiny_gpt2()
+    opt = torch.optim.AdamW(model.parameters())
+    ids = torch.randint(0, 256, (2, 16))
+
+    def step() -> None:
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()  # the optimizer state exists before either measures
+    with _backend.use(CpuStorageBackend()), cudamem.track_modules(model, optimizer=opt) as prof:
+        step()
+    theirs = memtracker_kept(model, [opt, ids], step, "cpu")
+    ours = {r.name: r.kept.max for r in prof.profile.modules}
+    assert ours["GPT2LMHeadModel.lm_head"] == theirs["GPT2LMHeadModel.lm_head"] > 0
+    assert compare(ours, theirs, floor=1) == []
+    p = prof.profile
+    block = p.module("GPT2LMHeadModel.transformer.h.0")
+    assert block.backward_calls.max == 1
+    # transformer.h (a ModuleList) never runs itself: the blocks hang under transformer.
+    assert (block.parent, block.depth) == ("GPT2LMHeadModel.transformer", 2)
+    for row in p.modules:  # each module's kept is its own code's plus its children's
+        children = [c for c in p.modules if c.parent == row.name]
+        assert row.kept.max == row.self_kept.max + sum(c.kept.max for c in children), row.name
+
+
+def test_reentrant_checkpointing_recomputes_inside_the_backward() -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return checkpoint(self.block, x, use_reentrant=True)  # type: ignore[no-any-return]
+
+    net = Net()
+    x = torch.randn(4, 8, requires_grad=True)
+    with _backend.use(CpuStorageBackend()), cudamem.track_modules(net) as prof:
+        net(x).sum().backward()
+    block = prof.profile.module("Net.block")
+    assert (block.calls.max, block.recomputes.max) == (1, 1)
+    assert block.recomputed.max >= 4 * 32 * 4  # the hidden activation, re-made in backward
+    assert prof.profile.module("Net.block.0").recomputes.max == 1
+    assert "1+1r" in str(prof.profile)
+
+
+def test_autocast_on_cpu_is_profiled() -> None:
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+    x = torch.randn(8, 16)
+    with _backend.use(CpuStorageBackend()), cudamem.track_modules(model) as prof:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)
+        out.float().sum().backward()
+    first = prof.profile.module("Sequential.0")
+    # its bf16 output (8*64*2) and the bf16 input it saved (8*16*2): half of fp32's
+    assert first.kept.max == 8 * 64 * 2 + 8 * 16 * 2
+    assert first.backward_calls.max == 1
+
+
+def test_cudamem_run_modules_names_the_top_modules(tmp_path: Any) -> None:
+    from cudamem.render.html import render_html
+    from cudamem.runner import run_script
+
+    script = tmp_path / "train_mlp.py"
+    script.write_text(
+        "import torch\n"
+        "from torch import nn\n"
+        "model = nn.Sequential(nn.Linear(64, 512), nn.Tanh(), nn.Linear(512, 8))\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "for _ in range(2):\n"
+        "    model(torch.randn(32, 64)).sum().backward()\n"
+        "    opt.step()\n"
+        "    opt.zero_grad()\n"
+    )
+    with _backend.use(CpuStorageBackend()):
+        report = run_script(str(script), modules=True, top=0, ledger=False)
+    assert report.exit_code == 0
+    p = report.modules
+    assert p.steps == 2
+    # Tanh keeps its 32x512 float output (its backward needs it), as Linear 0 keeps its own.
+    assert p.module("Sequential.1").self_kept.max == 32 * 512 * 4
+    text = str(report)
+    assert "top modules by activations kept by their own code (mean per step, 2 steps):" in text
+    assert "Sequential.1" in text and "64.0 KiB" in text
+    assert "<h2>Memory per module</h2>" in render_html(report)
+    data = json.loads(to_json(report, kind="cudamem.run"))
+    assert data["modules"]["steps"] == 2
+    assert {m["name"] for m in data["modules"]["modules"]} >= {"Sequential.0", "Sequential.1"}
+    with pytest.raises(TypeError, match="modules must be a bool"):
+        run_script(str(script), modules=1)  # type: ignore[arg-type]
+
+
+def test_the_demo_names_seed_000s_activation_module() -> None:
+    from cudamem.demo.seeds import seed000_modules
+
+    exp = seed000_modules()
+    assert exp.passed, exp.checks
+    assert exp.rows[1][:3] == ("Seed000.activation", "10", "40.0 MiB")

@@ -1,0 +1,1 @@
+"""Unit tests: fakes and hand-built results, no heap walks, no subprocesses."""

@@ -1,0 +1,149 @@
+"""``.ci/gpu``'s record (``.ci/gpu_record.py``) on the CPU: the tree id names cudamem/ as git
+does, pytest's counts are read right, and ``check`` tells a verified tree from a changed one."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _record_module() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("gpu_record", ROOT / ".ci" / "gpu_record.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+rec = _record_module()
+
+
+def test_tree_id_is_gits_tree_id_of_cudamem(tmp_path: Path) -> None:
+    if shutil.which("git") is None:
+        pytest.skip("no git")
+    # A copy of cudamem/ committed in a scratch repository: git's own tree id must match.
+    repo = tmp_path / "repo"
+    shutil.copytree(
+        ROOT / "cudamem", repo / "cudamem", ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
+    )
+    (repo / "cudamem" / "__pycache__").mkdir()  # ignored by the id, as by git here
+    (repo / "cudamem" / "__pycache__" / "x.pyc").write_bytes(b"\0")
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+            cwd=repo,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+
+    git("init", "-q")
+    (repo / ".gitignore").write_text("__pycache__/\n")
+    git("add", "-A")
+    git("commit", "-qm", "x")
+    assert rec.tree_id(repo / "cudamem") == git("rev-parse", "HEAD:cudamem")
+    (repo / "cudamem" / "span.py").write_text("changed\n")
+    assert rec.tree_id(repo / "cudamem") != git("rev-parse", "HEAD:cudamem")
+
+
+def test_counts_read_pytests_last_line() -> None:
+    log = "....s.F\n\n31 passed, 1 skipped, 2 failed, 4 errors, 3 warnings in 52.10s\n"
+    assert rec.counts(log) == {
+        "passed": 31,
+        "skipped": 1,
+        "failed": 2,
+        "errors": 4,
+        "warnings": 3,
+    }
+    assert rec.counts("1 error in 0.2s") == {"errors": 1}
+    assert rec.counts("") == {}
+
+
+def _logs(tmp_path: Path, rc: int, state: str) -> Path:
+    logs = tmp_path / "logs"
+    logs.mkdir(parents=True)
+    tree = rec.tree()
+    (logs / "tree.json").write_text(json.dumps(tree))
+    for name in rec.GROUPS:
+        (logs / f"{name}.rc").write_text(f"{rc} 12")
+        (logs / f"{name}.log").write_text("..\n10 passed, 1 skipped in 3.00s\n")
+    (logs / "status.json").write_text(json.dumps({"reader": {"state": state, "active": False}}))
+    return logs
+
+
+def test_write_then_check_a_verified_tree(tmp_path: Path) -> None:
+    record = tmp_path / "gpu-verified.json"
+    assert rec.write(_logs(tmp_path, 0, "cached"), record) == 0
+    data = json.loads(record.read_text())
+    assert data["groups"]["ledger"] == {"rc": 0, "seconds": 12, "passed": 10, "skipped": 1}
+    assert data["cudamem_tree"] == rec.tree_id(ROOT / "cudamem") and data["passed"] is True
+    assert rec.check(record) == 0
+
+
+def test_a_failed_group_or_a_dict_reader_is_not_verified(tmp_path: Path) -> None:
+    record = tmp_path / "a.json"
+    assert rec.write(_logs(tmp_path / "a", 1, "active"), record) == 1
+    assert json.loads(record.read_text())["passed"] is False
+    assert rec.check(record) == 1
+    other = tmp_path / "b.json"
+    assert rec.write(_logs(tmp_path / "b", 0, "failed"), other) == 1
+
+
+def test_check_says_when_cudamem_changed_since_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    record = tmp_path / "gpu-verified.json"
+    record.write_text(json.dumps({"cudamem_tree": "0" * 40, "commit": "abc", "passed": True}))
+    assert rec.check(record) == 1
+    assert "NOT GPU-verified" in capsys.readouterr().out
+    assert rec.check(tmp_path / "missing.json") == 1
+
+
+def test_ci_gpu_refuses_without_a_gpu(tmp_path: Path) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: .ci/gpu would run")
+    done = subprocess.run(
+        ["bash", str(ROOT / ".ci" / "gpu"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env={"PYTHON": sys.executable, "PATH": "/usr/bin:/bin"},
+        timeout=120,
+    )
+    assert done.returncode == 2 and "needs a CUDA GPU" in done.stderr
+
+
+def test_the_callers_commit_wins_over_a_copys_stale_git(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A device's copy of the tree carries the landed snapshot's .git: its HEAD is not the
+    # commit whose files run there (the H200 run of a8c527d recorded 7e81094, unclean).
+    monkeypatch.setenv("GPU_COMMIT", "f" * 40)
+    monkeypatch.setenv("GPU_TREE_CLEAN", "1")
+    assert rec.tree()["commit"] == "f" * 40 and rec.tree()["clean"] is True
+    monkeypatch.setenv("GPU_TREE_CLEAN", "0")
+    assert rec.tree()["clean"] is False
+
+
+def test_the_record_knows_every_group_and_benchmark_that_ci_gpu_runs() -> None:
+    """A group .ci/gpu runs but the record does not list would never be checked."""
+    import re
+
+    script = (ROOT / ".ci" / "gpu").read_text()
+    groups = re.findall(r"^\s*(?:\S+=\S+\s+\\?\s*)?group ([\w-]+) \d+", script, re.M)
+    groups += re.findall(r"^\s*group ([\w-]+) \d+", script, re.M)
+    benches = re.findall(r"^\s*bench ([\w-]+) \d+", script, re.M)
+    assert set(groups) == set(rec.GROUPS)
+    assert set(benches) == set(rec.BENCHES)
+    # every pytest file a group names exists
+    for path in re.findall(r"tests/[\w/]+\.py", script):
+        assert (ROOT / path).is_file(), path

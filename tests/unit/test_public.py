@@ -1,0 +1,102 @@
+"""The public face: what ``import cudamem`` exports, and where result types live."""
+
+from __future__ import annotations
+
+import importlib
+import re
+from pathlib import Path
+
+import cudamem
+
+API = (Path(__file__).resolve().parents[2] / "docs" / "reference" / "api.md").read_text()
+DOCUMENTED = set(re.findall(r"^::: (cudamem[\w.]*)$", API, flags=re.M))
+
+#: Result types, each in the module that defines it (imported there, documented there).
+RESULTS = {
+    "span": ("SpanRecord", "DeviceSpan", "ExceptionInfo"),
+    "_history": ("History", "SpanStats"),
+    "stats": ("AllocatorStats", "DeviceCounters"),
+    "holders": ("Holders", "Holder", "GraphHolders", "GraphHolder"),
+    "census": ("Census", "LiveStorage", "Unaccounted"),
+    "culprits": ("Culprit",),
+    "leak_report": ("LeakReport", "Growth"),
+    "leaks": ("LeakSettings",),
+    "oom": ("OomReport", "OomEvent", "OomGuard"),
+    "ledger": ("Explanation", "DeviceLedger", "LedgerLine", "MachineStatus", "StatusLine"),
+    "release": ("ReleaseResult", "DeviceRelease"),
+    "scalars": ("Series", "SeriesSummary", "LoggerStats"),
+    "host": ("HostCopy",),
+    "runner": ("RunReport",),
+    "diff": ("MemoryDiff", "DiffEntry"),
+    "memviz": ("SnapshotDump", "AutoDump"),
+    "module_profile": ("ModuleProfile", "ModuleStats", "Spread"),
+    "modules": ("ModuleProfiler",),
+}
+
+
+def test_at_most_thirty_names_and_each_resolves() -> None:
+    assert len(cudamem.__all__) <= 30, cudamem.__all__
+    for name in cudamem.__all__:
+        assert hasattr(cudamem, name), name
+
+
+def test_what_users_call_is_exported() -> None:
+    for name in (
+        "track",
+        "MemorySpan",
+        "who_holds",
+        "live_tensors",
+        "ScalarLogger",
+        "log_scalar",
+        "to_host",
+        "explain",
+        "release",
+        "leaks",
+        "LeakWarning",
+        "on_oom",
+        "plot",
+        "load_snapshot",
+        "find_graph_holders",
+        "dump_snapshot",
+        "diff",
+        "unaccounted",
+        "history",
+        "max_allocated",
+        "configure_leaks",
+        "machine_status",
+        "track_modules",
+    ):
+        assert name in cudamem.__all__, name
+
+
+def test_every_exported_name_is_documented() -> None:
+    for name in cudamem.__all__:
+        if name == "__version__":
+            continue
+        obj = getattr(cudamem, name)
+        home = f"cudamem.{obj.__module__.removeprefix('cudamem.')}.{name}"
+        assert f"cudamem.{name}" in DOCUMENTED or home in DOCUMENTED, name
+
+
+def test_result_types_live_in_their_modules() -> None:
+    for module_name, names in RESULTS.items():
+        module = importlib.import_module(f"cudamem.{module_name}")
+        for name in names:
+            obj = getattr(module, name)
+            assert obj.__module__ == module.__name__, (module_name, name)
+            assert name in module.__all__, (module_name, name)
+            assert name not in cudamem.__all__, name
+            assert f"{module.__name__}.{name}" in DOCUMENTED, (module_name, name)
+
+
+def test_the_old_remaining_storage_name_is_live_storage() -> None:
+    import pytest
+
+    from cudamem.census import LiveStorage
+
+    release = importlib.import_module("cudamem.release")  # cudamem.release is the function
+
+    with pytest.warns(DeprecationWarning, match="LiveStorage"):
+        assert release.RemainingStorage is LiveStorage
+    with pytest.raises(AttributeError, match="no attribute 'Missing'"):
+        release.Missing
