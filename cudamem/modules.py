@@ -30,7 +30,7 @@ dispatch mode):
   backward pass has finished; after the first ``profiler.step()`` call only ``step()``
   ends steps. Rows give mean and max per step over the steps a module ran in.
 - **State bytes** (parameters, buffers, gradients, optimizer state) are read at the end of
-  the first backward pass, at the first step ends and at exit (largest value kept):
+  the first backward pass, at the first step end and at exit (largest value kept):
   they do not change from step to step in ordinary training, and reading them walks every
   parameter. Optimizers are those passed in and any whose ``step()`` runs meanwhile.
 
