@@ -16,7 +16,8 @@ total at the forward's exit minus at entry), for the same step.
 Goals (issue 22): <= 3 % per step on the GPT-2 step; at least 10x cheaper than MemTracker.
 
 Usage: ``python benchmarks/module_profile.py [--quick] [--out benchmarks/results/module-profile.json]``
-(``--quick``: a 2-layer, 128-wide GPT-2 and fewer rounds; a minute on an H200).
+(``--quick``: a 2-layer, 128-wide GPT-2 and fewer rounds, about a minute on an H200; the
+full run's MemTracker steps on GPT-2 small dominate its time: a few minutes).
 """
 
 from __future__ import annotations
@@ -183,8 +184,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default="benchmarks/results/module-profile.json")
     args = parser.parse_args()
-    rounds = 5 if args.quick else 15
-    steps = 5 if args.quick else 10
+    rounds = 5 if args.quick else 9
+    steps = 5 if args.quick else 6
     cases = [gpt2_case(args.quick)]
     try:
         cases.append(resnet_case())
