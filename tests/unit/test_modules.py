@@ -497,3 +497,16 @@ def test_a_failed_backward_leaves_no_span_open(fake: FakeAllocator) -> None:
     p = prof.profile
     assert p.module("Net.second").backward_calls.max == 1  # it finished before the failure
     assert p.module("Net").backward_calls.max == 0  # never finished: not recorded
+
+
+def test_pause_leaves_calls_out_until_resume(fake: FakeAllocator) -> None:
+    model = Outer(fake)
+    with cudamem.track_modules(model) as prof:
+        model(torch.ones(2, 4))
+        prof.pause()
+        model(torch.ones(2, 4))  # a validation pass: not profiled
+        prof.resume()
+        model(torch.ones(2, 4))
+    outer = prof.profile.module("Outer")
+    assert outer.calls.max == 2  # one step (no backward ended one): two calls, not three
+    assert outer.kept.max == 2 * 140 * KiB
