@@ -160,10 +160,12 @@ def agreement(
     model: torch.nn.Module, external: list[Any], step: Callable[[], None]
 ) -> dict[str, Any]:
     """cudamem's and MemTracker's kept bytes per module for one step each."""
+    gc.collect()
     with cudamem.track_modules(model, optimizer=external) as prof:
         step()
     if prof.profile.unmeasured:
         return {"modules": [], "worst_relative_difference_at_1MiB": None, "compared": 0}
+    gc.collect()
     theirs = memtracker_kept(model, external, step, DEVICE)
     rows = []
     for row in prof.profile.modules:
