@@ -20,7 +20,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from types import TracebackType
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
@@ -727,3 +728,55 @@ class HistoryLease:
         if self.active:
             get().set_history(False, 0, None)
             self.active = False
+
+
+_Hook = TypeVar("_Hook", bound="InstalledHook")
+
+
+class InstalledHook:
+    """What an installed hook (OOM post-mortems, automatic snapshot dumps) shares: ``installed``
+    until ``uninstall()``, which runs once under the kind's ``_install_lock``; a
+    ``HistoryLease`` given back there; a context manager that uninstalls at the end of the
+    block. A subclass undoes its own hooks in ``_unhook``."""
+
+    _install_lock: ClassVar[threading.Lock]
+
+    def __init__(self) -> None:
+        self.installed = False
+        self._history = HistoryLease()
+
+    def _wanted(self) -> bool:
+        """Checked by a history request queued until CUDA initialises."""
+        return self.installed
+
+    def _unhook(self) -> None:
+        """Undo what installing did (under ``_install_lock``, before the lease goes back)."""
+
+    def _leaving(self, exc: BaseException | None) -> None:
+        """At the end of a ``with`` block, before ``uninstall``."""
+
+    def _state(self) -> str:
+        return "installed" if self.installed else "uninstalled"
+
+    def uninstall(self) -> None:
+        """Stop; turn history recording off again if this hook turned it on."""
+        with self._install_lock:
+            if not self.installed:
+                return
+            self.installed = False
+            self._unhook()
+            self._history.give_back()
+
+    def __enter__(self: _Hook) -> _Hook:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        try:
+            self._leaving(exc)
+        finally:
+            self.uninstall()

@@ -241,7 +241,7 @@ def group_culprits(
         if a is None:
             a = acc[group] = _Acc()
         top = _example(via, s.nbytes, text)
-        if top > a.top:
+        if top > a.top or (top == a.top and text < a.example):  # ties: the first by text
             a.top, a.example = top, text
         a.storages += 1
         a.nbytes += s.nbytes

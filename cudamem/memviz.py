@@ -43,8 +43,6 @@ from ._present import present
 from .leaks import add_growth_hook, remove_growth_hook
 
 if TYPE_CHECKING:
-    from types import TracebackType
-
     from .census import LiveStorage
     from .leaks import Growth
 
@@ -327,12 +325,14 @@ _active: AutoDump | None = None
 _observed: weakref.WeakSet[_backend.Backend] = weakref.WeakSet()
 
 
-class AutoDump:
+class AutoDump(_backend.InstalledHook):
     """Automatic snapshot dumps, returned by ``auto_dump``.
 
     ``files`` lists what was written. ``uninstall()`` stops it (and turns history recording
     off if it turned it on); used as a context manager it uninstalls at the end of the block.
     """
+
+    _install_lock = _lock
 
     def __init__(
         self,
@@ -352,10 +352,9 @@ class AutoDump:
         self.holders = holders
         self.record_history = record_history
         self.max_entries = max_entries
-        self.installed = False
         self.dumps: list[SnapshotDump] = []
         self.errors: list[str] = []
-        self._history = _backend.HistoryLease()
+        super().__init__()
         self._busy = threading.Lock()
 
     @property
@@ -389,36 +388,14 @@ class AutoDump:
         if self.leaks:
             self._dump("leak")
 
-    def _wanted(self) -> bool:
-        return self.installed
-
-    def uninstall(self) -> None:
-        """Stop dumping; turn history recording off again if this turned it on."""
+    def _unhook(self) -> None:
         global _active
-
-        with _lock:
-            if not self.installed:
-                return
-            self.installed = False
-            remove_growth_hook(self._on_growth)
-            self._history.give_back()
-            if _active is self:
-                _active = None
-
-    def __enter__(self) -> AutoDump:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.uninstall()
+        remove_growth_hook(self._on_growth)
+        if _active is self:
+            _active = None
 
     def __repr__(self) -> str:
-        state = "installed" if self.installed else "uninstalled"
-        return f"<AutoDump {state} into {str(self.directory)!r}, {len(self.dumps)} written>"
+        return f"<AutoDump {self._state()} into {str(self.directory)!r}, {len(self.dumps)} written>"
 
 
 def _observer(device: int, requested: int, total: int, free: int) -> None:

@@ -603,12 +603,17 @@ _guard: OomGuard | None = None
 _install_lock = threading.Lock()
 
 
-class OomGuard:
+class OomGuard(_backend.InstalledHook):
     """Installed OOM post-mortems: returned by ``on_oom``.
 
-    ``guard.uninstall()`` restores the previous hooks; used as a context manager, the guard
-    also reports an OOM that leaves the block and uninstalls itself at the end.
+    ``guard.uninstall()`` restores the previous hooks and turns history off if cudamem turned
+    it on; used as a context manager, the guard also reports an OOM that leaves the block and
+    uninstalls itself at the end. If other code replaced cudamem's hook after it was installed,
+    that hook is left in place (removing it would break its chain) and cudamem's stays as a
+    pass-through.
     """
+
+    _install_lock = _install_lock
 
     def __init__(
         self,
@@ -626,14 +631,13 @@ class OomGuard:
         self.max_entries = max_entries
         self.last_report: OomReport | None = None
         self.notes: list[str] = []
-        self.installed = False
+        super().__init__()
         self._prev_sys: Callable[..., Any] | None = None
         self._prev_thread: Callable[..., Any] | None = None
         self._sys_hook_ref = self._sys_hook
         self._thread_hook_ref = self._thread_hook
         self._ipython: Any = None
         self._ipython_prev: tuple[Any, Any] | None = None
-        self._history = _backend.HistoryLease()
 
     @property
     def events(self) -> tuple[OomEvent, ...]:
@@ -686,10 +690,6 @@ class OomGuard:
         if self.record_history and self._history.take(self.max_entries, self._wanted):
             self.notes.append("allocation history was already on: left as it is")
 
-    def _wanted(self) -> bool:
-        """Checked by a history request queued until CUDA initialises."""
-        return self.installed
-
     def _install_ipython(self) -> None:
         ipython_mod = sys.modules.get("IPython")
         get = getattr(ipython_mod, "get_ipython", None)
@@ -710,50 +710,28 @@ class OomGuard:
         self._ipython_prev = (shell.custom_exceptions, shell.CustomTB)
         shell.set_custom_exc(oom_types, self._ipython_handler)
 
-    def uninstall(self) -> None:
-        """Restore the hooks that were there before; turn history off if cudamem turned it on.
-
-        If other code replaced cudamem's hook after it was installed, that hook is left in
-        place (removing it would break its chain) and cudamem's stays as a pass-through.
-        """
+    def _unhook(self) -> None:
+        """Restore the hooks that were there before, where they are still cudamem's."""
         global _guard, _observer_active
-        with _install_lock:
-            if not self.installed:
-                return
-            self.installed = False
-            if sys.excepthook is self._sys_hook_ref:
-                sys.excepthook = self._prev_sys or sys.__excepthook__
-            if threading.excepthook is self._thread_hook_ref:
-                threading.excepthook = self._prev_thread or threading.__excepthook__
-            if self._ipython is not None and self._ipython_prev is not None:
-                self._ipython.custom_exceptions, self._ipython.CustomTB = self._ipython_prev
-                self._ipython = self._ipython_prev = None
-            self._history.give_back()
-            if _guard is self:
-                _guard = None
-                _observer_active = False
+        if sys.excepthook is self._sys_hook_ref:
+            sys.excepthook = self._prev_sys or sys.__excepthook__
+        if threading.excepthook is self._thread_hook_ref:
+            threading.excepthook = self._prev_thread or threading.__excepthook__
+        if self._ipython is not None and self._ipython_prev is not None:
+            self._ipython.custom_exceptions, self._ipython.CustomTB = self._ipython_prev
+            self._ipython = self._ipython_prev = None
+        if _guard is self:
+            _guard = None
+            _observer_active = False
 
-    # -- context manager --------------------------------------------------------------
-
-    def __enter__(self) -> OomGuard:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        try:
-            if exc is not None and self.installed:
-                _report_exception(exc, "on_oom() block")
-        finally:
-            self.uninstall()
+    def _leaving(self, exc: BaseException | None) -> None:
+        """The ``with`` block's end: report an OOM that leaves it."""
+        if exc is not None and self.installed:
+            _report_exception(exc, "on_oom() block")
 
     def __repr__(self) -> str:
-        state = "installed" if self.installed else "uninstalled"
         where = f", file={os.fspath(self.file)!r}" if self.file is not None else ""
-        return f"<OomGuard {state}{where}>"
+        return f"<OomGuard {self._state()}{where}>"
 
 
 def on_oom(

@@ -33,42 +33,13 @@ from typing import Any
 
 from .._args import check_bool
 from .._data import to_data
-from . import _transport
+from . import _results, _transport
 from ._analysis import build_report
 from ._collect import collect_rank
-from ._results import (
-    CONTEXT_ESTIMATE,
-    CONTEXT_ESTIMATE_EAGER,
-    DistributedReport,
-    GpuHolding,
-    HostGpu,
-    Outlier,
-    RankDevice,
-    RankGrowth,
-    RankReport,
-    RankSpan,
-    StrayMemory,
-    absent_row,
-    describe,
-    failure,
-)
+from ._results import *  # noqa: F403  (re-exports the results: ``_results.__all__``)
+from ._results import DistributedReport, RankReport, absent_row, describe, failure
 
-__all__ = [
-    "CONTEXT_ESTIMATE",
-    "CONTEXT_ESTIMATE_EAGER",
-    "DistributedReport",
-    "GpuHolding",
-    "HostGpu",
-    "Outlier",
-    "RankDevice",
-    "RankGrowth",
-    "RankReport",
-    "RankSpan",
-    "StrayMemory",
-    "build_report",
-    "collect_rank",
-    "gather_report",
-]
+__all__ = [*_results.__all__, "build_report", "collect_rank", "gather_report"]
 
 
 def _decode(raw: Any, rank: int, size: int) -> RankReport:

@@ -51,15 +51,17 @@ _LAST = ("_", "__", "___")
 _OUT_NAME = re.compile(r"^_\d+$")
 _IPYTHON_ROOTS = ("IPython.", "ipykernel.", "[thread IPython", "interactiveshell.py:")
 
-_WHAT = {
-    "output": "IPython's output cache keeps it",
-    "traceback": "the last error's traceback keeps the failed call's frames (and their locals)",
-    "ipython": "IPython's own objects reach it",
-}
-_FIX = {
-    "output": "%forget out",
-    "traceback": "%forget error",
-    "ipython": "%forget (the output cache and the last error), or %reset -f (everything)",
+#: What IPython keeps a value by, in the order they are listed: what keeps it, and its fix.
+_IPYTHON_HOLDS = {
+    "output": ("IPython's output cache keeps it", "%forget out"),
+    "traceback": (
+        "the last error's traceback keeps the failed call's frames (and their locals)",
+        "%forget error",
+    ),
+    "ipython": (
+        "IPython's own objects reach it",
+        "%forget (the output cache and the last error), or %reset -f (everything)",
+    ),
 }
 
 
@@ -144,14 +146,13 @@ def explain_holders(holders: Holders) -> NotebookHolders:
             if cell is not None:
                 cells.add(cell)
     held = []
-    for kind in ("output", "traceback", "ipython"):
+    for kind, (what, fix) in _IPYTHON_HOLDS.items():
         paths = kinds.get(kind)
         if not paths:
             continue
-        what = _WHAT[kind]
         if kind == "output" and cells:
             what += " as " + ", ".join(f"Out[{n}]" for n in sorted(cells))
-        held.append(IPythonHold(kind, what, tuple(paths), _FIX[kind]))
+        held.append(IPythonHold(kind, what, tuple(paths), fix))
     return NotebookHolders(holders, tuple(user), tuple(held))
 
 

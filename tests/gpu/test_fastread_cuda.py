@@ -132,7 +132,7 @@ def _run(code: str, cache: Path, **env: str) -> subprocess.CompletedProcess[str]
 
 
 _BACKGROUND = """
-    import time, torch, cudamem
+    import torch, cudamem
     from cudamem import _backend
     x = torch.ones(1 << 20, device="cuda:0")
     b = _backend.get()
@@ -140,12 +140,10 @@ _BACKGROUND = """
     print("first", _backend.reader_status().state)
     print("first_equal", first == (torch.cuda.memory_allocated(0),
           torch.cuda.memory_reserved(0), torch.cuda.max_memory_allocated(0)))
-    deadline = time.monotonic() + 600
-    while _backend.reader_status().state in ("building", "ready") and time.monotonic() < deadline:
-        y = torch.ones(1 << 18, device="cuda:0")
-        b.counters(0)  # what a span does at its edges
-        del y
-        time.sleep(0.02)
+    b.reader.join(600)  # the background build (no polling on the clock)
+    y = torch.ones(1 << 18, device="cuda:0")
+    b.counters(0)  # what a span does at its edges: validates the built reader
+    del y
     status = _backend.reader_status()
     print("final", status.state)
     print("line", status)

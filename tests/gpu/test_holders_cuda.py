@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import cudamem
+from cudamem import census
 
 pytestmark = pytest.mark.cuda
 
@@ -40,6 +41,7 @@ def test_seed_000_loss_history_40_mib_through_autograd() -> None:
     x = torch.randn(1024, 1024, device="cuda", requires_grad=True)
     loss_history = []
     before = _allocated()
+    base = census.live_refs("cuda")
     for _ in range(10):
         loss = torch.sigmoid(x * 2).mean()
         loss_history.append(loss)
@@ -48,7 +50,12 @@ def test_seed_000_loss_history_40_mib_through_autograd() -> None:
         grown = _allocated() - before
         assert 40 * MiB <= grown < 41 * MiB  # 10 sigmoid outputs of 4 MiB, plus 10 scalars
         c = cudamem.live_tensors("cuda:0", holders=True)
-        outputs = [s for s in c if s.nbytes == 4 * MiB and s.saved_by_autograd and s.tensors == 0]
+        new = census.live_refs("cuda").new_since(base)  # not what earlier tests left on the GPU
+        outputs = [
+            s
+            for s in c
+            if s.ref in new and s.nbytes == 4 * MiB and s.saved_by_autograd and s.tensors == 0
+        ]
         assert len(outputs) == 10
         paths = sorted(s.holders.paths[0] for s in outputs if s.holders is not None)
         assert paths == sorted(
