@@ -26,7 +26,6 @@ import torch
 from . import _autograd, _backend, _heap, _heapscan
 from ._autograd import StorageKey
 from ._device_arg import DeviceLike, resolve_device
-from ._format import format_bytes
 from ._frames import own_frame
 from ._naming import frame_locals
 from ._present import present
@@ -118,9 +117,7 @@ class LiveStorage:
         return what if self.python else f"saved by autograd {what}"
 
     def __str__(self) -> str:
-
-        shape = "×".join(map(str, self.shape)) or "scalar"
-        return f"{format_bytes(self.nbytes)} {self.dtype}[{shape}] on {self.device}"
+        return present(self)
 
 
 def listing_order(storage: LiveStorage) -> tuple[int, str]:

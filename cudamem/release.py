@@ -16,7 +16,6 @@ from typing import Any, ClassVar
 from . import _backend, _nvml, census
 from ._args import check_bool, check_int
 from ._device_arg import DeviceLike, resolve_device
-from ._format import format_bytes
 from ._present import present
 from .snapshot import CacheSplit, PoolBlocks, has_private_pools, pool_blocks_of, split_cache
 from .stats import AllocatorStats, device_name
@@ -40,8 +39,7 @@ class RemainingStorage:
     holders: tuple[str, ...]
 
     def __str__(self) -> str:
-        held = "; ".join(self.holders) if self.holders else "no holder found"
-        return f"{format_bytes(self.nbytes)} {self.description} held by {held}"
+        return present(self)
 
 
 @dataclass(frozen=True, slots=True)

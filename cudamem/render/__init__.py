@@ -20,6 +20,7 @@ from . import (
     reader,
     report,
     scalars,
+    span,
 )
 
 __all__ = [
@@ -36,4 +37,5 @@ __all__ = [
     "reader",
     "report",
     "scalars",
+    "span",
 ]

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from .._format import format_bytes
+from .._nvml import NvmlStatus
 from .._present import renders
-from ..ledger import DeviceLedger, Explanation, MachineStatus
-from ..release import DeviceRelease, ReleaseResult
+from ..ledger import DeviceLedger, Explanation, LedgerLine, MachineStatus
+from ..release import DeviceRelease, ReleaseResult, RemainingStorage
 from ..snapshot import CacheSplit
 from .text import render_table
 
@@ -13,8 +14,11 @@ __all__ = [
     "render_explanation",
     "render_kept",
     "render_ledger",
+    "render_ledger_line",
     "render_machine_status",
+    "render_nvml_status",
     "render_release",
+    "render_remaining_storage",
 ]
 
 # Lines whose note is worth a detail row under the table (besides unknown or inferred ones).
@@ -35,6 +39,22 @@ def _title(ledger: DeviceLedger) -> str:
     if ledger.smi_used is not None:
         head += f" (nvidia-smi shows {format_bytes(ledger.smi_used)}: driver reserve excluded)"
     return head
+
+
+@renders(LedgerLine)
+def render_ledger_line(line: LedgerLine) -> str:
+    """``allocated: 1.0 MiB (measured; freed by del)``."""
+    return f"{line.label}: {format_bytes(line.nbytes)} ({line.basis}; freed by {line.frees})"
+
+
+@renders(NvmlStatus)
+def render_nvml_status(status: NvmlStatus) -> str:
+    """``NVML available (driver 580.65)`` or why not, then the deprecated-package warning."""
+    if status.available:
+        line = f"NVML available (driver {status.driver_version or 'unknown'})"
+    else:
+        line = f"NVML unavailable: {status.reason}"
+    return line if status.warning is None else f"{line}\n{status.warning}"
 
 
 @renders(DeviceLedger)
@@ -152,6 +172,13 @@ def _device_release(r: DeviceRelease) -> str:
             )
         )
     return "\n".join(lines)
+
+
+@renders(RemainingStorage)
+def render_remaining_storage(s: RemainingStorage) -> str:
+    """``4.0 MiB float32[1024, 1024] held by __main__.x``."""
+    held = "; ".join(s.holders) if s.holders else "no holder found"
+    return f"{format_bytes(s.nbytes)} {s.description} held by {held}"
 
 
 @renders(ReleaseResult)
