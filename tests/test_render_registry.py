@@ -245,3 +245,32 @@ def test_every_presented_result_has_a_renderer_once_render_is_imported() -> None
         and not fn.__module__.startswith("cudamem.render.")
     }
     assert elsewhere == set()
+
+
+def test_only_present_and_the_package_face_import_render_by_name() -> None:
+    # _present imports cudamem.render by name (the one arrow up, at run time, that the
+    # layout test cannot see); no other module below render/ may do the same.
+    import ast
+
+    allowed = {PACKAGE / "_present.py", PACKAGE / "__init__.py"}
+    found = set()
+    for path in PACKAGE.rglob("*.py"):
+        if path.is_relative_to(PACKAGE / "render") or path in allowed:
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        docstrings = {
+            id(node.body[0].value)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+            and node.body
+            and isinstance(node.body[0], ast.Expr)
+        }
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Constant)
+                and isinstance(node.value, str)
+                and node.value.startswith("cudamem.render")
+                and id(node) not in docstrings
+            ):
+                found.add(str(path.relative_to(PACKAGE)))
+    assert found == set()
