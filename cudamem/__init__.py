@@ -11,7 +11,8 @@ importable from the modules that define them (``cudamem.span.SpanRecord``,
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from ._history import clear_history, history, set_history_size
 from .census import live_tensors, unaccounted
@@ -28,9 +29,8 @@ from .scalars import ScalarLogger, log_scalar
 from .snapshot import UnsafeSnapshotError, load_snapshot
 from .span import MemorySpan, StepSpan, max_allocated, track
 
-# Last: every renderer registers itself for the results above (see cudamem._present).
-from . import render as _render  # noqa: F401  isort: skip
-from .render.plot import plot  # isort: skip
+if TYPE_CHECKING:
+    from .render.plot import plot
 
 __version__ = "0.1.0"
 
@@ -66,6 +66,27 @@ __all__ = [
     "unaccounted",
     "who_holds",
 ]
+
+
+#: Names imported on first use (PEP 562): the renderers load with the first result drawn
+#: (``cudamem._present``), not with ``import cudamem``.
+_LAZY = {"plot": "cudamem.render.plot", "render": "cudamem.render"}
+
+
+def __getattr__(name: str) -> Any:
+    """``cudamem.plot`` and ``cudamem.render``, imported when first asked for."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'cudamem' has no attribute {name!r}")
+    value = importlib.import_module(module)
+    if name != "render":
+        value = getattr(value, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
 
 
 def load_ipython_extension(ipython: Any) -> None:

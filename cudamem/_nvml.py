@@ -27,6 +27,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, ClassVar
 
+from ._present import present
+
 __all__ = [
     "FIX_PACKAGE",
     "DeviceMemory",
@@ -125,11 +127,7 @@ class NvmlStatus:
     warning: str | None = None
 
     def __str__(self) -> str:
-        if self.available:
-            line = f"NVML available (driver {self.driver_version or 'unknown'})"
-        else:
-            line = f"NVML unavailable: {self.reason}"
-        return line if self.warning is None else f"{line}\n{self.warning}"
+        return present(self)
 
 
 # --------------------------------------------------------------------------- loading

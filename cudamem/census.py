@@ -123,9 +123,7 @@ class LiveStorage:
         return what
 
     def __str__(self) -> str:
-
-        shape = "×".join(map(str, self.shape)) or "scalar"
-        return f"{format_bytes(self.nbytes)} {self.dtype}[{shape}] on {self.device}"
+        return present(self)
 
 
 def listing_order(storage: LiveStorage) -> tuple[int, str]:

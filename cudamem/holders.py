@@ -30,7 +30,6 @@ import torch
 from . import _autograd, _heap, _search
 from ._args import check_int, check_seconds
 from ._autograd import StorageKey
-from ._format import format_bytes
 from ._frames import own_frame
 from ._naming import is_sub, type_name
 from ._paths import write
@@ -404,13 +403,7 @@ class GraphHolder:
         return self.graph_bytes + self.tensor_bytes
 
     def __str__(self) -> str:
-
-        where = ", ".join(self.devices) or "no device"
-        return (
-            f"{self.container}: {self.tensors} tensor(s) with graphs keep "
-            f"{format_bytes(self.graph_bytes)} of saved tensors alive on {where} "
-            f"(e.g. {self.example})"
-        )
+        return present(self)
 
 
 @dataclass(frozen=True, slots=True)

@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING, Any
 from . import _backend, census
 from ._format import format_bytes
 from ._frames import is_library_file
+from ._present import present
 from .census import StorageSnapshot
 from .culprits import NO_HOLDER, Culprit, group_culprits
 from .leak_report import Growth, LeakReport
@@ -124,11 +125,7 @@ class LeakSettings:
     span_oom_reports: bool = True
 
     def __str__(self) -> str:
-        return (
-            f"growth detection {'on' if self.enabled else 'off'}: after {self.warmup} warm-up "
-            f"call(s), {self.min_rises} of the last {self.window} calls rising by at least "
-            f"{format_bytes(self.min_bytes_per_call)} per call"
-        )
+        return present(self)
 
 
 def _validate(s: LeakSettings) -> None:

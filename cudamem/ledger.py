@@ -146,7 +146,7 @@ class LedgerLine:
     note: str = ""
 
     def __str__(self) -> str:
-        return f"{self.label}: {format_bytes(self.nbytes)} ({self.basis}; freed by {self.frees})"
+        return present(self)
 
 
 @dataclass(frozen=True, slots=True)

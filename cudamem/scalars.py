@@ -34,7 +34,6 @@ import torch
 
 from . import _backend
 from ._args import check_int
-from ._format import format_bytes
 from ._present import present
 from ._warn import warn_once
 
@@ -178,14 +177,7 @@ class SeriesSummary:
     last_step: int | None
 
     def __str__(self) -> str:
-        if self.last is None:
-            return f"{self.name}: empty"
-        text = f"{self.name}: {self.count} values, last {self.last:.6g} (step {self.last_step})"
-        if self.mean is not None:
-            text += f", mean {self.mean:.6g}, min {self.min:.6g}, max {self.max:.6g}"
-        if self.nan:
-            text += f", {self.nan} NaN"
-        return text
+        return present(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,14 +198,7 @@ class LoggerStats:
     host_bytes: int = 0
 
     def __str__(self) -> str:
-
-        buffers = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.buffer_bytes.items())
-        return (
-            f"{self.logged} values logged, {self.transfers} "
-            f"transfer{'' if self.transfers == 1 else 's'}, {self.pending} pending; "
-            f"kept {self.kept} ({format_bytes(self.host_bytes)})"
-            + (f"; buffers: {buffers}" if buffers else "")
-        )
+        return present(self)
 
 
 # --------------------------------------------------------------------------- internals

@@ -39,7 +39,6 @@ from typing_extensions import ParamSpec
 from . import _backend
 from ._data import to_data
 from ._device_arg import DeviceLike, resolve_device
-from ._format import format_bytes, format_duration
 from ._present import present
 from ._warn import warn_once
 from .stats import DeviceCounters, device_name
@@ -108,15 +107,7 @@ class DeviceSpan:
         return None if self.peak is None else self.peak - self.before.allocated
 
     def __str__(self) -> str:
-        text = (
-            f"allocated {format_bytes(self.allocated_delta, signed=True)}, "
-            f"reserved {format_bytes(self.reserved_delta, signed=True)}"
-        )
-        if self.peak is not None:
-            text += (
-                f", peak {format_bytes(self.peak)} ({format_bytes(self.peak_delta, signed=True)})"
-            )
-        return f"{text} on {device_name(self.device)}"
+        return present(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,10 +133,7 @@ class ExceptionInfo:
         return cls(f"{tp.__module__}.{tp.__qualname__}", message[:2000], is_oom)
 
     def __str__(self) -> str:
-        kind = "out of memory: " if self.is_oom else ""
-        short = self.type_name.rsplit(".", 1)[-1]
-        first = self.message.splitlines()[0] if self.message else ""
-        return f"{short} ({kind}{first[:120]})" if first or kind else short
+        return present(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,11 +229,7 @@ class SpanRecord:
         return present(self, "html")
 
     def __str__(self) -> str:
-        body = "; ".join(str(d) for d in self.devices) or f"n/a ({self.unmeasured or 'no data'})"
-        text = f"{self.name}: {body}, {format_duration(self.duration)}"
-        if self.exception is not None:
-            text += f", raised {self.exception}"
-        return text
+        return present(self)
 
 
 # --------------------------------------------------------------------------- collection

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ._format import format_bytes
+from ._present import present
 
 __all__ = ["AllocatorStats", "DeviceCounters", "device_name"]
 
@@ -66,9 +66,4 @@ class AllocatorStats(NamedTuple):
         return self.reserved - self.allocated
 
     def __str__(self) -> str:
-
-        return (
-            f"{device_name(self.device)}: allocated {format_bytes(self.allocated)}, "
-            f"reserved {format_bytes(self.reserved)}, "
-            f"peak {format_bytes(self.peak_allocated)}"
-        )
+        return present(self)

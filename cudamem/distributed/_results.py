@@ -11,10 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import _nvml
-from .._format import format_bytes
 from .._present import present
 from ..ledger import LedgerLine
-from ..stats import device_name
 
 __all__ = [
     "CONTEXT_ESTIMATE",
@@ -284,11 +282,7 @@ class StrayMemory:
     cause: str
 
     def __str__(self) -> str:
-        where = device_name(self.device) if self.device is not None else f"GPU {self.gpu}"
-        return (
-            f"rank {self.rank} (pid {self.pid}) holds {format_bytes(self.nbytes)} on {where}: "
-            f"{self.cause}"
-        )
+        return present(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,7 +297,7 @@ class Outlier:
     detail: str
 
     def __str__(self) -> str:
-        return f"rank {self.rank}: {self.detail}"
+        return present(self)
 
 
 @dataclass(frozen=True, slots=True)

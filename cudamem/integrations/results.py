@@ -1,9 +1,9 @@
 """The integrations' results: plain frozen values, apart from the frameworks that make them.
 
 They import no framework (pytest, transformers, IPython), so their renderers
-(``cudamem.render.integrations``, ``cudamem.render.notebook``) register with every
-``import cudamem`` without pulling a framework in. Each is importable from the
-integration that returns it, too.
+(``cudamem.render.integrations``, ``cudamem.render.notebook``) register with the other
+renderers (the first ``str()`` of a result loads them all) without pulling a framework in.
+Each is importable from the integration that returns it, too.
 """
 
 from __future__ import annotations

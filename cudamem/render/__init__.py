@@ -1,9 +1,10 @@
 """Renderers: results in, strings out. Nothing here collects data or prints.
 
 Each module registers its renderers for the result types it draws
-(``cudamem._present.renders``); importing this package registers them all, and
-``import cudamem`` does that. Results reach them through ``cudamem._present.present``
-and never import a renderer.
+(``cudamem._present.renders``); importing this package registers them all. ``import cudamem``
+does not: the first ``cudamem._present.present`` of a process (the first ``str()`` of a
+result) imports this package. Results reach their renderers only through ``present`` and
+never import one.
 """
 
 from . import (
@@ -21,6 +22,7 @@ from . import (
     reader,
     report,
     scalars,
+    span,
 )
 
 __all__ = [
@@ -38,4 +40,5 @@ __all__ = [
     "reader",
     "report",
     "scalars",
+    "span",
 ]

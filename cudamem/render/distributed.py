@@ -6,10 +6,11 @@ from collections.abc import Iterable
 
 from .._format import format_bytes
 from .._present import renders
-from ..distributed._results import DistributedReport, RankReport
+from ..distributed._results import DistributedReport, Outlier, RankReport, StrayMemory
+from ..stats import device_name
 from .text import render_table
 
-__all__ = ["render_distributed", "render_rank"]
+__all__ = ["render_distributed", "render_outlier", "render_rank", "render_stray"]
 
 
 def _plural(n: int, word: str) -> str:
@@ -215,3 +216,19 @@ def render_distributed(report: DistributedReport) -> str:
         parts.append("")
         parts.extend(f"note: {n}" for n in report.notes)
     return "\n".join(parts)
+
+
+@renders(StrayMemory)
+def render_stray(stray: StrayMemory) -> str:
+    """``rank 1 (pid 4242) holds 500.0 MiB on cuda:0: <the usual cause>``."""
+    where = device_name(stray.device) if stray.device is not None else f"GPU {stray.gpu}"
+    return (
+        f"rank {stray.rank} (pid {stray.pid}) holds {format_bytes(stray.nbytes)} on {where}: "
+        f"{stray.cause}"
+    )
+
+
+@renders(Outlier)
+def render_outlier(outlier: Outlier) -> str:
+    """``rank 3: <what stands out, and by how much>``."""
+    return f"rank {outlier.rank}: {outlier.detail}"

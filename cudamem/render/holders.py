@@ -4,15 +4,17 @@ from __future__ import annotations
 
 from .._format import format_bytes
 from .._present import renders
-from ..census import Census, Unaccounted
-from ..holders import GraphHolders, Holder, Holders
+from ..census import Census, LiveStorage, Unaccounted
+from ..holders import GraphHolder, GraphHolders, Holder, Holders
 from .text import render_table
 
 __all__ = [
     "render_census",
+    "render_graph_holder",
     "render_graph_holders",
     "render_holder",
     "render_holders",
+    "render_live_storage",
     "render_unaccounted",
 ]
 
@@ -77,6 +79,13 @@ def render_holders(holders: Holders) -> str:
     return "\n".join(lines)
 
 
+@renders(LiveStorage)
+def render_live_storage(s: LiveStorage) -> str:
+    """``4.0 MiB float32[1024×1024] on cuda:0``."""
+    shape = "×".join(map(str, s.shape)) or "scalar"
+    return f"{format_bytes(s.nbytes)} {s.dtype}[{shape}] on {s.device}"
+
+
 @renders(Census)
 def render_census(census: Census, *, limit: int = 30) -> str:
     """One row per storage, largest first: bytes, device, dtype, shape, tensors, holders."""
@@ -125,6 +134,18 @@ def render_unaccounted(u: Unaccounted) -> str:
     lines = [render_table(["held by", "bytes"], rows, title=title)]
     lines.extend(f"note: {n}" for n in u.notes)
     return "\n".join(lines)
+
+
+@renders(GraphHolder)
+def render_graph_holder(h: GraphHolder) -> str:
+    """``__main__.losses: 10 tensor(s) with graphs keep 40.0 MiB of saved tensors alive on
+    cuda:0 (e.g. __main__.losses[3])``."""
+    where = ", ".join(h.devices) or "no device"
+    return (
+        f"{h.container}: {h.tensors} tensor(s) with graphs keep "
+        f"{format_bytes(h.graph_bytes)} of saved tensors alive on {where} "
+        f"(e.g. {h.example})"
+    )
 
 
 @renders(GraphHolders)

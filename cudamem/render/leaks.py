@@ -5,10 +5,10 @@ from __future__ import annotations
 from .._format import format_bytes
 from .._present import renders
 from ..culprits import Culprit
-from ..leaks import Growth, LeakReport
+from ..leaks import Growth, LeakReport, LeakSettings
 from .text import render_table
 
-__all__ = ["render_culprit", "render_growth", "render_leak_report"]
+__all__ = ["render_culprit", "render_growth", "render_leak_report", "render_leak_settings"]
 
 
 def _plural(n: int, word: str) -> str:
@@ -118,3 +118,14 @@ def render_leak_report(r: LeakReport) -> str:
         lines.append(f"  ... and {r.count - len(r.storages)} smaller")
     lines.extend(f"  note: {n}" for n in r.notes)
     return "\n".join(lines)
+
+
+@renders(LeakSettings)
+def render_leak_settings(s: LeakSettings) -> str:
+    """``growth detection on: after 1 warm-up call(s), 3 of the last 8 calls rising by at
+    least 64.0 KiB per call``."""
+    return (
+        f"growth detection {'on' if s.enabled else 'off'}: after {s.warmup} warm-up "
+        f"call(s), {s.min_rises} of the last {s.window} calls rising by at least "
+        f"{format_bytes(s.min_bytes_per_call)} per call"
+    )

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from .._format import format_bytes
+from .._nvml import NvmlStatus
 from .._present import renders
-from ..ledger import DeviceLedger, Explanation, MachineStatus
+from ..ledger import DeviceLedger, Explanation, LedgerLine, MachineStatus
 from ..release import DeviceRelease, ReleaseResult
 from ..snapshot import CacheSplit
 from .text import render_table
@@ -13,7 +14,9 @@ __all__ = [
     "render_explanation",
     "render_kept",
     "render_ledger",
+    "render_ledger_line",
     "render_machine_status",
+    "render_nvml_status",
     "render_release",
 ]
 
@@ -35,6 +38,22 @@ def _title(ledger: DeviceLedger) -> str:
     if ledger.smi_used is not None:
         head += f" (nvidia-smi shows {format_bytes(ledger.smi_used)}: driver reserve excluded)"
     return head
+
+
+@renders(LedgerLine)
+def render_ledger_line(line: LedgerLine) -> str:
+    """``allocated: 1.0 MiB (measured; freed by del)``."""
+    return f"{line.label}: {format_bytes(line.nbytes)} ({line.basis}; freed by {line.frees})"
+
+
+@renders(NvmlStatus)
+def render_nvml_status(status: NvmlStatus) -> str:
+    """``NVML available (driver 580.65)`` or why not, then the deprecated-package warning."""
+    if status.available:
+        line = f"NVML available (driver {status.driver_version or 'unknown'})"
+    else:
+        line = f"NVML unavailable: {status.reason}"
+    return line if status.warning is None else f"{line}\n{status.warning}"
 
 
 @renders(DeviceLedger)
