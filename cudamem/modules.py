@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from ._module_bytes import StateBytes, state_bytes
+from ._present import present
 from .module_profile import ModuleProfile, RawModule, build_profile
 from .span import RawSpan, close_quiet, open_quiet
 
@@ -256,13 +257,21 @@ class ModuleProfiler:
             len(c.handles) for c in (*self._pending_old, *self._pending)
         )
 
+    @property
+    def running(self) -> bool:
+        """Whether the hooks are installed (started, not stopped)."""
+        return self._active
+
+    @property
+    def result(self) -> ModuleProfile | None:
+        """The profile once stopped, else ``None`` (``profile`` raises instead)."""
+        return self._profile
+
     def __str__(self) -> str:
-        if self._profile is None:
-            return f"<cudamem module profiler, {'running' if self._active else 'not started'}>"
-        return str(self._profile)
+        return present(self)
 
     def _repr_html_(self) -> str:
-        return self.profile._repr_html_()
+        return present(self, "html")
 
     def _remove_hooks(self) -> None:
         for handle in self._handles:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from .._format import escape_html, escape_invisible, format_bytes, format_duration, plural
 from .._present import renders
 from ..module_profile import ModuleProfile, ModuleStats, Spread
+from ..modules import ModuleProfiler
 from .text import render_table
 
 __all__ = [
@@ -12,6 +13,8 @@ __all__ = [
     "render_module_stats",
     "render_profile",
     "render_profile_html",
+    "render_profiler",
+    "render_profiler_html",
     "render_top_table",
     "top_line",
 ]
@@ -204,3 +207,23 @@ def render_profile_html(profile: ModuleProfile) -> str:
     parts.append(f"<p>{e(LEGEND)}</p>")
     parts.extend(f"<p>{e(n)}</p>" for n in _notes(profile))
     return "".join(parts)
+
+
+def _profiler_state(profiler: ModuleProfiler) -> str:
+    return f"<cudamem module profiler, {'running' if profiler.running else 'not started'}>"
+
+
+@renders(ModuleProfiler)
+def render_profiler(profiler: ModuleProfiler) -> str:
+    """A live profiler: its profile once stopped, else its state."""
+    profile = profiler.result
+    return _profiler_state(profiler) if profile is None else render_profile(profile)
+
+
+@renders(ModuleProfiler, "html")
+def render_profiler_html(profiler: ModuleProfiler) -> str:
+    """A live profiler in a notebook: its profile's table once stopped, else its state."""
+    profile = profiler.result
+    if profile is None:
+        return f"<p>{escape_html(_profiler_state(profiler))}</p>"
+    return render_profile_html(profile)
