@@ -30,6 +30,7 @@ import re
 import sys
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
@@ -586,7 +587,9 @@ def _report_exception(exc: BaseException | None, source: str) -> None:
 
 
 _events: deque[OomEvent] = deque(maxlen=MAX_EVENTS)
-_observer_attached = False
+#: The backends the observer is attached to (the allocator cannot detach one): the real
+#: backend once per process; a fake one (tests) of its own.
+_observer_on: weakref.WeakSet[object] = weakref.WeakSet()
 _observer_active = False
 
 
@@ -674,15 +677,15 @@ class OomGuard(_backend.InstalledHook):
         return None
 
     def _install(self) -> None:
-        global _observer_attached, _observer_active
+        global _observer_active
         backend = _backend.get()
         self._prev_sys = sys.excepthook
         sys.excepthook = self._sys_hook_ref
         self._prev_thread = threading.excepthook
         threading.excepthook = self._thread_hook_ref
         self._install_ipython()
-        if not _observer_attached:
-            _observer_attached = backend.attach_oom_observer(_observer)
+        if backend not in _observer_on and backend.attach_oom_observer(_observer):
+            _observer_on.add(backend)
         _observer_active = True
         # Installed before asking for history: with CUDA already initialised the request
         # runs at once and checks _wanted(), which reads this flag.

@@ -489,3 +489,18 @@ def test_bad_arguments(fake: OomFake) -> None:
         on_oom(max_entries=0)
     with pytest.raises(TypeError, match="path"):
         on_oom(file=3)  # type: ignore[arg-type]
+
+
+def test_each_backend_gets_the_observer_once(fake: OomFake) -> None:
+    """The allocator cannot detach an observer: one attach per backend, whichever test (or
+    earlier guard) attached one to another backend first."""
+    on_oom(stderr=False)
+    assert len(fake.observers) == 1
+    cudamem.oom._guard.uninstall()  # type: ignore[attr-defined]
+    on_oom(stderr=False)  # installed again on the same backend: no second observer
+    assert len(fake.observers) == 1
+    other = OomFake()
+    with _backend.use(other):
+        cudamem.oom._guard.uninstall()  # type: ignore[attr-defined]
+        on_oom(stderr=False)
+        assert len(other.observers) == 1  # a backend of its own gets its own
