@@ -71,7 +71,10 @@ def test_census_diff_sees_what_shrank() -> None:
     after = census()
     d = cudamem.diff(before, after)
     e = d.entry(f"{__name__}.loss_history")
-    assert e.delta == -3 * 256 * 1024 and d.shrank == (e,) and d.grew == ()
+    # Only this test's holders: the census sees every CPU storage of the process, and a
+    # storage an earlier test left to gc may go in between (the suite runs in any order).
+    mine = [x for x in (*d.shrank, *d.grew) if x.holder.startswith(__name__)]
+    assert e.delta == -3 * 256 * 1024 and e in d.shrank and mine == [e]
 
 
 def test_censuses_without_holders_are_grouped_as_unnamed() -> None:
