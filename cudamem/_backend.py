@@ -123,6 +123,12 @@ class Backend:
     #: What ``initialized_devices()`` returns from now on, once that can no longer change
     #: (every device has a context), else ``None``. Spans read it instead of asking.
     settled_devices: tuple[int, ...] | None = None
+    #: C-level reads of ``counters`` and ``counters_reset_peak`` for a device of
+    #: ``initialized_devices()``, once the backend has them (``TorchBackend``: the validated
+    #: C++ reader), else ``None``. The spans' hot path calls them directly (no Python frame)
+    #: and falls back to the methods when they raise.
+    fast_counters: Callable[[int], Counters] | None = None
+    fast_reset: Callable[[int], Counters] | None = None
 
     def device_count(self) -> int:
         """Number of CUDA devices visible to torch (0 without CUDA)."""
@@ -281,8 +287,8 @@ class TorchBackend(Backend):
         self.reader = reader if reader is not None else _fastread.FastReader()
         # Set once the C++ reader is validated; until then (and for good where it cannot be
         # built) the dict path answers. Plain attributes: the hot path takes no lock.
-        self._fast_counters: Callable[[int], Counters] | None = None
-        self._fast_reset: Callable[[int], Counters] | None = None
+        self.fast_counters: Callable[[int], Counters] | None = None
+        self.fast_reset: Callable[[int], Counters] | None = None
         # A torch without CUDA never gets a reader: its reads skip the manager entirely.
         self._reader_pending = self._compiled
 
@@ -361,7 +367,7 @@ class TorchBackend(Backend):
     # -- counters: the C++ reader when validated, else the raw dict ----------------------
 
     def counters(self, device: int) -> Counters:
-        fast = self._fast_counters
+        fast = self.fast_counters
         if fast is not None:
             try:
                 return fast(device)
@@ -372,7 +378,7 @@ class TorchBackend(Backend):
         return self._dict_counters(device)
 
     def counters_reset_peak(self, device: int) -> Counters:
-        fast = self._fast_reset
+        fast = self.fast_reset
         if fast is not None:
             try:
                 return fast(device)
@@ -409,8 +415,8 @@ class TorchBackend(Backend):
         else:
             self._reader_pending = self.reader.pending
         if reader is not None:
-            self._fast_reset = reader.counters_reset_peak
-            self._fast_counters = reader.counters
+            self.fast_reset = reader.counters_reset_peak
+            self.fast_counters = reader.counters
 
     def empty_cache(self) -> None:
         # torch.cuda.empty_cache() is a no-op before CUDA is initialised: no context made.

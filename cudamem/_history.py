@@ -4,9 +4,9 @@ A decorated function called a million times must not grow memory: the ring keeps
 ``maxlen`` spans and the aggregates are a fixed handful of numbers per distinct name (at
 most ``MAX_NAMES`` names; the rest are pooled under ``'<other>'``).
 
-The history is an exit hook of ``cudamem.span``. On the span's exit it only appends the
-raw span to an inbox (a ``deque``: atomic, no lock); every ``DRAIN_AT`` spans, and whenever
-the history is read, the inbox is drained under the lock into the ring and the aggregates
+The history takes the top-level spans from ``span.finished``, the queue a span's exit
+appends to (a ``deque``: atomic, no lock, no call). Every ``DRAIN_AT`` spans, and whenever
+the history is read, that queue is drained under the lock into the ring and the aggregates
 (O(1) per span, from the span's raw integers). ``SpanRecord`` objects are built only when
 ``history`` is read.
 """
@@ -30,7 +30,7 @@ DEFAULT_SIZE = 1000
 MAX_NAMES = 1000
 OTHER = "<other>"
 #: Spans waiting in the inbox before the exiting thread drains it.
-DRAIN_AT = 256
+DRAIN_AT = _span.FINISHED_AT
 
 #: Spans of one name from which a drain folds them column by column (``_Aggregate.add``).
 _BATCH_FROM = 12
@@ -198,7 +198,8 @@ class History:
 class _Ring:
     def __init__(self, maxlen: int) -> None:
         self.lock = threading.Lock()
-        self.inbox: deque[RawSpan] = deque()
+        #: The spans' queue of finished top-level spans (``span.finished``).
+        self.inbox: deque[RawSpan] = _span.finished
         self.records: deque[RawSpan] = deque(maxlen=maxlen)
         self.aggregates: dict[str, _Aggregate] = {}
         self.total = 0
@@ -247,16 +248,13 @@ class _Ring:
 _ring = _Ring(DEFAULT_SIZE)
 
 
-def _on_span_exit(span: RawSpan) -> None:
-    """The exit hook: top-level spans join the history."""
-    if span.top_level:
-        inbox = _ring.inbox
-        inbox.append(span)
-        if len(inbox) >= DRAIN_AT and _ring.lock.acquire(blocking=False):
-            try:
-                _ring.drain()
-            finally:
-                _ring.lock.release()
+def _drain_soon() -> None:
+    """The spans' queue is full: drain it unless another thread is doing it."""
+    if _ring.lock.acquire(blocking=False):
+        try:
+            _ring.drain()
+        finally:
+            _ring.lock.release()
 
 
 def history() -> History:
@@ -282,4 +280,4 @@ def set_history_size(maxlen: int) -> None:
         _ring.records = deque(_ring.records, maxlen=maxlen)
 
 
-_span.add_exit_hook(_on_span_exit)
+_span.set_finished_sink(_drain_soon)

@@ -227,6 +227,10 @@ class StorageSnapshot(Mapping[StorageRef, tuple[str, int]]):
         """Those of its storages that still exist now (no census: each ref is asked)."""
         return self._owning({r: v for r, v in self._sizes.items() if r.alive})
 
+    def all_alive(self) -> bool:
+        """Whether every one of its storages still exists (no census: each ref is asked)."""
+        return all(r.alive for r in self._sizes)
+
     def on(self, device_type: str | None) -> StorageSnapshot:
         """Those on devices of ``device_type`` (``'cuda'``, ``'cpu'``; ``None``: all)."""
         if device_type is None:

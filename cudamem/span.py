@@ -7,8 +7,9 @@ first time someone reads them, so a span nobody looks at costs two counter reads
 attribute stores.
 
 Features attach through hooks rather than imports: growth detection and ``leaks=True``
-(``cudamem.leaks``), the span history (``cudamem._history``) and OOM post-mortems
-(``cudamem.oom``) register entry/exit hooks here, and this module imports none of them.
+(``cudamem.leaks``) and OOM post-mortems (``cudamem.oom``) register entry/exit hooks here,
+and the span history (``cudamem._history``) takes the top-level spans from a queue this
+module fills (``finished``, ``set_finished_sink``); this module imports none of them.
 
 Peaks: PyTorch keeps one peak counter per device for the whole process. A span with
 ``peak=True`` resets it on entry, after folding the value it held into every open span (all
@@ -60,6 +61,7 @@ __all__ = [
     "open_quiet",
     "remove_entry_hook",
     "remove_exit_hook",
+    "set_finished_sink",
     "track",
 ]
 
@@ -440,6 +442,23 @@ _now_ns = time.perf_counter_ns
 _new_raw = object.__new__
 
 
+#: Top-level spans closed with hooks, waiting for the consumer ``set_finished_sink`` names
+#: (the span history). ``_close`` appends to it itself (atomic, no lock): the history is on
+#: every span's path, where an exit hook would cost a Python call per span.
+finished: deque[RawSpan] = deque()
+#: Spans waiting before the closing thread calls the sink.
+FINISHED_AT = 256
+_finished_sink: Callable[[], None] | None = None
+
+
+def set_finished_sink(sink: Callable[[], None] | None) -> None:
+    """Queue every top-level span closed with hooks on ``finished`` and call ``sink()``
+    whenever ``FINISHED_AT`` wait; ``sink`` takes them off (``None``: stop queueing).
+    Errors of ``sink`` are swallowed (a warning says so once)."""
+    global _finished_sink
+    _finished_sink = sink
+
+
 def _reset_state() -> None:
     """Forget folded peaks and open spans (tests start each case from here)."""
     with _lock:
@@ -702,7 +721,14 @@ def _open(
                 alone = len(_open_peak) == 1
                 if alone or _only(me):  # one device, one thread
                     d = devs[0]
-                    values = backend.counters_reset_peak(d)
+                    fast = backend.fast_reset  # the C++ reader, called without a frame
+                    if fast is None:
+                        values = backend.counters_reset_peak(d)
+                    else:
+                        try:
+                            values = fast(d)
+                        except Exception:  # the method's own fallback answers (or raises)
+                            values = backend.counters_reset_peak(d)
                     span.before = (values,)
                     span.armed = True
                     discarded = values[2]
@@ -791,7 +817,14 @@ def _close(
                     span.end_ns = _now_ns()
             span.exit_devs = devs
             if len(devs) == 1:
-                after = span.after = (backend.counters(devs[0]),)
+                fast = backend.fast_counters
+                if fast is None:
+                    after = span.after = (backend.counters(devs[0]),)
+                else:
+                    try:
+                        after = span.after = (fast(devs[0]),)
+                    except Exception:
+                        after = span.after = (backend.counters(devs[0]),)
             elif devs:
                 after = span.after = tuple([backend.counters(d) for d in devs])
             else:
@@ -810,7 +843,7 @@ def _close(
             if _open_peak and not _only(_get_ident()):
                 with _lock:  # a fold of another thread may still be writing into this span
                     pass
-        if len(after) == 1 and span.exit_devs is span.devs:  # one device at both edges
+        if len(after) == 1 and devs is span.devs:  # one device at both edges
             a0, r0, _ = span.before[0]
             a1, r1, p1 = after[0]
             span.level = a1
@@ -855,6 +888,13 @@ def _close(
             span.top_level = True
             if span.parent is not None or span.children:
                 _unlink(span)
+            if hooks and _finished_sink is not None:
+                finished.append(span)
+                if len(finished) >= FINISHED_AT:
+                    try:
+                        _finished_sink()
+                    except Exception as err:
+                        warn_once("span:finished", f"cudamem: span history failed: {err!r}")
         for hook in () if not hooks else _exit_calls_ok if exc is None else _exit_calls:
             try:
                 hook(span)

@@ -105,7 +105,7 @@ def test_backend_validates_then_serves_from_the_reader(
     manager.join(30)
     assert backend.counters(0) == _memory_stats(0)  # validates
     assert manager.state == "active", manager.status()
-    assert backend._fast_counters is reader.counters
+    assert backend.fast_counters is reader.counters
     y = torch.ones(4 * MiB, device="cuda:0")
     assert backend.counters(0) == _memory_stats(0)
     values = backend.counters_reset_peak(0)

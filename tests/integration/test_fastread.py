@@ -225,7 +225,7 @@ def test_agreeing_reader_is_validated_then_serves_every_read() -> None:
     assert provided == [0] and reader.state == "ready"
     assert backend.counters(0) == (1024, 2048, 4096)  # validates, dict still answers
     assert reader.state == "active" and not reader.pending
-    fake: FakeReader = backend._fast_counters.__self__  # type: ignore[union-attr]
+    fake: FakeReader = backend.fast_counters.__self__  # type: ignore[union-attr]
     dict_reads, calls = backend.dict_reads, fake.calls
     backend.values[0] = (5000, 8192, 6000)
     assert backend.counters(0) == (5000, 8192, 6000)
@@ -247,7 +247,7 @@ def test_disagreeing_reader_is_dropped_with_a_note(tmp_path: Path) -> None:
     for _ in range(5):
         assert backend.counters(0) == (1024, 2048, 4096)  # never the wrong value
     assert reader.state == "dropped" and not reader.pending
-    assert backend._fast_counters is None and not backend._reader_pending
+    assert backend.fast_counters is None and not backend._reader_pending
     status = reader.status()
     assert not status.active and status.reader == "dict"
     assert "(1024, 2048, 4104)" in status.reason and "(1024, 2048, 4096)" in status.reason

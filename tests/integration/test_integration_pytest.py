@@ -466,16 +466,69 @@ def test_the_last_look_serves_as_the_next_baseline_only_when_nothing_was_allocat
 
     with _backend.use(fake):
         pp._last.clear()
-        assert one_test() == 2  # nothing to reuse yet
-        assert one_test() == 1  # the last look serves
-        assert one_test(allocate=True) == 1  # the test's own allocation: after the baseline
-        fake.alloc(512)  # a fixture between tests
-        assert one_test() == 2
+        # Nothing to reuse yet: the baseline's census. The test left the allocated bytes
+        # as they were and every baseline storage alive: no census after it.
+        assert one_test() == 1
+        assert one_test() == 0  # the baseline serves again: a clean test costs no census
+        assert one_test(allocate=True) == 1  # the test's own allocation: bytes grew
+        assert one_test() == 0  # that look serves as the baseline; the test is clean
+        fake.alloc(512)  # a fixture between tests: an allocation since the last look
+        assert one_test() == 1
         pp._last.clear()  # as finish() does for a failed test
-        assert one_test() == 2
+        assert one_test() == 1
     assert pp._alloc_counts("cpu") is None
     with _backend.use(FakeAllocator()):  # counts of zero: the allocator cannot tell
         assert pp._alloc_counts("cuda") is None
+    pp._last.clear()
+
+
+def test_a_clean_test_skips_the_census_only_while_every_baseline_storage_lives(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No census after a test that left the allocated bytes as they were, unless a storage
+    of the baseline died: its block may then hold a new storage of the same size."""
+    from cudamem import _backend
+    from cudamem.integrations import pytest_plugin as pp
+
+    from ..fakes import FakeAllocator
+
+    class Counting(FakeAllocator):
+        def read(self, device: int) -> Any:
+            return super().read(device)._replace(alloc_count=7)
+
+    MiB = 1024**2
+    censuses: list[str] = []
+    kept = [torch.ones(256), torch.ones(512)]
+    swapped = torch.ones(64)
+
+    def census(device: str) -> StorageSnapshot:
+        censuses.append(device)
+        return StorageSnapshot.of([*kept, swapped])  # the storages "alive on cuda" now
+
+    monkeypatch.setattr(pp, "live_refs", census)
+    fake = Counting()
+    fake.alloc(3 * MiB)
+    with _backend.use(fake):
+        pp._last.clear()
+        base = pp._baseline("cuda", peak=False)
+        assert censuses == ["cuda"] and base.allocated == {0: 3 * MiB}
+        new, settled = pp._survivors(base, settle_first=False)
+        assert censuses == ["cuda"] and not new and not settled  # no census: unchanged
+        assert pp._last and pp._last[0].keys is base.keys  # it serves the next test
+        # The test freed a baseline storage and made one of the same size: a census.
+        swapped = torch.ones(64)
+        new, _ = pp._survivors(base, settle_first=False)
+        assert len(censuses) == 1 + pp.RECHECKS + 1  # it stays alive through every look
+        assert [n for _d, n in new.values()] == [64 * 4]
+        # The bytes changed: a census, whatever the storages did.
+        base = pp._baseline("cuda", peak=False)
+        fake.alloc(1 * MiB)
+        pp._survivors(base, settle_first=False)
+        assert len(censuses) == 1 + pp.RECHECKS + 1 + 2
+    with _backend.use(FakeAllocator()):  # allocation counts of zero: it cannot tell
+        base = pp._baseline("cuda", peak=False)
+        assert base.allocated == {0: 0} and not pp._nothing_new(base)
+    assert not pp._nothing_new(pp._Baseline("cpu", StorageSnapshot(), {}))  # CPU: no counts
     pp._last.clear()
 
 
@@ -554,6 +607,7 @@ def test_cuda_verdicts_with_reused_baselines(inner: pytest.Pytester) -> None:
         import torch
 
         CACHE = []
+        OLD = [torch.ones(128, 1024, device="cuda")]
 
         @pytest.fixture
         def fresh():
@@ -562,6 +616,12 @@ def test_cuda_verdicts_with_reused_baselines(inner: pytest.Pytester) -> None:
         def test_clean_first():
             x = torch.ones(512, 1024, device="cuda")
             del x
+
+        def test_swaps_an_old_tensor_for_a_leak():
+            # The same bytes allocated after as before: the old storage's death forces a
+            # census, which finds the new one.
+            OLD.pop()
+            CACHE.append(torch.ones(128, 1024, device="cuda"))
 
         def test_leaks_after_clean():
             CACHE.append(torch.ones(256, 1024, device="cuda"))
@@ -575,15 +635,17 @@ def test_cuda_verdicts_with_reused_baselines(inner: pytest.Pytester) -> None:
         """
     )
     result = run(inner, "-v", "--cudamem")
-    result.assert_outcomes(passed=3, failed=1)
+    result.assert_outcomes(passed=3, failed=2)
     result.stdout.fnmatch_lines(
         [
             "*test_clean_first PASSED*",
+            "*test_swaps_an_old_tensor_for_a_leak FAILED*",
             "*test_leaks_after_clean FAILED*",
             "*test_with_fixture PASSED*",
             "*test_clean_last PASSED*",
         ]
     )
+    result.stdout.fnmatch_lines(["*1 cuda storage (512.0 KiB) created by this test*"])
     result.stdout.fnmatch_lines(["*1 cuda storage (1.0 MiB) created by this test*"])
 
 

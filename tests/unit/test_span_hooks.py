@@ -124,7 +124,10 @@ def test_hooks_fire_in_order_with_entry_counters_and_totals(fake: FakeAllocator)
 def test_features_attach_as_hooks_in_import_order() -> None:
     oom = sys.modules["cudamem.oom"]
     exits = [hook for hook, _ in _span._exit_hooks]
-    assert exits[:3] == [_history._on_span_exit, _leaks._on_span_exit, oom._on_span_exit]
+    assert exits[:2] == [_leaks._on_span_exit, oom._on_span_exit]
+    # The history takes top-level spans from the spans' own queue, not through a hook.
+    assert _span._finished_sink is _history._drain_soon
+    assert _history._ring.inbox is _span.finished
     # Growth detection's entry hook runs for leaks=True spans alone while nothing is armed.
     assert _span._entry_registry[:1] == ((_leaks._on_span_enter, True),)
     assert _leaks._on_span_enter not in _span._entry_hooks
