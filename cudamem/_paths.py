@@ -220,6 +220,13 @@ class PathReader:
         #: ``walk_down``'s answers by start: many roots lead to one object (every test
         #: module's ``cudamem`` global), and its walk is the same each time.
         self._walked: dict[int, list[Path]] = {}
+        #: The objects a walk from a funnel reached (see ``_funnel``), by funnel: those it
+        #: reached itself (the funnel left out), and the funnel below whose walk it took
+        #: over (whose objects it reached too).
+        self._reached: dict[int, tuple[set[int], int | None]] = {}
+        self._walking: set[int] = set()
+        #: ``add``'s worst kept group of a full ``per`` (by ``id``): key and rank.
+        self._worst: dict[int, tuple[tuple[Any, ...], tuple[bool, bool, bool, int]]] = {}
 
     def add(
         self,
@@ -244,10 +251,15 @@ class PathReader:
             rank = _rank(kind, refs, caller)
             if len(per) >= self.max_paths:
                 self.cut = True
-                worst = max(per, key=lambda k: per[k].rank)
-                if per[worst].rank <= rank:
+                # The worst kept group (the first of equal ranks), known until ``per`` changes.
+                worst = self._worst.get(id(per))
+                if worst is None:
+                    k = max(per, key=lambda k: per[k].rank)
+                    worst = self._worst[id(per)] = (k, per[k].rank)
+                if worst[1] <= rank:
                     return
-                del per[worst]
+                del per[worst[0]]
+                del self._worst[id(per)]
             raw = RawHolder(path.target, kind, root, refs, path.via, caller)
             group = per[key] = Group(raw, rank)
         group.add(path, len(head))
@@ -263,7 +275,14 @@ class PathReader:
             walked = self._walked[oid] = self._walk(oid)
         return walked
 
-    def _walk(self, oid: int) -> list[Path]:
+    def _walk(self, oid: int, reached: list[Any] | None = None) -> list[Path]:
+        """``walk_down``'s BFS; ``reached`` receives what ``_reached`` keeps for ``oid``.
+
+        Where the walk narrows to one object (the queue holds only it, as every module's
+        ``__spec__`` narrows to its loader, pytest's assertion rewriter, that reaches the
+        whole test session), the rest of the walk is that object's own walk below the path
+        down to it, when nothing reached before lies below it: that walk is done once and
+        shared by every start that narrows to it (``_funnel``)."""
         prev: dict[int, tuple[int, Ref] | None] = {oid: None}
         level = {oid: 0}
         sig = {oid: 0}
@@ -274,6 +293,7 @@ class PathReader:
         edges, nodes, start = self.edges, self.nodes, self.start
         queue = deque([oid])
         n = 0
+        rest: list[Path] = []  # the paths below a funnel, when the walk narrowed to one
         while queue:
             n += 1
             if not n & 0x3FF and self.late():
@@ -281,6 +301,14 @@ class PathReader:
             cur = queue.popleft()
             if cur in start:
                 holders.append(cur)
+            elif not queue and cur != oid and cur in edges:
+                below_funnel = self._funnel(cur, prev, oid)
+                if below_funnel is not None:
+                    rest = self._shifted(below_funnel, prev, cur, level[cur], mult.get(cur))
+                    if reached is not None:
+                        reached[:] = [set(prev), cur]
+                        reached[0].discard(oid)
+                    break
             below = edges.get(cur)
             if below is None:
                 continue
@@ -340,6 +368,78 @@ class PathReader:
             for parent, r, m in groups.values():
                 refs, ids = _chain(prev, parent)
                 out.extend(self._emit(x, [*refs, r], [*ids, x], m))
+        out.extend(rest)
+        if reached is not None and not reached:
+            reached[:] = [set(prev), None]
+            reached[0].discard(oid)
+        return out
+
+    def _funnel(
+        self, f: int, prev: dict[int, tuple[int, Ref] | None], oid: int
+    ) -> list[Path] | None:
+        """The walk from ``f``, where it can stand for the rest of the walk from ``oid`` that
+        narrowed to ``f`` (``prev``: what that walk reached so far): nothing it reaches was
+        reached before, so every object below ``f`` gets the same first path and the same
+        parents of its shape as in one long walk. (The start itself may be reached again
+        when ``f`` is its only child and it holds no target: it then adds nothing below
+        ``f``, as objects often refer back to what refers to them.) ``None`` where that is
+        not so."""
+        if f not in self._reached:
+            if f in self._walking:
+                return None  # a cycle: the walk from ``f`` is the one under way
+            self._walking.add(f)
+            try:
+                found: list[Any] = []
+                paths = self._walk(f, found)
+            finally:
+                self._walking.discard(f)
+            self._reached[f] = (found[0], found[1])
+            self._walked.setdefault(f, paths)
+        keys = prev.keys()
+        back = len(self.edges.get(oid, ())) == 1 and oid not in self.start
+        below: int | None = f
+        while below is not None:  # the objects reached below ``f``, funnel by funnel
+            own, below = self._reached[below]
+            if keys.isdisjoint(own):
+                continue
+            overlap = own.intersection(keys)
+            overlap.discard(f)  # ``f`` itself, reached again from below: nothing new
+            if overlap and (not back or overlap != {oid}):
+                return None
+        return self._walked[f]
+
+    @staticmethod
+    def _shifted(
+        paths: list[Path],
+        prev: dict[int, tuple[int, Ref] | None],
+        f: int,
+        depth: int,
+        m: Mult | None,
+    ) -> list[Path]:
+        """``f``'s paths as paths of a walk that reached ``f`` at ``depth`` by its first path
+        (``prev``) with the references ``m`` (``None``: once, no indices varying)."""
+        head_refs, head_ids = _chain(prev, f)
+        ranges: dict[int, tuple[int, int]] = {}
+        times, stars = 1, set[int]()
+        if m is not None:
+            _merge(ranges, m.ranges, 0)
+            times, stars = m.times, set(m.stars)
+        _chain_ranges(prev, f, ranges)
+        out = []
+        for p in paths:
+            own = dict(ranges)
+            _merge(own, p.ranges, depth)
+            out.append(
+                Path(
+                    p.target,
+                    [*head_refs, *p.refs],
+                    p.via,
+                    [*head_ids, *p.ids[1:]],
+                    times * p.times,
+                    own,
+                    stars | {i + depth for i in p.stars},
+                )
+            )
         return out
 
     def _resolve(self, parent: int, child: int, r: Ref) -> Ref:

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from _pytest.pytester import SysModulesSnapshot
 
 import cudamem
 from cudamem import _history
@@ -22,6 +23,27 @@ def _has_cuda() -> bool:
 
 HAS_CUDA = _has_cuda()
 GPU_COUNT = torch.cuda.device_count() if HAS_CUDA else 0
+
+
+def _keep_imported(name: str) -> bool:
+    """Modules an in-process ``pytester`` run imports that stay imported after it.
+
+    Pytester restores ``sys.modules`` after each inner run, so a module first imported
+    there is imported a second time by a later test. For torch's that is wrong twice over:
+    ``torch._inductor.test_operators`` then registers its ``TORCH_LIBRARY`` again (an error
+    in whichever later test imports it), and a second copy of ``torch._dynamo`` and its
+    kin added ~117 k objects to the heap every later census and holder search walks. A
+    second copy of a cudamem module would be a second class of its results. (``zope`` and
+    ``readline``: what pytester itself keeps.)"""
+    return name.startswith(("torch", "cudamem", "zope", "readline"))
+
+
+def _take_sys_modules_snapshot(self: pytest.Pytester) -> SysModulesSnapshot:
+    return SysModulesSnapshot(preserve=_keep_imported)
+
+
+# Pytester's own hook for this (private, name-mangled): patched before any pytester exists.
+pytest.Pytester._Pytester__take_sys_modules_snapshot = _take_sys_modules_snapshot  # type: ignore[attr-defined]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -8,15 +8,14 @@ already (any earlier test's ``str()`` of a result loads them).
 
 from __future__ import annotations
 
-import importlib
-import inspect
+import functools
 import json
 import os
-import pkgutil
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -55,33 +54,53 @@ def _run(code: str) -> str:
     return done.stdout
 
 
-def _classes() -> list[type]:
-    """Every class defined in a cudamem module outside ``render/`` and ``demo/``."""
-    found = []
-    for info in pkgutil.walk_packages(cudamem.__path__, "cudamem."):
-        if info.name.startswith(("cudamem.render", "cudamem.demo")):
+#: Run in a fresh interpreter: importing every cudamem module imports the integrations'
+#: frameworks (transformers, lightning, matplotlib: ~250 k objects), and in the test process
+#: every later census and holder search would walk them.
+_WALK = """
+import importlib, inspect, json, pkgutil, textwrap
+from pathlib import Path
+import cudamem
+from cudamem import _present
+
+PACKAGE = Path(cudamem.__file__).resolve().parent
+methods = {}
+presented = []
+for info in pkgutil.walk_packages(cudamem.__path__, "cudamem."):
+    if info.name.startswith(("cudamem.render", "cudamem.demo")):
+        continue
+    try:
+        module = importlib.import_module(info.name)
+    except ImportError:  # an integration whose framework is not installed
+        continue
+    for _, cls in inspect.getmembers(module, inspect.isclass):
+        if cls.__module__ != module.__name__:
             continue
-        try:
-            module = importlib.import_module(info.name)
-        except ImportError:  # an integration whose framework is not installed
-            continue
-        for _, cls in inspect.getmembers(module, inspect.isclass):
-            if cls.__module__ == module.__name__:
-                found.append(cls)
-    return found
+        for method in ("__str__", "_repr_html_", "_repr_markdown_", "__repr__"):
+            fn = cls.__dict__.get(method)
+            code = getattr(fn, "__code__", None)
+            # Not there, or generated (a dataclass's or a named tuple's __repr__).
+            if code is None or not Path(code.co_filename).resolve().is_relative_to(PACKAGE):
+                continue
+            source = textwrap.dedent(inspect.getsource(fn))
+            name = f"{cls.__module__}.{cls.__qualname__}"
+            methods[f"{name}.{method}"] = source
+            fmt = {"__str__": "text", "_repr_html_": "html"}.get(method)
+            if fmt is not None and "present(" in source:
+                renderer = _present.renderer_for(cls, fmt)  # loads every renderer
+                presented.append([name, fmt, None if renderer is None else renderer.__module__])
+print(json.dumps({"methods": methods, "presented": presented}))
+"""
 
 
-CLASSES = _classes()
-
-
-def _source(cls: type, method: str) -> str | None:
-    """The source of ``method`` as written in ``cls`` (``None``: not there, or generated,
-    as a dataclass's or a named tuple's ``__repr__``)."""
-    fn = cls.__dict__.get(method)
-    code = getattr(fn, "__code__", None)
-    if code is None or not Path(code.co_filename).resolve().is_relative_to(PACKAGE):
-        return None
-    return textwrap.dedent(inspect.getsource(fn))
+@functools.cache
+def _walk() -> dict[str, Any]:
+    """Every cudamem class outside ``render/`` and ``demo/``, from a fresh interpreter:
+    ``methods`` maps ``module.Class.method`` to the source written in the class
+    (``__str__``, ``_repr_html_``, ``_repr_markdown_``, ``__repr__``); ``presented`` lists
+    ``[class, format, renderer's module or None]`` for each that asks ``present``."""
+    result: dict[str, Any] = json.loads(_run(_WALK))
+    return result
 
 
 def test_import_cudamem_loads_no_renderer() -> None:
@@ -201,48 +220,35 @@ def test_present_never_raises_for_an_object_without_a_renderer(fmt: str) -> None
 def test_every_str_and_html_of_a_cudamem_class_goes_through_present() -> None:
     # A new result whose __str__ writes its own text fails here: its body belongs in a
     # renderer under cudamem/render/ registered with @renders.
-    own = []
-    for cls in CLASSES:
-        for method in ("__str__", "_repr_html_", "_repr_markdown_"):
-            source = _source(cls, method)
-            if source is None or f"{cls.__module__}.{cls.__qualname__}.{method}" in OWN_TEXT:
-                continue
-            if "present(" not in source:
-                own.append(f"{cls.__module__}.{cls.__qualname__}.{method}")
+    own = [
+        name
+        for name, source in _walk()["methods"].items()
+        if name.endswith((".__str__", "._repr_html_", "._repr_markdown_"))
+        and name not in OWN_TEXT
+        and "present(" not in source
+    ]
     assert own == []
 
 
 def test_every_repr_is_a_debugging_form_not_a_result_text() -> None:
     # Text is str()'s (a renderer's); a __repr__ written by hand is ``<Type ...>``.
-    bad = []
-    for cls in CLASSES:
-        source = _source(cls, "__repr__")
-        if source is not None and 'return f"<' not in source:
-            bad.append(f"{cls.__module__}.{cls.__qualname__}")
+    bad = [
+        name.removesuffix(".__repr__")
+        for name, source in _walk()["methods"].items()
+        if name.endswith(".__repr__") and 'return f"<' not in source
+    ]
     assert bad == []
 
 
 def test_every_presented_result_has_a_renderer_once_render_is_imported() -> None:
-    importlib.import_module("cudamem.render")
-    presented = []
-    for cls in CLASSES:
-        for method, fmt in (("__str__", "text"), ("_repr_html_", "html")):
-            source = _source(cls, method)
-            if source is not None and "present(" in source:
-                presented.append((cls, fmt))
+    presented = _walk()["presented"]
     assert len(presented) >= 40  # the walk finds them
-    missing = [
-        f"{c.__module__}.{c.__qualname__} ({fmt})"
-        for c, fmt in presented
-        if _present.renderer_for(c, fmt) is None
-    ]
-    assert missing == []
+    assert [f"{c} ({fmt})" for c, fmt, module in presented if module is None] == []
     # ... and each renderer lives in render/.
     elsewhere = {
-        f"{c.__qualname__}: {fn.__module__}"
-        for c, fmt in presented
-        if (fn := _present.renderer_for(c, fmt)) is not None
-        and not fn.__module__.startswith("cudamem.render.")
+        f"{c}: {module}"
+        for c, _fmt, module in presented
+        if module is not None and not module.startswith("cudamem.render.")
     }
     assert elsewhere == set()
 
