@@ -241,14 +241,18 @@ def _cuda_peaks(base: _Baseline) -> list[tuple[str, int]]:
 def _nothing_new(base: _Baseline) -> bool:
     """Whether no storage created since ``base`` can be alive, told without a census: every
     storage of the baseline still exists and every CUDA device's allocated bytes are what
-    they were. A new live storage would occupy an allocator block of its own on top of the
-    baseline's (all still held), so the bytes would have grown. (Only memory the baseline's
-    census could not see, freed during the test and taken over by a new storage of the same
-    block size, escapes this, as it escapes the allocated-bytes check.) CUDA only; then
-    the baseline serves the next test as this test's look would have."""
+    they were, once the cuBLAS workspaces are cleared. A new live storage would occupy an
+    allocator block of its own on top of the baseline's (all still held), so the bytes
+    would have grown. (Only allocator memory no storage holds, freed during the test and
+    taken over by a new storage of the same block size, escapes this, as it escapes the
+    allocated-bytes check.) CUDA only; then the baseline serves the next test as this
+    test's look would have."""
     if base.device != "cuda" or not base.allocated:
         return False
     backend = _backend.get()
+    # A matmul's cuBLAS workspace is held by no tensor: cleared as a settle clears it (it
+    # goes back to the allocator's cache, and the next matmul takes it again at once).
+    backend.clear_cublas_workspaces()
     stats = [backend.read(d) for d in backend.initialized_devices()]
     if {s.device: s.allocated for s in stats} != base.allocated:
         return False

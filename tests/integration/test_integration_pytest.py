@@ -493,8 +493,15 @@ def test_a_clean_test_skips_the_census_only_while_every_baseline_storage_lives(
     from ..fakes import FakeAllocator
 
     class Counting(FakeAllocator):
+        workspace = 0
+
         def read(self, device: int) -> Any:
             return super().read(device)._replace(alloc_count=7)
+
+        def clear_cublas_workspaces(self) -> bool:
+            self.free(self.workspace)
+            self.workspace = 0
+            return True
 
     MiB = 1024**2
     censuses: list[str] = []
@@ -515,6 +522,10 @@ def test_a_clean_test_skips_the_census_only_while_every_baseline_storage_lives(
         new, settled = pp._survivors(base, settle_first=False)
         assert censuses == ["cuda"] and not new and not settled  # no census: unchanged
         assert pp._last and pp._last[0].keys is base.keys  # it serves the next test
+        fake.workspace = 32 * MiB  # a matmul's cuBLAS workspace: cleared, then no census
+        fake.alloc(fake.workspace)
+        assert pp._survivors(base, settle_first=False) == (StorageSnapshot(), False)
+        assert censuses == ["cuda"] and fake.read(0).allocated == 3 * MiB
         # The test freed a baseline storage and made one of the same size: a census.
         swapped = torch.ones(64)
         new, _ = pp._survivors(base, settle_first=False)
