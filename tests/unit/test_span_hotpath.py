@@ -285,3 +285,37 @@ def test_fields_left_unstored_read_as_their_defaults(fake: FakeAllocator) -> Non
     assert record.devices[0].peak == raw.peak_total == 8 * MiB
     assert (record.dropped_children, record.notes, record.unmeasured) == (0, (), None)
     assert (raw.top_level, raw.exception, raw.peak_delta) == (True, None, 6 * MiB)
+
+
+def test_the_seams_c_level_reads_are_called_directly_and_fall_back_when_they_raise() -> None:
+    """``Backend.fast_counters``/``fast_reset`` (the C++ reader's calls) serve a span on one
+    device without the methods; one that raises leaves the span to the methods, which
+    measure it all the same."""
+
+    class Fast(FakeAllocator):
+        def __init__(self) -> None:
+            super().__init__(devices=1, contexts=(0,))
+            self.fast_reads: list[str] = []
+            self.broken = False
+
+        def _fast(self, name: str, reset: bool) -> tuple[int, int, int]:
+            if self.broken:
+                raise RuntimeError("reader gone")
+            self.fast_reads.append(name)
+            return self.counters_reset_peak(0) if reset else self.counters(0)
+
+    fake = Fast()
+    fake.fast_reset = lambda d: fake._fast("reset", True)
+    fake.fast_counters = lambda d: fake._fast("read", False)
+    with _backend.use(fake):
+        with cudamem.track("fast") as span:
+            fake.alloc(3 * MiB)
+        assert fake.fast_reads == ["reset", "read"]
+        assert span.allocated_delta == 3 * MiB and span.peak_delta == 3 * MiB
+        fake.broken = True
+        with cudamem.track("fallback") as span:
+            fake.alloc(2 * MiB)
+            fake.free(2 * MiB)
+        assert fake.fast_reads == ["reset", "read"]  # the methods answered this one
+        assert span.allocated_delta == 0 and span.peak_delta == 2 * MiB
+        assert span.record.notes == ()  # no "measurement failed"
