@@ -21,6 +21,8 @@ import cudamem
 from cudamem.census import StorageSnapshot
 from cudamem.integrations.pytest_plugin import MemoryCheck, TestMemory, parse_size
 
+from ..fakes import FakeAllocator
+
 pytest_plugins = ["pytester"]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -425,6 +427,26 @@ def test_cuda_peak_is_folded_through_the_tests_own_spans() -> None:
     assert [r.name for r in cudamem.history().spans] == ["inner"]
 
 
+class CountingFake(FakeAllocator):
+    """A fake allocator that counts its allocations (PyTorch's cumulative
+    ``allocation.all.allocated``) and holds a cuBLAS workspace until it is cleared."""
+
+    allocations = 0
+    workspace = 0
+
+    def alloc(self, nbytes: int, device: int = 0) -> None:
+        self.allocations += 1
+        super().alloc(nbytes, device)
+
+    def read(self, device: int) -> Any:
+        return super().read(device)._replace(alloc_count=self.allocations)
+
+    def clear_cublas_workspaces(self) -> bool:
+        self.free(self.workspace)
+        self.workspace = 0
+        return True
+
+
 def test_the_last_look_serves_as_the_next_baseline_only_when_nothing_was_allocated(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -434,18 +456,6 @@ def test_the_last_look_serves_as_the_next_baseline_only_when_nothing_was_allocat
     from cudamem import _backend
     from cudamem.integrations import pytest_plugin as pp
 
-    from ..fakes import FakeAllocator
-
-    class Counting(FakeAllocator):
-        allocations = 0
-
-        def alloc(self, nbytes: int, device: int = 0) -> None:
-            self.allocations += 1
-            super().alloc(nbytes, device)
-
-        def read(self, device: int) -> Any:
-            return super().read(device)._replace(alloc_count=self.allocations)
-
     censuses: list[str] = []
 
     def census(device: str) -> StorageSnapshot:
@@ -453,7 +463,7 @@ def test_the_last_look_serves_as_the_next_baseline_only_when_nothing_was_allocat
         return StorageSnapshot()
 
     monkeypatch.setattr(pp, "live_refs", census)
-    fake = Counting()
+    fake = CountingFake()
     fake.alloc(1024)
 
     def one_test(allocate: bool = False) -> int:
@@ -490,19 +500,6 @@ def test_a_clean_test_skips_the_census_only_while_every_baseline_storage_lives(
     from cudamem import _backend
     from cudamem.integrations import pytest_plugin as pp
 
-    from ..fakes import FakeAllocator
-
-    class Counting(FakeAllocator):
-        workspace = 0
-
-        def read(self, device: int) -> Any:
-            return super().read(device)._replace(alloc_count=7)
-
-        def clear_cublas_workspaces(self) -> bool:
-            self.free(self.workspace)
-            self.workspace = 0
-            return True
-
     MiB = 1024**2
     censuses: list[str] = []
     kept = [torch.ones(256), torch.ones(512)]
@@ -513,7 +510,7 @@ def test_a_clean_test_skips_the_census_only_while_every_baseline_storage_lives(
         return StorageSnapshot.of([*kept, swapped])  # the storages "alive on cuda" now
 
     monkeypatch.setattr(pp, "live_refs", census)
-    fake = Counting()
+    fake = CountingFake()
     fake.alloc(3 * MiB)
     with _backend.use(fake):
         pp._last.clear()
