@@ -405,8 +405,6 @@ def test_cuda_peak_is_folded_through_the_tests_own_spans() -> None:
     detection."""
     from cudamem import _backend
 
-    from ..fakes import FakeAllocator
-
     fake = FakeAllocator()
     MiB = 1024**2
     with _backend.use(fake):
