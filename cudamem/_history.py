@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 from . import span as _span
-from ._present import present
+from ._present import Presented
 
 if TYPE_CHECKING:
     from .span import RawSpan, SpanRecord
@@ -168,7 +168,7 @@ class _Aggregate:
 
 
 @dataclass(frozen=True, slots=True)
-class History:
+class History(Presented):
     """A snapshot of the span history: recent records and per-name aggregates."""
 
     spans: tuple[SpanRecord, ...]
@@ -190,9 +190,6 @@ class History:
     def named(self, name: str) -> tuple[SpanRecord, ...]:
         """The kept records of one name, oldest first."""
         return tuple(r for r in self.spans if r.name == name)
-
-    def __str__(self) -> str:
-        return present(self)
 
 
 class _Ring:

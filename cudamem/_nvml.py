@@ -27,7 +27,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, ClassVar
 
-from ._present import present
+from ._present import Presented
 
 __all__ = [
     "FIX_PACKAGE",
@@ -116,7 +116,7 @@ class NvmlDevice:
 
 
 @dataclass(frozen=True, slots=True)
-class NvmlStatus:
+class NvmlStatus(Presented):
     """Whether NVML answers here. ``reason`` is one line when it does not; ``warning`` is set
     when the deprecated ``pynvml`` package is installed (it shadows or wraps nvidia-ml-py)."""
 
@@ -125,9 +125,6 @@ class NvmlStatus:
     driver_version: str | None = None
     module_file: str | None = None
     warning: str | None = None
-
-    def __str__(self) -> str:
-        return present(self)
 
 
 # --------------------------------------------------------------------------- loading

@@ -1,12 +1,13 @@
 """The one interface between results and their renderers.
 
-A result never imports a renderer. Its ``__str__`` (and ``_repr_html_``, for notebooks)
-calls ``present(self)``, which looks up the renderer registered for the result's type. A
-renderer registers itself with ``@renders(ResultType)`` (``@renders(ResultType, "html")``
-for notebook HTML) when its module is imported. ``import cudamem`` imports no renderer:
-the first ``present`` (or ``renderer_for``) imports ``cudamem.render``, which imports every
-renderer module, once per process. So imports only run one way — renderers → results →
-here — and every renderer is in place before the first result is drawn, whichever cudamem
+A result never imports a renderer. It derives from ``Presented`` (or ``PresentedHtml``, for
+notebooks), whose ``__str__`` (and ``_repr_html_``) calls ``present(self)``, which looks up
+the renderer registered for the result's type. A renderer registers itself with
+``@renders(ResultType)`` (``@renders(ResultType, "html")`` for notebook HTML) when its
+module is imported. ``import cudamem`` imports no renderer: the first ``present`` (or
+``renderer_for``) imports ``cudamem.render``, which imports every renderer module, once per
+process. So imports only run one way — renderers → results → here — and every renderer is
+in place before the first result is drawn, whichever cudamem
 module a user imported.
 """
 
@@ -17,7 +18,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar
 
-__all__ = ["Format", "present", "renderer_for", "renders"]
+__all__ = ["Format", "Presented", "PresentedHtml", "present", "renderer_for", "renders"]
 
 #: What a renderer writes: plain text (``str()``, the command line) or HTML (notebooks).
 Format = Literal["text", "html"]
@@ -102,3 +103,24 @@ def present(obj: object, fmt: Format = "text") -> str:
     if fn is None:
         return object.__repr__(obj)
     return fn(obj)
+
+
+class Presented:
+    """The base of every result: ``str(result)`` is its registered text renderer's.
+
+    No state (``__slots__ = ()``): frozen, slotted dataclasses derive from it unchanged.
+    """
+
+    __slots__ = ()
+
+    def __str__(self) -> str:
+        return present(self)
+
+
+class PresentedHtml(Presented):
+    """A result that notebooks draw as HTML too: ``_repr_html_`` is its HTML renderer's."""
+
+    __slots__ = ()
+
+    def _repr_html_(self) -> str:
+        return present(self, "html")

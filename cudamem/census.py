@@ -29,7 +29,7 @@ from ._device_arg import DeviceLike, resolve_device
 from ._format import format_bytes
 from ._frames import own_frame
 from ._naming import frame_locals
-from ._present import present
+from ._present import Presented
 from ._search import SearchLimits
 from ._sequence import ItemSequence
 from ._storages import StorageRef, matches_type, ref_of
@@ -53,7 +53,7 @@ __all__ = [
 
 
 @dataclass(frozen=True, slots=True)
-class LiveStorage:
+class LiveStorage(Presented):
     """One live storage: the value every report uses (census, leaks, OOM post-mortems,
     ``release()``). Plain data but for ``ref``, a weak reference that keeps nothing
     alive."""
@@ -122,9 +122,6 @@ class LiveStorage:
             what += f" (in {self.pool}: freed only with the graphs that use it)"
         return what
 
-    def __str__(self) -> str:
-        return present(self)
-
 
 def listing_order(storage: LiveStorage) -> tuple[int, str]:
     """Sort key for listing storages: largest first, then by holder path, never by address
@@ -133,7 +130,7 @@ def listing_order(storage: LiveStorage) -> tuple[int, str]:
 
 
 @dataclass(frozen=True, slots=True)
-class Census(ItemSequence[LiveStorage]):
+class Census(ItemSequence[LiveStorage], Presented):
     """Every live storage once, largest first."""
 
     json_properties: ClassVar[tuple[str, ...]] = ("total", "by_device")
@@ -157,9 +154,6 @@ class Census(ItemSequence[LiveStorage]):
         for s in self.storages:
             out[s.device] = out.get(s.device, 0) + s.nbytes
         return out
-
-    def __str__(self) -> str:
-        return present(self)
 
 
 class StorageSnapshot(Mapping[StorageRef, tuple[str, int]]):
@@ -259,7 +253,7 @@ class StorageSnapshot(Mapping[StorageRef, tuple[str, int]]):
 
 
 @dataclass(frozen=True, slots=True)
-class Unaccounted:
+class Unaccounted(Presented):
     """A device's allocated bytes, split by what holds them. Bytes are ints."""
 
     device: int
@@ -278,9 +272,6 @@ class Unaccounted:
     #: ``snapshot`` (per allocator block) or ``counters`` (storage bytes against the total).
     method: str
     notes: tuple[str, ...] = ()
-
-    def __str__(self) -> str:
-        return present(self)
 
 
 # --------------------------------------------------------------------------- collection

@@ -38,7 +38,7 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-from ._present import present
+from ._present import Presented
 from .holder_path import HolderPath
 
 __all__ = [
@@ -91,7 +91,7 @@ class HeldStorage(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
-class Culprit:
+class Culprit(Presented):
     """Storages grouped by the container that holds them (see ``cudamem.culprits``)."""
 
     #: The container: ``__main__.loss_history``, ``model.step_outputs``, a frame's local.
@@ -109,9 +109,6 @@ class Culprit:
     #: The paths inside the container, integer subscripts as ``[*]``, most bytes first:
     #: ``model.step_outputs[*]['preds']``.
     patterns: tuple[str, ...] = ()
-
-    def __str__(self) -> str:
-        return present(self)
 
 
 # --------------------------------------------------------------------------- ranking

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ._format import format_bytes
-from ._present import present
+from ._present import Presented
 from ._sequence import ItemSequence
 from .census import Census
 from .culprits import NO_HOLDER, group_culprits
@@ -58,7 +58,7 @@ class DiffEntry:
 
 
 @dataclass(frozen=True, slots=True)
-class MemoryDiff(ItemSequence[DiffEntry]):
+class MemoryDiff(ItemSequence[DiffEntry], Presented):
     """The result of ``diff``: groups that changed, the largest growth first."""
 
     json_properties: ClassVar[tuple[str, ...]] = ("delta",)
@@ -98,9 +98,6 @@ class MemoryDiff(ItemSequence[DiffEntry]):
             if e.holder == holder:
                 return e
         raise KeyError(f"no changed group {holder!r}")
-
-    def __str__(self) -> str:
-        return present(self)
 
 
 # --------------------------------------------------------------------------- groups

@@ -33,7 +33,7 @@ from ._autograd import StorageKey
 from ._frames import own_frame
 from ._naming import is_sub, type_name
 from ._paths import write
-from ._present import present
+from ._present import Presented, PresentedHtml
 from ._search import RawHolder, Search, SearchLimits
 from ._sequence import ItemSequence
 from .culprits import rank_holders
@@ -50,7 +50,7 @@ __all__ = [
 
 
 @dataclass(frozen=True, slots=True)
-class Holder:
+class Holder(Presented):
     """One path from a root that keeps the queried memory alive."""
 
     json_properties: ClassVar[tuple[str, ...]] = ("path", "root_kind", "pattern")
@@ -97,12 +97,9 @@ class Holder:
         """Whether the path ends at another tensor sharing the storage."""
         return self.via not in ("itself", "object")
 
-    def __str__(self) -> str:
-        return present(self)
-
 
 @dataclass(frozen=True, slots=True)
-class Holders(ItemSequence[Holder]):
+class Holders(ItemSequence[Holder], PresentedHtml):
     """The holders of one object: a read-only sequence of ``Holder``."""
 
     #: What was asked about, e.g. ``Tensor float32[1024, 1024] on cuda:0``.
@@ -130,12 +127,6 @@ class Holders(ItemSequence[Holder]):
     def paths(self) -> list[str]:
         """Every holder's path, in order."""
         return [h.path for h in self.holders]
-
-    def __str__(self) -> str:
-        return present(self)
-
-    def _repr_html_(self) -> str:
-        return present(self, "html")
 
 
 def who_holds(
@@ -379,7 +370,7 @@ def _freeze(
 
 
 @dataclass(frozen=True, slots=True)
-class GraphHolder:
+class GraphHolder(Presented):
     """A container (or variable) holding tensors that still carry autograd graphs."""
 
     #: Path of the container, e.g. ``__main__.loss_history`` (or of the variable itself).
@@ -402,12 +393,9 @@ class GraphHolder:
         """``graph_bytes + tensor_bytes``."""
         return self.graph_bytes + self.tensor_bytes
 
-    def __str__(self) -> str:
-        return present(self)
-
 
 @dataclass(frozen=True, slots=True)
-class GraphHolders(ItemSequence[GraphHolder]):
+class GraphHolders(ItemSequence[GraphHolder], Presented):
     """Result of ``find_graph_holders``, largest ``graph_bytes`` first."""
 
     json_properties: ClassVar[tuple[str, ...]] = ("graph_bytes",)
@@ -427,9 +415,6 @@ class GraphHolders(ItemSequence[GraphHolder]):
     def graph_bytes(self) -> int:
         """Sum over containers (a graph shared by two containers counts in each)."""
         return sum(h.graph_bytes for h in self.holders)
-
-    def __str__(self) -> str:
-        return present(self)
 
 
 class _Group:

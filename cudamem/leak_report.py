@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ._present import present
+from ._present import Presented, PresentedHtml
 
 if TYPE_CHECKING:
     from .census import LiveStorage
@@ -20,7 +20,7 @@ __all__ = ["Growth", "LeakReport"]
 
 
 @dataclass(frozen=True, slots=True)
-class LeakReport:
+class LeakReport(PresentedHtml):
     """Storages created during a span that were still alive after it, with holders."""
 
     span: str
@@ -39,15 +39,9 @@ class LeakReport:
     def __bool__(self) -> bool:
         return self.count > 0
 
-    def __str__(self) -> str:
-        return present(self)
-
-    def _repr_html_(self) -> str:
-        return present(self, "html")
-
 
 @dataclass(frozen=True, slots=True)
-class Growth:
+class Growth(Presented):
     """A sustained rise of a repeated span's allocated level, and who holds it."""
 
     name: str
@@ -61,6 +55,3 @@ class Growth:
     #: Bytes the captured call created that outlived the next call (the named part).
     retained: int | None
     notes: tuple[str, ...] = ()
-
-    def __str__(self) -> str:
-        return present(self)

@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Any
 from . import _backend, census
 from ._format import format_bytes
 from ._frames import is_library_file
-from ._present import present
+from ._present import Presented
 from .census import StorageSnapshot
 from .culprits import NO_HOLDER, Culprit, group_culprits
 from .leak_report import Growth, LeakReport
@@ -101,7 +101,7 @@ class LeakWarning(UserWarning):
 
 
 @dataclass(frozen=True, slots=True)
-class LeakSettings:
+class LeakSettings(Presented):
     """Thresholds of growth detection (see the module docstring for the rule)."""
 
     #: Watch repeated spans at all.
@@ -123,9 +123,6 @@ class LeakSettings:
     max_culprits: int = 5
     #: Print an out-of-memory post-mortem when an OOM leaves a span (see ``cudamem.on_oom``).
     span_oom_reports: bool = True
-
-    def __str__(self) -> str:
-        return present(self)
 
 
 def _validate(s: LeakSettings) -> None:

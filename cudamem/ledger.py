@@ -40,7 +40,7 @@ from typing import ClassVar, NamedTuple
 from . import _backend, _nvml, census
 from ._device_arg import DeviceLike, resolve_device
 from ._format import format_bytes
-from ._present import present
+from ._present import Presented, PresentedHtml
 from .snapshot import (
     CacheSplit,
     PrivatePool,
@@ -132,7 +132,7 @@ _POOL_LABELS = {
 
 
 @dataclass(frozen=True, slots=True)
-class LedgerLine:
+class LedgerLine(Presented):
     """One line of a device ledger. ``nbytes`` is ``None`` when it cannot be known, and
     ``note`` says why; ``basis`` is ``'measured'`` or ``'inferred'``."""
 
@@ -144,9 +144,6 @@ class LedgerLine:
     frees: str
     group: str
     note: str = ""
-
-    def __str__(self) -> str:
-        return present(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,7 +167,7 @@ class AllocatedSplit:
 
 
 @dataclass(frozen=True, slots=True)
-class DeviceLedger:
+class DeviceLedger(PresentedHtml):
     """Where one device's memory went, as lines that add up to NVML's ``used``.
 
     ``nvml_used`` is ``total - free`` (driver reserve included); ``smi_used`` is what
@@ -215,15 +212,9 @@ class DeviceLedger:
         """Every line whose key starts with ``prefix`` (``'graph_pools'``, ``'cache'``)."""
         return tuple(line for line in self.lines if line.key.startswith(prefix))
 
-    def __str__(self) -> str:
-        return present(self)
-
-    def _repr_html_(self) -> str:
-        return present(self, "html")
-
 
 @dataclass(frozen=True, slots=True)
-class Explanation:
+class Explanation(PresentedHtml):
     """The result of ``explain``: one ledger per device, and NVML's status."""
 
     devices: tuple[DeviceLedger, ...]
@@ -235,12 +226,6 @@ class Explanation:
             if ledger.device == device:
                 return ledger
         raise KeyError(f"no ledger for {device_name(device)}")
-
-    def __str__(self) -> str:
-        return present(self)
-
-    def _repr_html_(self) -> str:
-        return present(self, "html")
 
 
 # --------------------------------------------------------------------------- the arithmetic
@@ -993,7 +978,7 @@ class StatusLine(NamedTuple):
 
 
 @dataclass(frozen=True, slots=True)
-class MachineStatus:
+class MachineStatus(Presented):
     """Every GPU of the machine as NVML sees it, all processes included (``cudamem status``).
 
     Per device: ``used`` = driver reserve + each process's memory + driver memory NVML
@@ -1036,9 +1021,6 @@ class MachineStatus:
             )
         )
         return rows
-
-    def __str__(self) -> str:
-        return present(self)
 
 
 def machine_status() -> MachineStatus:

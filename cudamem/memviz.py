@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import _backend, census
 from ._args import check_bool
-from ._present import present
+from ._present import Presented
 from .leaks import add_growth_hook, remove_growth_hook
 
 if TYPE_CHECKING:
@@ -67,7 +67,7 @@ _LIVE = frozenset({"active_allocated", "active_pending_free", "active_awaiting_f
 
 
 @dataclass(frozen=True, slots=True)
-class SnapshotDump:
+class SnapshotDump(Presented):
     """A snapshot file written by ``dump_snapshot``. Bytes are ints."""
 
     path: str
@@ -83,9 +83,6 @@ class SnapshotDump:
     #: Allocator history events in the file (``_record_memory_history`` must be on).
     trace_entries: int
     notes: tuple[str, ...] = ()
-
-    def __str__(self) -> str:
-        return present(self)
 
 
 # --------------------------------------------------------------------------- annotation

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 from ._args import check_int
 from ._data import to_data
-from ._present import present
+from ._present import Presented, PresentedHtml
 
 __all__ = ["RANKINGS", "ModuleProfile", "ModuleStats", "RawModule", "Spread", "build_profile"]
 
@@ -35,7 +35,7 @@ _ZERO = Spread(0.0, 0.0)
 
 
 @dataclass(frozen=True, slots=True)
-class ModuleStats:
+class ModuleStats(Presented):
     """One module's row in a ``ModuleProfile``. Bytes are ints (``Spread`` values: mean and
     max per step); times are host seconds (the module's Python and kernel launches; the
     GPU's own time only where its work made the host wait)."""
@@ -88,9 +88,6 @@ class ModuleStats:
     raised: int = 0
     notes: tuple[str, ...] = ()
 
-    def __str__(self) -> str:
-        return present(self)
-
 
 #: What ``ModuleProfile.top(by=...)`` ranks by.
 RANKINGS = (
@@ -113,7 +110,7 @@ def _rank_value(row: ModuleStats, by: str) -> float:
 
 
 @dataclass(frozen=True, slots=True)
-class ModuleProfile:
+class ModuleProfile(PresentedHtml):
     """Where a model's memory went, per module: the result of ``cudamem.track_modules``.
 
     ``modules`` lists every module that ran, depth first, each group of siblings largest
@@ -154,12 +151,6 @@ class ModuleProfile:
         """The profile as plain data (``cudamem.render.json.to_json`` writes it out)."""
         data: dict[str, Any] = to_data(self)
         return data
-
-    def __str__(self) -> str:
-        return present(self)
-
-    def _repr_html_(self) -> str:
-        return present(self, "html")
 
 
 # --------------------------------------------------------------------------- analysis

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from ._module_bytes import StateBytes, state_bytes
-from ._present import present
+from ._present import PresentedHtml
 from .module_profile import ModuleProfile, RawModule, build_profile
 from .span import RawSpan, close_quiet, open_quiet
 
@@ -155,7 +155,7 @@ def _grad_tensor(value: Any, depth: int = 0) -> torch.Tensor | None:
     return None
 
 
-class ModuleProfiler:
+class ModuleProfiler(PresentedHtml):
     """The live profile: a context manager (``with cudamem.track_modules(model) as prof``)
     or ``start()``/``stop()``; ``step()`` ends a step; ``profile`` is the result."""
 
@@ -266,12 +266,6 @@ class ModuleProfiler:
     def result(self) -> ModuleProfile | None:
         """The profile once stopped, else ``None`` (``profile`` raises instead)."""
         return self._profile
-
-    def __str__(self) -> str:
-        return present(self)
-
-    def _repr_html_(self) -> str:
-        return present(self, "html")
 
     def _remove_hooks(self) -> None:
         for handle in self._handles:

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TextIO
 from . import _backend, census
 from ._format import format_bytes
 from ._frames import is_library_file
-from ._present import present
+from ._present import Presented
 from .census import LiveStorage
 from .culprits import NO_HOLDER, Culprit, group_culprits
 from .leaks import leak_settings
@@ -171,7 +171,7 @@ class StrandedCache:
 
 
 @dataclass(frozen=True, slots=True)
-class OomReport:
+class OomReport(Presented):
     """The post-mortem of one out-of-memory error. Bytes are ints; ``None`` is unknown."""
 
     json_properties: ClassVar[tuple[str, ...]] = ("cache",)
@@ -212,9 +212,6 @@ class OomReport:
         if self.reserved is None or self.allocated is None:
             return None
         return self.reserved - self.allocated
-
-    def __str__(self) -> str:
-        return present(self)
 
 
 # --------------------------------------------------------------------------- building

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 from . import _backend, _nvml, census
 from ._args import check_bool, check_int
 from ._device_arg import DeviceLike, resolve_device
-from ._present import present
+from ._present import Presented
 from .census import LiveStorage
 from .snapshot import CacheSplit, PoolBlocks, has_private_pools, pool_blocks_of, split_cache
 from .stats import AllocatorStats, device_name
@@ -88,7 +88,7 @@ class DeviceRelease:
 
 
 @dataclass(frozen=True, slots=True)
-class ReleaseResult:
+class ReleaseResult(Presented):
     """The result of ``release``."""
 
     devices: tuple[DeviceRelease, ...]
@@ -101,9 +101,6 @@ class ReleaseResult:
             if d.device == device:
                 return d
         raise KeyError(f"no release record for {device_name(device)}")
-
-    def __str__(self) -> str:
-        return present(self)
 
 
 def largest_storages(

@@ -30,7 +30,7 @@ from typing import Any, ClassVar, NamedTuple
 from . import _backend, _history
 from ._args import check_bool, check_int
 from ._frames import own_frame
-from ._present import present
+from ._present import Presented
 from .census import Census, listing_order, live_storages, live_tensors
 from .culprits import group_culprits
 from .leaks import LeakWarning
@@ -59,7 +59,7 @@ _NONE_UNLISTED = Unlisted(0, 0)
 
 
 @dataclass(frozen=True, slots=True)
-class RunReport:
+class RunReport(Presented):
     """What ``cudamem run`` learned about one run of a script."""
 
     json_properties: ClassVar[tuple[str, ...]] = ("cuda_used",)
@@ -104,9 +104,6 @@ class RunReport:
     def cuda_used(self) -> bool:
         """Whether the script used a CUDA device (one had a context at exit)."""
         return bool(self.peaks)
-
-    def __str__(self) -> str:
-        return present(self)
 
 
 class StepWatcher:

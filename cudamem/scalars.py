@@ -34,7 +34,7 @@ import torch
 
 from . import _backend
 from ._args import check_int
-from ._present import present
+from ._present import Presented
 from ._warn import warn_once
 
 __all__ = [
@@ -161,7 +161,7 @@ def _real_to_float(x: Any) -> float:
 
 
 @dataclass(frozen=True, slots=True)
-class SeriesSummary:
+class SeriesSummary(Presented):
     """Count and simple statistics of one series at one instant (NaN-aware: ``mean``,
     ``min`` and ``max`` skip NaN; ``nan`` counts them)."""
 
@@ -176,12 +176,9 @@ class SeriesSummary:
     nan: int
     last_step: int | None
 
-    def __str__(self) -> str:
-        return present(self)
-
 
 @dataclass(frozen=True, slots=True)
-class LoggerStats:
+class LoggerStats(Presented):
     """What a ``ScalarLogger`` has done: how often it moved values to the host."""
 
     #: Values logged (all series), including those still on a device.
@@ -196,9 +193,6 @@ class LoggerStats:
     kept: int = 0
     #: Host memory those values take: 8 bytes for the value and 8 for its step.
     host_bytes: int = 0
-
-    def __str__(self) -> str:
-        return present(self)
 
 
 # --------------------------------------------------------------------------- internals
@@ -567,7 +561,7 @@ def _summarize(data: _SeriesData) -> SeriesSummary:
 # --------------------------------------------------------------------------- the logger
 
 
-class ScalarLogger:
+class ScalarLogger(Presented):
     """A list of floats that replaces ``loss_history.append(loss)`` without keeping graphs,
     device memory, or stalling the GPU every step.
 
@@ -893,9 +887,6 @@ class ScalarLogger:
                     for name, d in self._series.items()
                 },
             }
-
-    def __str__(self) -> str:
-        return present(self)
 
     def __repr__(self) -> str:
         with self._lock:

@@ -40,7 +40,7 @@ from typing_extensions import ParamSpec
 from . import _backend
 from ._data import to_data
 from ._device_arg import DeviceLike, resolve_device
-from ._present import present
+from ._present import Presented, PresentedHtml
 from ._warn import warn_once
 from .stats import DeviceCounters, device_name
 
@@ -80,7 +80,7 @@ _NOTHING: tuple[int, int, int] = (0, 0, 0)
 
 
 @dataclass(frozen=True, slots=True)
-class DeviceSpan:
+class DeviceSpan(Presented):
     """What one span did on one device. Bytes are ints."""
 
     json_properties: ClassVar[tuple[str, ...]] = ("allocated_delta", "reserved_delta", "peak_delta")
@@ -108,12 +108,9 @@ class DeviceSpan:
         """Peak during the span minus allocated at entry."""
         return None if self.peak is None else self.peak - self.before.allocated
 
-    def __str__(self) -> str:
-        return present(self)
-
 
 @dataclass(frozen=True, slots=True)
-class ExceptionInfo:
+class ExceptionInfo(Presented):
     """An exception that left a span: its type and message, not the object.
 
     The exception itself is not kept: its traceback references the frames, and through them
@@ -134,12 +131,9 @@ class ExceptionInfo:
             message = "<message unavailable>"
         return cls(f"{tp.__module__}.{tp.__qualname__}", message[:2000], is_oom)
 
-    def __str__(self) -> str:
-        return present(self)
-
 
 @dataclass(frozen=True, slots=True)
-class SpanRecord:
+class SpanRecord(PresentedHtml):
     """The frozen result of one finished span.
 
     ``allocated_delta``, ``reserved_delta``, ``peak`` and ``peak_delta`` sum over devices
@@ -226,12 +220,6 @@ class SpanRecord:
                 return d
         seen = ", ".join(device_name(d.device) for d in self.devices) or "none"
         raise KeyError(f"span {self.name!r} saw no {device_name(index)} (devices: {seen})")
-
-    def _repr_html_(self) -> str:
-        return present(self, "html")
-
-    def __str__(self) -> str:
-        return present(self)
 
 
 # --------------------------------------------------------------------------- collection
@@ -956,7 +944,7 @@ def _live(span: RawSpan | None) -> RawSpan | None:
 # --------------------------------------------------------------------------- public API
 
 
-class MemorySpan:
+class MemorySpan(PresentedHtml):
     """A measured region of code: a context manager, a decorator, and after exit its result.
 
     ``with cudamem.MemorySpan("step") as span: ...`` then ``span.allocated_delta``,
@@ -1201,9 +1189,6 @@ class MemorySpan:
 
     def __repr__(self) -> str:
         return f"<MemorySpan {self}>"
-
-    def _repr_html_(self) -> str:
-        return present(self, "html")
 
 
 _Opts = tuple[str, "int | None", bool, bool, bool]

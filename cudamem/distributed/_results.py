@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import _nvml
-from .._present import present
+from .._present import Presented
 from ..ledger import LedgerLine
 
 __all__ = [
@@ -265,7 +265,7 @@ class GpuHolding:
 
 
 @dataclass(frozen=True, slots=True)
-class StrayMemory:
+class StrayMemory(Presented):
     """Memory a rank holds on a GPU other than its own, and the usual cause."""
 
     rank: int
@@ -281,12 +281,9 @@ class StrayMemory:
     reserved: int | None
     cause: str
 
-    def __str__(self) -> str:
-        return present(self)
-
 
 @dataclass(frozen=True, slots=True)
-class Outlier:
+class Outlier(Presented):
     """The rank that stands out on one measure, and by how much."""
 
     measure: str
@@ -296,12 +293,9 @@ class Outlier:
     runner_up: float | None
     detail: str
 
-    def __str__(self) -> str:
-        return present(self)
-
 
 @dataclass(frozen=True, slots=True)
-class DistributedReport:
+class DistributedReport(Presented):
     """Every rank's memory, side by side, with the outliers and stray memory named.
 
     ``ranks`` has one row per rank of the group, in group order; a rank that did not answer
@@ -334,9 +328,6 @@ class DistributedReport:
     def pids(self) -> dict[int, int | None]:
         """``rank → pid`` (``None`` for ranks that did not answer)."""
         return {r.rank: r.pid for r in self.ranks}
-
-    def __str__(self) -> str:
-        return present(self)
 
 
 def _opt_int(v: Any) -> int | None:

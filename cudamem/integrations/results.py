@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from .._present import present
+from .._present import Presented, PresentedHtml
 
 if TYPE_CHECKING:
     from ..census import LiveStorage
@@ -23,7 +23,7 @@ __all__ = ["IPythonHold", "MemoryCheck", "NotebookHolders", "TrainerRelease"]
 
 
 @dataclass(frozen=True, slots=True)
-class MemoryCheck:
+class MemoryCheck(Presented):
     """What one test left behind and how high it went. Bytes are ints."""
 
     json_properties: ClassVar[tuple[str, ...]] = ("failed",)
@@ -61,12 +61,9 @@ class MemoryCheck:
         """The highest per-device peak, ``None`` when not measured."""
         return max((b for _, b in self.peaks), default=None)
 
-    def __str__(self) -> str:
-        return present(self)
-
 
 @dataclass(frozen=True, slots=True)
-class TrainerRelease:
+class TrainerRelease(Presented):
     """What ``release_trainer`` dropped, freed, and could not free. Bytes are ints."""
 
     json_properties: ClassVar[tuple[str, ...]] = ("remaining_bytes",)
@@ -90,9 +87,6 @@ class TrainerRelease:
         """Bytes of tracked storages still alive."""
         return self.tracked_bytes - self.freed_bytes
 
-    def __str__(self) -> str:
-        return present(self)
-
 
 @dataclass(frozen=True, slots=True)
 class IPythonHold:
@@ -106,19 +100,13 @@ class IPythonHold:
 
 
 @dataclass(frozen=True, slots=True)
-class NotebookHolders:
+class NotebookHolders(PresentedHtml):
     """``cudamem.who_holds`` read for a notebook: your holders, then IPython's."""
 
     holders: Holders
     #: Paths from your own variables (``__main__.`` dropped: ``losses[3]``).
     user: tuple[str, ...]
     ipython: tuple[IPythonHold, ...]
-
-    def __str__(self) -> str:
-        return present(self)
-
-    def _repr_html_(self) -> str:
-        return present(self, "html")
 
     def _repr_pretty_(self, p: Any, cycle: bool) -> None:
         p.text(str(self))

@@ -67,8 +67,8 @@ PACKAGE = Path(cudamem.__file__).resolve().parent
 methods = {}
 presented = []
 for info in pkgutil.walk_packages(cudamem.__path__, "cudamem."):
-    if info.name.startswith(("cudamem.render", "cudamem.demo")):
-        continue
+    if info.name.startswith(("cudamem.render", "cudamem.demo", "cudamem._present")):
+        continue  # the renderers, the seeds' front end, the bases that call present()
     try:
         module = importlib.import_module(info.name)
     except ImportError:  # an integration whose framework is not installed
@@ -76,6 +76,22 @@ for info in pkgutil.walk_packages(cudamem.__path__, "cudamem."):
     for _, cls in inspect.getmembers(module, inspect.isclass):
         if cls.__module__ != module.__name__:
             continue
+        # A result that inherits its text (and HTML) from the one base.
+        inherited = [
+            fmt
+            for fmt, method, base in (
+                ("text", "__str__", _present.Presented),
+                ("html", "_repr_html_", _present.PresentedHtml),
+            )
+            if issubclass(cls, base) and method not in cls.__dict__
+        ]
+        for fmt in inherited:
+            renderer = _present.renderer_for(cls, fmt)
+            presented.append([
+                f"{cls.__module__}.{cls.__qualname__}",
+                fmt,
+                None if renderer is None else renderer.__module__,
+            ])
         for method in ("__str__", "_repr_html_", "_repr_markdown_", "__repr__"):
             fn = cls.__dict__.get(method)
             code = getattr(fn, "__code__", None)
