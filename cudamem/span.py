@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast, overload
 from typing_extensions import ParamSpec
 
 from . import _backend
+from ._backend import Counters
 from ._data import to_data
 from ._device_arg import DeviceLike, resolve_device
 from ._present import Presented, PresentedHtml
@@ -294,17 +295,16 @@ class RawSpan:
     xfold: dict[int, int] | None
     #: Devices read at entry and ``(allocated, reserved, peak counter)`` of each.
     devs: tuple[int, ...]
-    before: tuple[tuple[int, int, int], ...]
+    before: tuple[Counters, ...]
     start_ns: int
     #: Only for spans with ``peak=True`` (set before the span is announced to other threads).
     owner: int
     armed: bool
     solo: bool
-    # Set by the span's exit, before any hook runs.
-    #: Devices read at exit and their counters.
-    exit_devs: tuple[int, ...]
-    after: tuple[tuple[int, int, int], ...]
+    # Set by the span's exit, before any hook runs: the devices read and their counters.
     end_ns: int
+    exit_devs: tuple[int, ...]
+    after: tuple[Counters, ...]
     thread: str
     level: int
     alloc_delta: int
@@ -1210,48 +1210,60 @@ def _wrap_coroutine(func: Callable[..., Awaitable[Any]], opts: _Opts) -> Callabl
     return wrapper
 
 
+class _Within:
+    """A generator resumed with a span as this thread's (or task's) innermost span:
+    ``yield from`` delegates ``send``, ``throw`` and ``close`` here."""
+
+    __slots__ = ("gen", "span")
+
+    def __init__(self, gen: Any, span: RawSpan) -> None:
+        self.gen = gen
+        self.span = span
+
+    def __iter__(self) -> _Within:
+        return self
+
+    def __next__(self) -> Any:
+        return self.send(None)
+
+    def _resume(self, step: Callable[..., Any], *args: Any) -> Any:
+        token = _top.set(self.span)
+        try:
+            return step(*args)
+        finally:
+            _top.reset(token)
+
+    def send(self, value: Any) -> Any:
+        return self._resume(self.gen.send, value)
+
+    def throw(self, *exc: Any) -> Any:
+        return self._resume(self.gen.throw, *exc)
+
+    def close(self) -> None:
+        self._resume(self.gen.close)
+
+
 def _wrap_generator(func: Callable[..., Iterator[Any]], opts: _Opts) -> Callable[..., Any]:
     """A generator function whose one span covers the whole iteration.
 
     The span is this thread's innermost only while the generator's own code runs (around
-    each ``send``/``throw``), so the consumer's spans between items do not nest under it.
+    each ``send``/``throw``/``close``), so the consumer's spans between items do not nest
+    under it. A consumer that stops early (``close()``) ends the span without an error.
     """
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        gen: Any = func(*args, **kwargs)
-        span = _open(*opts, True, False)
+        within = _Within(func(*args, **kwargs), _open(*opts, True, False))
         failure: BaseException | None = None
         try:
-            sent: Any = None
-            thrown: BaseException | None = None
-            while True:
-                token = _top.set(span)
-                try:
-                    item = gen.send(sent) if thrown is None else gen.throw(thrown)
-                except StopIteration as stop:
-                    return stop.value
-                finally:
-                    thrown = None
-                    _top.reset(token)
-                try:
-                    sent = yield item
-                except GeneratorExit:
-                    raise
-                except BaseException as exc:
-                    thrown = exc
-        except GeneratorExit:  # the consumer stopped early: not an error of the block
-            token = _top.set(span)
-            try:
-                gen.close()
-            finally:
-                _top.reset(token)
+            return (yield from within)
+        except GeneratorExit:
             raise
         except BaseException as exc:
             failure = exc
             raise
         finally:
-            _close(span, failure)
+            _close(within.span, failure)
 
     return wrapper
 

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from ..leaks import Growth
     from ..module_profile import ModuleProfile
 
-__all__ = ["METRICS", "MODES", "ModuleMeter", "StepMeter"]
+__all__ = ["METRICS", "MODES", "Meters", "ModuleMeter", "StepMeter"]
 
 MODES = ("auto", "cuda", "cpu")
 #: Metric names (without prefix and stage) in the order they are logged.
@@ -284,3 +284,41 @@ class ModuleMeter:
             metrics[base + "kept_mib"] = row.self_kept.mean / MiB
             metrics[base + "peak_mib"] = max(row.forward_peak.max, row.backward_peak.max) / MiB
         return metrics
+
+
+class Meters:
+    """What both callbacks are made of: a ``StepMeter`` and a ``ModuleMeter``, and the two
+    results they expose (``module_profile``, ``leaks``)."""
+
+    meter: StepMeter
+    modules: ModuleMeter
+
+    def _init_meters(
+        self,
+        device: str,
+        every_n_steps: int,
+        prefix: str,
+        peak: bool,
+        modules: int,
+        span_names: dict[str, str],
+        stage_prefixes: dict[str, str],
+    ) -> None:
+        self.modules = ModuleMeter(modules, prefix)
+        self.meter = StepMeter(
+            device=device,
+            prefix=prefix,
+            every_n_steps=every_n_steps,
+            peak=peak,
+            span_names=span_names,
+            stage_prefixes=stage_prefixes,
+        )
+
+    @property
+    def module_profile(self) -> ModuleProfile | None:
+        """The per-module profile of the last fit or training (``modules=N``), or ``None``."""
+        return self.modules.profile
+
+    @property
+    def leaks(self) -> tuple[Growth, ...]:
+        """Growth findings (the content of each LeakWarning) for this callback's spans."""
+        return tuple(self.meter.findings)

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import _backend, oom
 from ..leaks import leak_settings
-from ._steps import ModuleMeter, StepMeter
+from ._steps import Meters
 
 try:
     from lightning.pytorch import Callback
@@ -48,8 +48,6 @@ except ImportError:  # pragma: no cover - the older package name
     from pytorch_lightning import Callback  # type: ignore[assignment,no-redef,unused-ignore]
 
 if TYPE_CHECKING:
-    from ..leaks import Growth
-    from ..module_profile import ModuleProfile
     from ..oom import OomReport
 
 __all__ = ["CudamemCallback"]
@@ -65,7 +63,7 @@ def _device_of(pl_module: Any) -> tuple[str, int | None]:
     return kind, index if isinstance(index, int) else None
 
 
-class CudamemCallback(Callback):  # type: ignore[misc,unused-ignore]
+class CudamemCallback(Callback, Meters):  # type: ignore[misc,unused-ignore]
     """Memory metrics per batch, leak warnings with culprits, and OOM post-mortems.
 
     Args:
@@ -95,15 +93,7 @@ class CudamemCallback(Callback):  # type: ignore[misc,unused-ignore]
         modules: int = 0,
     ) -> None:
         super().__init__()
-        self.modules = ModuleMeter(modules, prefix)
-        self.meter = StepMeter(
-            device=device,
-            prefix=prefix,
-            every_n_steps=every_n_steps,
-            peak=peak,
-            span_names=_SPANS,
-            stage_prefixes=_STAGES,
-        )
+        self._init_meters(device, every_n_steps, prefix, peak, modules, _SPANS, _STAGES)
         self.validation = bool(validation)
         self.report_oom = bool(oom_report)
         #: The post-mortem of the OOM that ended the last fit, if one did.
@@ -111,16 +101,6 @@ class CudamemCallback(Callback):  # type: ignore[misc,unused-ignore]
         #: Metrics of the last measured batch of each stage (``'train'``, ``'val'``).
         self.last_metrics: dict[str, dict[str, float]] = {}
         self._val: list[dict[str, float]] = []
-
-    @property
-    def module_profile(self) -> ModuleProfile | None:
-        """The per-module profile of the last fit (``modules=N``), or ``None``."""
-        return self.modules.profile
-
-    @property
-    def leaks(self) -> tuple[Growth, ...]:
-        """Growth findings (the content of each LeakWarning) for this callback's spans."""
-        return tuple(self.meter.findings)
 
     # -- run ----------------------------------------------------------------------------
 

@@ -45,13 +45,11 @@ from .. import _backend
 from ..census import StorageSnapshot
 from ..culprits import Culprit, group_by_owner
 from ..release import release
-from ._steps import ModuleMeter, StepMeter
+from ._steps import Meters
 from .results import TrainerRelease
 
 if TYPE_CHECKING:
     from ..culprits import Culprit
-    from ..leaks import Growth
-    from ..module_profile import ModuleProfile
     from ..release import ReleaseResult
 
 __all__ = ["CudamemTrainerCallback", "TrainerRelease", "attach", "release_trainer"]
@@ -61,7 +59,7 @@ _STAGES = {"train": ""}
 MiB = 1024**2
 
 
-class CudamemTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
+class CudamemTrainerCallback(TrainerCallback, Meters):  # type: ignore[misc,unused-ignore]
     """Memory per optimizer step, added to the Trainer's logs.
 
     Args:
@@ -86,28 +84,10 @@ class CudamemTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-ignor
         peak: bool = True,
         modules: int = 0,
     ) -> None:
-        self.modules = ModuleMeter(modules, prefix)
-        self.meter = StepMeter(
-            device=device,
-            prefix=prefix,
-            every_n_steps=every_n_steps,
-            peak=peak,
-            span_names=_SPANS,
-            stage_prefixes=_STAGES,
-        )
+        self._init_meters(device, every_n_steps, prefix, peak, modules, _SPANS, _STAGES)
         self._pending: list[dict[str, float]] = []
         #: The values added to the last log.
         self.last_values: dict[str, float] = {}
-
-    @property
-    def module_profile(self) -> ModuleProfile | None:
-        """The per-module profile of the last training (``modules=N``), or ``None``."""
-        return self.modules.profile
-
-    @property
-    def leaks(self) -> tuple[Growth, ...]:
-        """Growth findings (the content of each LeakWarning) for the step span."""
-        return tuple(self.meter.findings)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         device = getattr(args, "device", None)
