@@ -273,10 +273,10 @@ def all_tensors(
 
     A tensor's ``tp_traverse`` visits its class, so ``gc.get_referrers`` on the tensor types
     finds every tensor in one C-level pass (~2× one referrer scan) instead of a Python loop
-    over all objects. With the compiled heap pass, the tensors are read off a
-    ``gc.get_objects()`` listing (``heap``, when the caller has one) by type instead;
-    ``ranges``: the parts of ``heap`` to read, in turn, when it is a ``_heap.snapshot``
-    (the ``order`` it gave).
+    over all objects. With the compiled heap pass, the tensors are read off by type instead:
+    off a ``gc.get_objects()`` listing (``heap``, when the caller has one) or off gc's own
+    lists in place. ``ranges``: the parts of ``heap`` to read, in turn, when it is a
+    ``_heap.snapshot`` (the ``order`` it gave).
     """
     import gc
 
@@ -284,14 +284,15 @@ def all_tensors(
     module = _heapscan.native()
     if module is not None:
         # The same objects in the same order (gc.get_objects lists the generations in the
-        # order gc.get_referrers scans them), read off each object's type pointer only.
-        # ``heap``: such a listing the caller took (and uses again).
-        listing = heap if heap is not None else gc.get_objects()
-        found = []
-        for start, end in ranges or [(0, len(listing))]:
-            found += module.instances(listing, tuple(types_), start, end)
-        if heap is None:
-            listing.clear()
+        # order gc.get_referrers scans them), read off each object's type pointer only:
+        # off ``heap``, a listing the caller took (and uses again), or off gc's own lists
+        # in place (no listing of the whole heap).
+        if heap is not None:
+            found = []
+            for start, end in ranges or [(0, len(heap))]:
+                found += module.instances(heap, tuple(types_), start, end)
+        else:
+            found = module.gc_instances(tuple(types_))
     else:
         found = gc.get_referrers(*types_)
     # Most referrers of the tensor types are not tensors (module dicts, MRO tuples): decide

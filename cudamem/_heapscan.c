@@ -28,6 +28,15 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#if PY_VERSION_HEX < 0x030C0000
+/* Python 3.11 has no PyUnstable_GC_VisitObjects: gc_instances walks the interpreter's
+ * generation lists itself, as that function does from 3.12 on. */
+#undef _PyGC_FINALIZED
+#define Py_BUILD_CORE 1
+#include "internal/pycore_gc.h"
+#include "internal/pycore_interp.h"
+#undef Py_BUILD_CORE
+#endif
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
@@ -610,9 +619,80 @@ static PyObject *instances(PyObject *self, PyObject *args) {
     return out;
 }
 
+/* Calls cb(object, arg) for every gc-tracked object, in gc.get_objects()'s order (youngest
+ * generation first, each generation in list order), until cb returns 0. gc does not run
+ * meanwhile; cb must neither create nor free gc-tracked objects. */
+static void visit_gc(int (*cb)(PyObject *, void *), void *arg) {
+#if PY_VERSION_HEX >= 0x030C0000
+    PyUnstable_GC_VisitObjects(cb, arg);
+#else
+    struct _gc_runtime_state *gc = &PyInterpreterState_Get()->gc;
+    int enabled = gc->enabled;
+    gc->enabled = 0;
+    for (int i = 0; i < NUM_GENERATIONS; i++) {
+        PyGC_Head *head = &gc->generations[i].head;
+        for (PyGC_Head *g = (PyGC_Head *)head->_gc_next; g != head;
+             g = (PyGC_Head *)g->_gc_next) {
+            if (!cb((PyObject *)(g + 1), arg)) goto done;
+        }
+    }
+done:
+    gc->enabled = enabled;
+#endif
+}
+
+typedef struct {
+    const PtrSet *types;
+    PyObject *out;
+    int failed;
+} TypeVisit;
+
+static int collect_instance(PyObject *op, void *arg) {
+    TypeVisit *v = (TypeVisit *)arg;
+    if (set_has(v->types, (uintptr_t)Py_TYPE(op)) && PyList_Append(v->out, op) < 0) {
+        v->failed = 1;
+        return 0;
+    }
+    return 1;
+}
+
+/* gc_instances(types) -> the gc-tracked objects whose exact type is in the tuple `types`, in
+ * gc.get_objects()'s order: instances(gc.get_objects(), types) without listing the heap
+ * (reads each object's type pointer in place; appending to the result list allocates no
+ * gc-tracked object). */
+static PyObject *gc_instances(PyObject *self, PyObject *types) {
+    (void)self;
+    if (!PyTuple_Check(types)) {
+        PyErr_SetString(PyExc_TypeError, "gc_instances: types must be a tuple of types");
+        return NULL;
+    }
+    PtrSet set;
+    if (set_init(&set, (size_t)PyTuple_GET_SIZE(types)) < 0) return PyErr_NoMemory();
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(types); i++) {
+        PyObject *tp = PyTuple_GET_ITEM(types, i);
+        if (!PyType_Check(tp)) {
+            free(set.slots);
+            PyErr_SetString(PyExc_TypeError, "types must hold types only");
+            return NULL;
+        }
+        if (set_add(&set, (uintptr_t)tp) < 0) {
+            free(set.slots);
+            return PyErr_NoMemory();
+        }
+    }
+    TypeVisit v = {&set, PyList_New(0), 0};
+    if (v.out != NULL) {
+        visit_gc(collect_instance, &v);
+        if (v.failed) Py_CLEAR(v.out);
+    }
+    free(set.slots);
+    return v.out;
+}
+
 static PyMethodDef methods[] = {
     {"scan", scan, METH_VARARGS, "One pass over a heap snapshot (see the file's comment)."},
     {"instances", instances, METH_VARARGS, "The objects whose exact type is in a tuple."},
+    {"gc_instances", gc_instances, METH_O, "The gc-tracked objects whose exact type is in a tuple."},
     {"edges", edges_new, METH_VARARGS, "A new edge cache for repeated scans of one snapshot."},
     {"edges_info", edges_info, METH_VARARGS, "(batches, edges, full) of an edge cache."},
     {NULL, NULL, 0, NULL},

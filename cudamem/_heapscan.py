@@ -259,6 +259,16 @@ def validate(module: Any) -> str | None:
             return problem
         if module.edges_info(edges)[0] != (len(heap) + 1023) // 1024:
             return "the compiled pass's edge cache did not record the heap"
+        # The in-place walk of gc's lists: the same objects, in gc.get_objects()'s order.
+        listed = [o for o in gc.get_objects() if type(o) is Box]
+        walked = module.gc_instances((Box,))
+        same = len(walked) == len(listed) and all(
+            a is b for a, b in zip(walked, listed, strict=True)
+        )
+        listed.clear()
+        walked.clear()
+        if not same:
+            return "the compiled walk of gc's lists differs from gc.get_objects()"
         return None
     except Exception as exc:
         return f"the compiled pass failed its check: {type(exc).__name__}: {exc}"

@@ -302,16 +302,12 @@ def _gather(
     # listing costs as much as either pass).
     heap: list[Any] | None = None
     edges: Any = None
-    if _heapscan.native() is not None and not counts and scan is None:
-        listing = gc.get_objects()  # the tensors only: no pass follows
-        tensors = _autograd.all_tensors(listing)
-        listing.clear()
-    elif _heapscan.native() is not None:
+    if _heapscan.native() is not None and (counts or scan is not None):
         order: list[tuple[int, int]] = []
         heap = _heap.snapshot(order)
         edges = _heap.edge_cache()
         tensors = _autograd.all_tensors(heap, order)
-    else:
+    else:  # the tensors only (no pass follows), read off gc's lists in place
         tensors = _autograd.all_tensors()
     # A search in another thread must not name our lists.
     handed = False

@@ -16,11 +16,15 @@ from __future__ import annotations
 
 import time
 
-from .._backend import Backend
+from .._backend import Backend, Counters
 from ..census import live_storage_keys
 from ..stats import AllocatorStats
 
 __all__ = ["CpuStorageBackend"]
+
+
+def _live_cpu_bytes() -> int:
+    return sum(live_storage_keys("cpu").values())
 
 
 class CpuStorageBackend(Backend):
@@ -39,22 +43,35 @@ class CpuStorageBackend(Backend):
         return device == 0
 
     def read(self, device: int) -> AllocatorStats:
-
         now = time.perf_counter_ns()
         if device != 0:
             return AllocatorStats.zero(device, now)
-        total = sum(live_storage_keys("cpu").values())
-        self._peak = max(self._peak, total)
-        return AllocatorStats(
-            0, total, total, total, total, self._peak, self._peak, 0, 0, 0, 0, 0, 0, now
-        )
+        total, _, peak = self.counters(0)
+        return AllocatorStats(0, total, total, total, total, peak, peak, 0, 0, 0, 0, 0, 0, now)
+
+    def counters(self, device: int) -> Counters:
+        """One census: ``(allocated, allocated, the highest allocated read so far)``."""
+        if device != 0:
+            return (0, 0, 0)
+        total = _live_cpu_bytes()
+        if total > self._peak:
+            self._peak = total
+        return (total, total, self._peak)
+
+    def counters_reset_peak(self, device: int) -> Counters:
+        """``counters`` and ``reset_peak`` from one census (each census is a heap scan)."""
+        if device != 0:
+            return (0, 0, 0)
+        total = _live_cpu_bytes()
+        peak, self._peak = max(self._peak, total), total
+        return (total, total, peak)
 
     def synchronize(self, device: int) -> None:
         """CPU work is synchronous: nothing to wait for."""
 
     def reset_peak(self, device: int) -> None:
         """As CUDA's: the peak starts again from what is allocated now, never below it."""
-        self._peak = sum(live_storage_keys("cpu").values())
+        self._peak = _live_cpu_bytes()
 
     def storage_device_type(self) -> str:
         return "cpu"

@@ -327,6 +327,65 @@ def test_all_tensors_are_the_same_objects_in_the_same_order(compiled: Any) -> No
         compiled.instances([1], (1,))
 
 
+def test_gc_instances_lists_what_gc_get_objects_lists_in_its_order(compiled: Any) -> None:
+    """The in-place walk of gc's lists (3.11: the interpreter's lists; 3.12+:
+    PyUnstable_GC_VisitObjects) against a listing: old and young objects, a frozen-free
+    heap, hostile instances, gc state and reference counts untouched."""
+
+    class Mark:
+        pass
+
+    old = [Mark() for _ in range(200)]
+    gc.collect()  # these are in the oldest generation now
+    young = [Mark() for _ in range(50)] + [Hostile(1)]
+    enabled, counts = gc.isenabled(), sys.getrefcount(old[0])
+
+    def compare() -> tuple[int, int, bool, bool, bool]:
+        walked = compiled.gc_instances((Mark, Hostile))
+        listed = [o for o in gc.get_objects() if type(o) in (Mark, Hostile)]
+        try:
+            ids = [id(o) for o in walked]
+            return (
+                len(walked),
+                len(listed),
+                all(a is b for a, b in zip(walked, listed, strict=True)),
+                {id(o) for o in old + young} == set(ids),
+                ids.index(id(young[0])) < ids.index(id(old[0])),  # youngest generation first
+            )
+        finally:
+            walked.clear()
+            listed.clear()
+
+    assert compare() == (251, 251, True, True, True)
+    assert gc.isenabled() == enabled
+    first = old[0]
+    after = sys.getrefcount(first) - 1  # less the local just made
+    assert after == counts
+    assert compiled.gc_instances(()) == []
+    with pytest.raises(TypeError, match="tuple"):
+        compiled.gc_instances([Mark])
+    with pytest.raises(TypeError, match="types only"):
+        compiled.gc_instances((1,))
+
+
+def test_validation_checks_the_walk_of_gcs_lists() -> None:
+    real = _heapscan.wait(120)
+    if not real.active:
+        pytest.skip(f"no compiled pass here: {real.reason}")
+    module = _heapscan.native()
+
+    class WrongWalk:
+        scan = staticmethod(module.scan)
+        edges = staticmethod(module.edges)
+        edges_info = staticmethod(module.edges_info)
+
+        @staticmethod
+        def gc_instances(types: tuple[type, ...]) -> list[Any]:
+            return []  # misses every object
+
+    assert "gc.get_objects" in (_heapscan.validate(WrongWalk()) or "")
+
+
 def _climbing_pass(
     heap: list[Any], wanted: set[int], grow: dict[int, int], edges: Any, **kw: Any
 ) -> tuple[list[int], tuple[bool, int, bool]]:
