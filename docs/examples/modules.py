@@ -1,7 +1,7 @@
 """The per-module guide's example (docs/guide/modules.md): where in a GPT-2 the memory goes.
 
 On a GPU: a 4-layer, 512-wide GPT-2 (built from a config: nothing is downloaded), batch 8 of
-512 tokens, AdamW. Without a GPU the same code runs a 2-layer, 32-wide one on CPU tensors,
+512 tokens, AdamW. Without a GPU the same code runs a 1-layer, 32-wide one on CPU tensors,
 with live CPU storages standing in for the allocator's counters (what the integrations'
 ``device='cpu'`` does), so that the bytes are real there too.
 """
@@ -24,7 +24,7 @@ device = "cuda" if cuda else "cpu"
 counting = contextlib.ExitStack()
 if not cuda:  # count live CPU storages: the CPU has no allocator counters
     counting.enter_context(_backend.use(CpuStorageBackend()))
-shape = dict(n_layer=4, n_embd=512, n_head=8) if cuda else dict(n_layer=2, n_embd=32, n_head=2)
+shape = dict(n_layer=4, n_embd=512, n_head=8) if cuda else dict(n_layer=1, n_embd=32, n_head=2)
 batch, seq = (8, 512) if cuda else (2, 16)
 
 
