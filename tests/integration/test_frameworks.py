@@ -1,6 +1,6 @@
 """The framework integrations' tests (``tests/integration/frameworks``), each file in a
-process of its own: Lightning, Transformers, IPython and matplotlib stay out of this
-process's heap, which every census and holder search of the other tests walks."""
+process of its own: Lightning, Transformers, IPython, matplotlib and torch.compile stay out
+of this process's heap, which every census and holder search of the other tests walks."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ FILES = sorted(p.name for p in (ROOT / "tests" / "integration" / "frameworks").g
 
 def test_every_framework_file_is_run_here() -> None:
     assert FILES == [
+        "test_compile.py",
         "test_lightning.py",
         "test_notebook.py",
         "test_plot.py",

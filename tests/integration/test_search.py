@@ -2,8 +2,9 @@
 
 Huge containers, deep nesting and cut-short searches; what is not a holder (the call's own
 temporaries, a loop's iterator, a view's base) and what is (a numpy array on the memory);
-threads; and tensors without memory of their own (FakeTensors left by torch.compile, meta and
-functional tensors), which no scan may touch.
+threads. Tensors without memory of their own (FakeTensors left by torch.compile, meta and
+functional tensors), which no scan may touch, are tested in a process of their own:
+``tests/integration/frameworks/test_compile.py``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import gc
 import json
 import math
 import threading
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,7 +22,6 @@ import pytest
 import torch
 
 import cudamem
-from cudamem import census
 from cudamem.holders import Holder, Holders
 from cudamem.render.json import to_json
 
@@ -511,66 +510,3 @@ def test_four_threads_at_once_find_the_same_paths_as_alone(g: Globals) -> None:
         th.join(120)
     assert not errors
     assert out == [alone] * 12
-
-
-# --------------------------------------------------------------------------- no memory of its own
-
-
-def _fakes() -> tuple[Any, Any]:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    mode = FakeTensorMode()
-    with mode:
-        fake = torch.empty(13, 17)
-    return mode, fake
-
-
-def test_fake_meta_and_functional_tensors_are_skipped_without_warning(g: Globals) -> None:
-    mode, fake = _fakes()
-    g["fakes"] = [fake, torch.empty(19, 23, device="meta")]
-    g["functional"] = torch._to_functional_tensor(torch.ones(29, 31))
-    g["real"] = torch.ones(37, 41)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        c = cudamem.live_tensors(holders=True)
-        shapes = {s.shape for s in c}
-        assert (37, 41) in shapes
-        assert not shapes & {(13, 17), (19, 23)}
-        # the functional wrapper has no memory of its own; the tensor it wraps has
-        assert [s.tensors for s in c if s.shape == (29, 31)] == [1]
-        assert cudamem.who_holds(g["functional"]).nbytes is None
-        keys = census.live_storage_keys()
-        assert all(ptr != 0 for _dev, ptr in keys)
-        assert f"{M}.real" in cudamem.who_holds(g["real"]).paths
-        by_identity = cudamem.who_holds(fake)
-        assert by_identity.nbytes is None and f"{M}.fakes[0]" in by_identity.paths
-        cudamem.who_holds(g["fakes"][1])
-        cudamem.find_graph_holders()
-    del mode
-
-
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_after_torch_compile_no_scan_touches_fake_tensors(g: Globals, backend: str) -> None:
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
-    g["model"] = model
-    x = torch.randn(4, 8, requires_grad=True)
-    try:
-        compiled = torch.compile(model, backend=backend)
-        compiled(x).sum().backward()
-    except Exception as exc:  # no compiler on this machine, or an unsupported setup
-        torch._dynamo.reset()
-        pytest.skip(f"torch.compile({backend!r}) does not run here: {exc!r}")
-    try:
-        g["out"] = compiled(x)
-        gc.collect()
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            c = cudamem.live_tensors(holders=True)
-            census.live_storage_keys()
-            assert f"{M}.model[0].weight" in cudamem.who_holds(model[0].weight).paths
-            cudamem.find_graph_holders()
-            with cudamem.track("compiled-step", leaks=True):
-                compiled(x).sum()
-        assert any(s.shape == (8, 8) for s in c)
-    finally:
-        torch._dynamo.reset()
