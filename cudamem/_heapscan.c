@@ -574,6 +574,28 @@ static PyObject *scan(PyObject *self, PyObject *args) {
     return Py_BuildValue("(OnO)", finished ? Py_True : Py_False, last, whole ? Py_True : Py_False);
 }
 
+/* The addresses of the types in the tuple `types`, as a set (-1 with an exception set). */
+static int type_set(PyObject *types, PtrSet *set) {
+    if (set_init(set, (size_t)PyTuple_GET_SIZE(types)) < 0) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(types); i++) {
+        PyObject *tp = PyTuple_GET_ITEM(types, i);
+        if (!PyType_Check(tp)) {
+            free(set->slots);
+            PyErr_SetString(PyExc_TypeError, "types must hold types only");
+            return -1;
+        }
+        if (set_add(set, (uintptr_t)tp) < 0) {
+            free(set->slots);
+            PyErr_NoMemory();
+            return -1;
+        }
+    }
+    return 0;
+}
+
 /* instances(objs, types[, start, end]) -> the objects of objs[start:end] whose exact type is
  * one of the tuple `types`, in order. Reads only each object's type pointer. */
 static PyObject *instances(PyObject *self, PyObject *args) {
@@ -588,19 +610,7 @@ static PyObject *instances(PyObject *self, PyObject *args) {
         return NULL;
     }
     PtrSet set;
-    if (set_init(&set, (size_t)PyTuple_GET_SIZE(types)) < 0) return PyErr_NoMemory();
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(types); i++) {
-        PyObject *tp = PyTuple_GET_ITEM(types, i);
-        if (!PyType_Check(tp)) {
-            free(set.slots);
-            PyErr_SetString(PyExc_TypeError, "types must hold types only");
-            return NULL;
-        }
-        if (set_add(&set, (uintptr_t)tp) < 0) {
-            free(set.slots);
-            return PyErr_NoMemory();
-        }
-    }
+    if (type_set(types, &set) < 0) return NULL;
     PyObject *out = PyList_New(0);
     if (!out) {
         free(set.slots);
@@ -667,19 +677,7 @@ static PyObject *gc_instances(PyObject *self, PyObject *types) {
         return NULL;
     }
     PtrSet set;
-    if (set_init(&set, (size_t)PyTuple_GET_SIZE(types)) < 0) return PyErr_NoMemory();
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(types); i++) {
-        PyObject *tp = PyTuple_GET_ITEM(types, i);
-        if (!PyType_Check(tp)) {
-            free(set.slots);
-            PyErr_SetString(PyExc_TypeError, "types must hold types only");
-            return NULL;
-        }
-        if (set_add(&set, (uintptr_t)tp) < 0) {
-            free(set.slots);
-            return PyErr_NoMemory();
-        }
-    }
+    if (type_set(types, &set) < 0) return NULL;
     TypeVisit v = {&set, PyList_New(0), 0};
     if (v.out != NULL) {
         visit_gc(collect_instance, &v);

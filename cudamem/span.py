@@ -293,14 +293,14 @@ class RawSpan:
     #: write can lose another. Created by the first fold.
     fold: dict[int, int] | None
     xfold: dict[int, int] | None
-    #: Devices read at entry and ``(allocated, reserved, peak counter)`` of each.
-    devs: tuple[int, ...]
-    before: tuple[Counters, ...]
-    start_ns: int
     #: Only for spans with ``peak=True`` (set before the span is announced to other threads).
     owner: int
     armed: bool
     solo: bool
+    #: Devices read at entry and ``(allocated, reserved, peak counter)`` of each.
+    devs: tuple[int, ...]
+    before: tuple[Counters, ...]
+    start_ns: int
     # Set by the span's exit, before any hook runs: the devices read and their counters.
     end_ns: int
     exit_devs: tuple[int, ...]
@@ -1204,7 +1204,8 @@ def _wrap_coroutine(func: Callable[..., Awaitable[Any]], opts: _Opts) -> Callabl
         except BaseException as exc:
             _close(span, exc)
             raise
-        _close(span, None)
+        else:
+            _close(span, None)
         return result
 
     return wrapper
