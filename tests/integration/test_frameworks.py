@@ -19,6 +19,7 @@ def test_every_framework_file_is_run_here() -> None:
     assert FILES == [
         "test_compile.py",
         "test_lightning.py",
+        "test_modules_gpt2.py",
         "test_notebook.py",
         "test_plot.py",
         "test_transformers.py",
