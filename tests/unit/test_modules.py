@@ -16,7 +16,6 @@ from torch import nn
 import cudamem
 from cudamem import _backend
 from cudamem.module_profile import RawModule, Spread, build_profile
-from cudamem.modules import COMPILED_NOTE
 from cudamem.render.json import to_json
 
 from ..fakes import FakeAllocator
@@ -314,24 +313,6 @@ def test_without_a_model_every_called_tree_is_profiled(fake: FakeAllocator) -> N
     assert p.module("Outer").kept.max == 140 * KiB
     assert p.module("Outer.a").kept.max == 30 * KiB
     assert p.module("MSELoss").calls.max == 1
-
-
-def test_a_compiled_module_is_one_unit(fake: FakeAllocator) -> None:
-    import torch._dynamo
-
-    torch._dynamo.reset()
-    inner = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
-    model = nn.Sequential(torch.compile(inner, backend="eager"), nn.Linear(4, 2))
-    with cudamem.track_modules(model) as prof:
-        model(torch.ones(2, 4))
-        model(torch.ones(2, 4))
-    names = [r.name for r in prof.profile.modules]
-    assert names == ["Sequential", "Sequential.0", "Sequential.1"]
-    unit = prof.profile.module("Sequential.0")
-    assert unit.type_name == "OptimizedModule"
-    assert unit.notes == (COMPILED_NOTE,)
-    assert unit.calls.max == 2
-    assert "compiled (torch.compile)" in str(prof.profile)
 
 
 def test_arguments_are_checked() -> None:

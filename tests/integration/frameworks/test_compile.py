@@ -1,5 +1,6 @@
 """Tensors without memory of their own (FakeTensors left by torch.compile, meta and
-functional tensors) are skipped by every scan without a warning.
+functional tensors) are skipped by every scan without a warning; a compiled module is one
+unit of the per-module profile.
 
 In a process of its own (``tests/integration/test_frameworks.py``): torch.compile and
 FakeTensorMode import dynamo, inductor and sympy, which would more than double the heap that
@@ -14,9 +15,13 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 import cudamem
-from cudamem import census
+from cudamem import _backend, census
+from cudamem.modules import COMPILED_NOTE
+
+from ...fakes import FakeAllocator
 
 M = __name__
 
@@ -99,3 +104,28 @@ def test_after_torch_compile_no_scan_touches_fake_tensors(g: Globals, backend: s
         assert any(s.shape == (8, 8) for s in c)
     finally:
         torch._dynamo.reset()
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeAllocator]:
+    alloc = FakeAllocator(devices=1, contexts=(0,))
+    with _backend.use(alloc):
+        yield alloc
+
+
+def test_a_compiled_module_is_one_unit(fake: FakeAllocator) -> None:
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    inner = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    model = nn.Sequential(torch.compile(inner, backend="eager"), nn.Linear(4, 2))
+    with cudamem.track_modules(model) as prof:
+        model(torch.ones(2, 4))
+        model(torch.ones(2, 4))
+    names = [r.name for r in prof.profile.modules]
+    assert names == ["Sequential", "Sequential.0", "Sequential.1"]
+    unit = prof.profile.module("Sequential.0")
+    assert unit.type_name == "OptimizedModule"
+    assert unit.notes == (COMPILED_NOTE,)
+    assert unit.calls.max == 2
+    assert "compiled (torch.compile)" in str(prof.profile)
