@@ -22,28 +22,15 @@ from cudamem import _backend, census
 from cudamem.modules import COMPILED_NOTE
 
 from ...fakes import FakeAllocator
+from ...module_globals import Globals, added_globals
 
 M = __name__
-
-
-class Globals:
-    """This module's globals by name, without holding the module's dict (a frame holding
-    the dict would be a holder of everything in it)."""
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        globals()[name] = value
-
-    def __getitem__(self, name: str) -> Any:
-        return globals()[name]
 
 
 @pytest.fixture
 def g() -> Iterator[Globals]:
     """Module globals for a test; every name it adds is removed afterwards."""
-    before = set(globals())
-    yield Globals()
-    for name in set(globals()) - before:
-        del globals()[name]
+    yield from added_globals(__name__)
 
 
 def _fakes() -> tuple[Any, Any]:
