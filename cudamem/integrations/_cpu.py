@@ -60,11 +60,10 @@ class CpuStorageBackend(Backend):
 
     def counters_reset_peak(self, device: int) -> Counters:
         """``counters`` and ``reset_peak`` from one census (each census is a heap scan)."""
-        if device != 0:
-            return (0, 0, 0)
-        total = _live_cpu_bytes()
-        peak, self._peak = max(self._peak, total), total
-        return (total, total, peak)
+        values = self.counters(device)
+        if device == 0:
+            self._peak = values[0]
+        return values
 
     def synchronize(self, device: int) -> None:
         """CPU work is synchronous: nothing to wait for."""
