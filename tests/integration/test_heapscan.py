@@ -368,16 +368,11 @@ def test_gc_instances_lists_what_gc_get_objects_lists_in_its_order(compiled: Any
         compiled.gc_instances((1,))
 
 
-def test_validation_checks_the_walk_of_gcs_lists() -> None:
-    real = _heapscan.wait(120)
-    if not real.active:
-        pytest.skip(f"no compiled pass here: {real.reason}")
-    module = _heapscan.native()
-
+def test_validation_checks_the_walk_of_gcs_lists(compiled: Any) -> None:
     class WrongWalk:
-        scan = staticmethod(module.scan)
-        edges = staticmethod(module.edges)
-        edges_info = staticmethod(module.edges_info)
+        scan = staticmethod(compiled.scan)
+        edges = staticmethod(compiled.edges)
+        edges_info = staticmethod(compiled.edges_info)
 
         @staticmethod
         def gc_instances(types: tuple[type, ...]) -> list[Any]:
