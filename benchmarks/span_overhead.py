@@ -49,7 +49,8 @@ import torch
 from _common import ConstantReader, cpu_and_gpu_ms, machine, matmul_step
 
 import cudamem
-from cudamem import _backend
+from cudamem import _backend, _spancore
+from cudamem import span as _span
 from cudamem.render.text import render_table
 
 CUDA = torch.cuda.is_available()
@@ -127,27 +128,34 @@ class MinimalSpan:
 
 
 def per_call_us(
-    cases: dict[str, Callable[[], object]], target_s: float, rounds: int
+    cases: dict[str, Callable[[], object]],
+    target_s: float,
+    rounds: int,
+    around: dict[str, contextlib.AbstractContextManager[None]] | None = None,
 ) -> dict[str, list[float]]:
-    """µs per call of each case: ``rounds`` interleaved rounds of ~``target_s`` each."""
+    """µs per call of each case: ``rounds`` interleaved rounds of ~``target_s`` each
+    (``around[name]``: entered around that case's loops, e.g. ``PythonPath()``)."""
+    around = around or {}
     counts = {}
     for name, fn in cases.items():  # calibrate the calls per round
         n, elapsed = 10, 0.0
-        while elapsed < target_s / 4:
-            n *= 2
-            t0 = time.perf_counter()
-            for _ in range(n):
-                fn()
-            elapsed = time.perf_counter() - t0
+        with around.get(name) or contextlib.nullcontext():
+            while elapsed < target_s / 4:
+                n *= 2
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    fn()
+                elapsed = time.perf_counter() - t0
         counts[name] = max(10, int(n * target_s / elapsed))
     out: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(rounds):
         for name, fn in cases.items():
             n = counts[name]
-            t0 = time.perf_counter_ns()
-            for _ in range(n):
-                fn()
-            out[name].append((time.perf_counter_ns() - t0) / n / 1e3)
+            with around.get(name) or contextlib.nullcontext():
+                t0 = time.perf_counter_ns()
+                for _ in range(n):
+                    fn()
+                out[name].append((time.perf_counter_ns() - t0) / n / 1e3)
         cudamem.clear_history()
     return out
 
@@ -325,6 +333,43 @@ def step_benchmarks(kinds: list[StepKind]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- main
 
 
+def span_core() -> Any:
+    """The compiled span core, built (or loaded from the cache) and switched on before any
+    timing, so that every span below runs on the path a user's spans run on after their
+    first; ``None`` where it cannot serve (the Python path then serves every case)."""
+    _spancore.EXTENSION.wait()
+    with cudamem.track("switch"):  # the first open after the build switches to the core
+        pass
+    return _spancore.EXTENSION.native()
+
+
+PYTHON_ROW = "track() defaults, Python open/close"
+
+
+class PythonPath:
+    """Around a case's timed loop: spans open and close through the Python functions (the
+    compiled core's figures beside them, in the same interleaved rounds)."""
+
+    def __init__(self) -> None:
+        self.core = (
+            _span._open,
+            _span._close,
+            _span.MemorySpan.__dict__["__enter__"],
+            _span.MemorySpan.__dict__["__exit__"],
+        )
+
+    def __enter__(self) -> None:
+        _span._use_core(None)
+
+    def __exit__(self, *exc: object) -> None:
+        (
+            _span._open,
+            _span._close,
+            _span.MemorySpan.__enter__,
+            _span.MemorySpan.__exit__,
+        ) = self.core
+
+
 def span_cases(backend: _backend.Backend) -> dict[str, Callable[[], object]]:
     counters = backend.counters
 
@@ -373,6 +418,9 @@ def main() -> None:
 
     real = _backend.get()
     keep = None
+    core = span_core()
+    data["span_core"] = str(_spancore.status().reason)
+    print(f"span core: {'compiled' if core is not None else 'Python'} ({data['span_core']})")
     if CUDA:
         keep = torch.ones(1 << 20, device=DEVICE)  # a context and some allocation
         torch.cuda.synchronize()
@@ -474,6 +522,7 @@ def main() -> None:
     for line in skipped:
         print(f"skipped: {line}")
     print(f"reader: {data['reader']}")
+    print(f"span core: {data['span_core']}")
     for goal in goals:
         print(f"goal: {goal['goal']}: {goal['measured']} -> {goal['verdict']}")
     print(f"({data['seconds']:.1f} s)")
@@ -492,8 +541,12 @@ def _spans(
     cases = span_cases(backend)
     if only is not None:
         cases = dict(list(cases.items())[:only])
+    around: dict[str, contextlib.AbstractContextManager[None]] = {}
+    if only is None and _spancore.EXTENSION.native() is not None:
+        cases[PYTHON_ROW] = cases["track() defaults"]
+        around[PYTHON_ROW] = PythonPath()
     with _backend.use(backend):
-        out = per_call_us(cases, target, rounds)
+        out = per_call_us(cases, target, rounds, around)
         out["nested pair (2 spans)"] = [x / 2 for x in out.get("nested pair (2 spans)", [])]
         if only is None:
             previous = cudamem.leak_settings()

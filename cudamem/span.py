@@ -33,11 +33,11 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast, overload
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, cast, overload
 
 from typing_extensions import ParamSpec
 
-from . import _backend
+from . import _backend, _spancore
 from ._backend import Counters
 from ._data import to_data
 from ._device_arg import DeviceLike, resolve_device
@@ -668,7 +668,7 @@ def max_allocated(device: DeviceLike = 0) -> int:
 # -- open and close ---------------------------------------------------------------------
 
 
-def _open(
+def _py_open(
     name: str,
     device: int | None,
     sync: bool,
@@ -681,7 +681,10 @@ def _open(
 ) -> RawSpan:
     """Open a span: read the counters, join this thread's (or task's) stack, run the entry
     hooks (``hooks=False``: a measurement of cudamem's own, which no feature sees, e.g. the
-    pytest plugin's per-test peak). Never raises."""
+    pytest plugin's per-test peak). Never raises. (``_open``: this, or the compiled span
+    core's ``open`` once it is active, which hands every case but the common one here.)"""
+    if _core_pending:
+        _core_poll()
     span = _new_raw(RawSpan)  # no __init__: the stores below are the constructor
     span.name = name
     span.device = device
@@ -741,10 +744,7 @@ def _open(
         else:
             span.before = tuple([backend.counters(d) for d in devs])
     except Exception as exc:  # cudamem's bookkeeping must never break the user's code
-        _open_peak.pop(span, None)
-        span.armed, span.before, span.devs = True, (), ()
-        span.note(f"entry measurement failed: {type(exc).__name__}: {exc}")
-        warn_once("span:enter", f"cudamem: span entry measurement failed: {exc!r}", stacklevel=3)
+        _entry_failed(span, exc)
     if nest:
         parent = _top.get()
         if parent is not None:
@@ -758,16 +758,67 @@ def _open(
             try:
                 hook(span)
             except Exception as err:
-                warn_once(
-                    f"span:entry-hook{id(hook)}",
-                    f"cudamem: span entry hook failed: {err!r}",
-                    stacklevel=3,
-                )
+                _entry_hook_failed(hook, err)
     span.start_ns = _now_ns()
     return span
 
 
-def _close(
+# The rare branches of an open and a close, one home for both paths (the compiled span
+# core calls them too).
+
+
+def _entry_failed(span: RawSpan, exc: Exception) -> None:
+    """The entry measurement raised: the span is measured by nothing and says why."""
+    _open_peak.pop(span, None)
+    span.armed, span.before, span.devs = True, (), ()
+    span.note(f"entry measurement failed: {type(exc).__name__}: {exc}")
+    warn_once("span:enter", f"cudamem: span entry measurement failed: {exc!r}", stacklevel=3)
+
+
+def _entry_hook_failed(hook: EntryHook, err: Exception) -> None:
+    warn_once(
+        f"span:entry-hook{id(hook)}", f"cudamem: span entry hook failed: {err!r}", stacklevel=3
+    )
+
+
+def _wait_folds() -> None:
+    """Wait until a fold of another thread that may be writing into a span has finished."""
+    with _lock:
+        pass
+
+
+def _exception_info(exc: BaseException, backend: _backend.Backend) -> ExceptionInfo:
+    return ExceptionInfo.from_exception(exc, is_oom=backend.is_oom(exc))
+
+
+def _thread_name() -> str:
+    """This thread's name, looked up once per thread (``_tls`` keeps it)."""
+    name: str = threading.current_thread().name
+    _tls.name = name
+    return name
+
+
+def _drain_finished() -> None:
+    """Hand the queue of finished spans to its consumer (errors: a warning, once)."""
+    sink = _finished_sink
+    if sink is not None:
+        try:
+            sink()
+        except Exception as err:
+            warn_once("span:finished", f"cudamem: span history failed: {err!r}")
+
+
+def _close_failed(span: RawSpan, err: Exception) -> None:
+    """The last line of defence of a close: the span ends closed, with every field set."""
+    span.closed = True
+    _open_peak.pop(span, None)
+    for field, empty in _EXIT_FIELDS:
+        if not hasattr(span, field):
+            setattr(span, field, empty)
+    warn_once("span:exit-outer", f"cudamem: span bookkeeping failed: {err!r}", stacklevel=3)
+
+
+def _py_close(
     span: RawSpan,
     exc: BaseException | None,
     keeper: MemorySpan | None = None,
@@ -829,8 +880,7 @@ def _close(
         if peak:
             _open_peak.pop(span, None)
             if _open_peak and not _only(_get_ident()):
-                with _lock:  # a fold of another thread may still be writing into this span
-                    pass
+                _wait_folds()  # a fold of another thread may still be writing into this span
         if len(after) == 1 and devs is span.devs:  # one device at both edges
             a0, r0, _ = span.before[0]
             a1, r1, p1 = after[0]
@@ -850,13 +900,11 @@ def _close(
         else:
             _tally(span)
             span.fold = span.xfold = None
-        span.exception = (
-            None if exc is None else ExceptionInfo.from_exception(exc, is_oom=backend.is_oom(exc))
-        )
+        span.exception = None if exc is None else _exception_info(exc, backend)
         try:
             span.thread = _tls.name
         except AttributeError:
-            span.thread = _tls.name = threading.current_thread().name
+            span.thread = _thread_name()
         span.closed = True
         parent = span.parent
         if parent is not None and parent.closed:
@@ -879,22 +927,14 @@ def _close(
             if hooks and _finished_sink is not None:
                 finished.append(span)
                 if len(finished) >= FINISHED_AT:
-                    try:
-                        _finished_sink()
-                    except Exception as err:
-                        warn_once("span:finished", f"cudamem: span history failed: {err!r}")
+                    _drain_finished()
         for hook in () if not hooks else _exit_calls_ok if exc is None else _exit_calls:
             try:
                 hook(span)
             except Exception as err:
                 pending = _exit_hook_failed(hook, err, exc, pending)
     except Exception as err:  # pragma: no cover - last line of defence
-        span.closed = True
-        _open_peak.pop(span, None)
-        for field, empty in _EXIT_FIELDS:
-            if not hasattr(span, field):
-                setattr(span, field, empty)
-        warn_once("span:exit-outer", f"cudamem: span bookkeeping failed: {err!r}", stacklevel=3)
+        _close_failed(span, err)
     extras = span.extras
     if extras is not None:
         if keeper is not None:
@@ -939,6 +979,124 @@ def _live(span: RawSpan | None) -> RawSpan | None:
     while span is not None and span.closed:
         span = span.parent
     return span
+
+
+# -- the compiled span core ---------------------------------------------------------------
+
+
+class _OpenFn(Protocol):
+    def __call__(
+        self,
+        name: str,
+        device: int | None,
+        sync: bool,
+        peak: bool,
+        leaks: bool,
+        nest: bool = ...,
+        push: bool = ...,
+        *,
+        hooks: bool = ...,
+    ) -> RawSpan: ...
+
+
+class _CloseFn(Protocol):
+    def __call__(
+        self,
+        span: RawSpan,
+        exc: BaseException | None,
+        keeper: MemorySpan | None = ...,
+        *,
+        hooks: bool = ...,
+    ) -> None: ...
+
+
+#: What every span opens and closes with: the Python functions above, until the compiled
+#: span core (``_spancore.c``) is active; then its ``open``/``close``, which do the common
+#: case (one device, no synchronize) in C and hand every other to ``_py_open``/``_py_close``.
+_open: _OpenFn = _py_open
+_close: _CloseFn = _py_close
+#: Whether the next Python open asks the span core's build again (until it is settled).
+_core_pending = True
+
+_MISSING = object()
+#: The fields a span's open and close set, compared between the two paths by the check.
+_CHECKED = (
+    "name",
+    "device",
+    "sync",
+    "peak",
+    "leaks",
+    "parent",
+    "children",
+    "closed",
+    "devs",
+    "exit_devs",
+    "top_level",
+    "exception",
+    "thread",
+    "peak_total",
+    "peak_delta",
+    "extras",
+)
+
+
+def _core_poll() -> None:
+    """One step of the span core's life, at a Python open: start its build (first call),
+    and once it is built, check it and switch to it. Never waits for a compiler."""
+    global _core_pending
+    ext = _spancore.EXTENSION
+    module = ext.native()
+    if module is None:
+        if ext.settled():
+            _core_pending = False
+        return
+    _core_pending = False
+    problem = _use_core(module)
+    if problem is not None:
+        ext.drop(problem)
+
+
+def _use_core(module: Any) -> str | None:
+    """Open and close every span through ``module`` (the compiled core; ``None``: the
+    Python functions), or say why it cannot serve (then nothing changes)."""
+    global _open, _close
+    if module is None:
+        _open, _close = _py_open, _py_close
+        MemorySpan.__enter__ = _py_span_enter  # type: ignore[method-assign]
+        MemorySpan.__exit__ = _py_span_exit  # type: ignore[method-assign]
+        return None
+    checked = _core_check(module)
+    if isinstance(checked, str):
+        return checked
+    _open, _close = module.open, module.close
+    MemorySpan.__enter__, MemorySpan.__exit__ = checked  # type: ignore[method-assign]
+    return None
+
+
+def _core_check(module: Any) -> tuple[Any, Any] | str:
+    """The compiled core's ``MemorySpan.__enter__``/``__exit__``, or why it cannot serve: it
+    takes this module's state, and a quiet span (no peak, no stack, no hooks) through it has
+    the fields and arithmetic a span through the Python path has."""
+    try:
+        methods = module.init(globals(), vars(_backend), RawSpan, MemorySpan)
+        backend = _backend._active
+        device = 0 if backend.device_count() > 0 else None
+        spans = []
+        for opener, closer in ((_py_open, _py_close), (module.open, module.close)):
+            raw = opener("cudamem-check", device, False, False, False, False, False, hooks=False)
+            closer(raw, None, hooks=False)
+            spans.append(raw)
+        for field in _CHECKED:
+            ours, theirs = (getattr(raw, field, _MISSING) for raw in spans)
+            if ours != theirs:
+                return f"the compiled span core's {field} differs ({theirs!r}, not {ours!r})"
+        for raw in spans:
+            if raw.after and raw.alloc_delta != raw.after[0][0] - raw.before[0][0]:
+                return "the compiled span core's allocated delta is not after - before"
+        enter, exit_ = methods
+        return enter, exit_
+    except Exception as exc:
+        return f"the compiled span core failed its check: {type(exc).__name__}: {exc}"
 
 
 # --------------------------------------------------------------------------- public API
@@ -1190,6 +1348,11 @@ class MemorySpan(PresentedHtml):
     def __repr__(self) -> str:
         return f"<MemorySpan {self}>"
 
+
+#: MemorySpan's ``with`` methods in Python: while the compiled core serves, its methods
+#: replace them and hand these a span entered twice or a detached one.
+_py_span_enter = MemorySpan.__enter__
+_py_span_exit = MemorySpan.__exit__
 
 _Opts = tuple[str, "int | None", bool, bool, bool]
 _new_span = object.__new__

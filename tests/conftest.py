@@ -10,7 +10,7 @@ import torch
 from _pytest.pytester import SysModulesSnapshot
 
 import cudamem
-from cudamem import _history
+from cudamem import _cext, _history, _spancore, _warn
 from cudamem import span as _span
 
 
@@ -82,3 +82,43 @@ def _clean_cudamem_state() -> Iterator[None]:
     yield
     cudamem.set_history_size(_history.DEFAULT_SIZE)
     cudamem.clear_history()
+
+
+@pytest.fixture(params=["python", "compiled"])
+def span_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Run the test once with spans opened and closed by the Python functions and once by
+    the compiled span core (``_spancore.c``), which must agree on everything.
+
+    Where a C compiler exists the compiled run must really use the core: a core that does
+    not build or fails its check fails the test instead of skipping it. Each run warns
+    afresh (a once-only warning of the other run does not hide this run's)."""
+    monkeypatch.setattr(_warn, "_warned", set())
+    saved = (
+        _span._open,
+        _span._close,
+        _span.MemorySpan.__dict__["__enter__"],
+        _span.MemorySpan.__dict__["__exit__"],
+        _span._core_pending,
+    )
+    if request.param == "compiled":
+        status = _spancore.EXTENSION.wait()
+        module = _spancore.EXTENSION.native()
+        if module is None:
+            if _cext.compiler() is not None:
+                pytest.fail(f"the compiled span core is not active: {status.reason}")
+            pytest.skip(f"no compiled span core here: {status.reason}")
+        problem = _span._use_core(module)
+        assert problem is None, problem
+    else:
+        _span._use_core(None)
+    _span._core_pending = False
+    try:
+        yield request.param
+    finally:
+        (
+            _span._open,
+            _span._close,
+            _span.MemorySpan.__enter__,
+            _span.MemorySpan.__exit__,
+            _span._core_pending,
+        ) = saved

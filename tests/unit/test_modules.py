@@ -20,6 +20,9 @@ from cudamem.render.json import to_json
 
 from ..fakes import FakeAllocator
 
+#: Every test runs on the Python path and on the compiled span core.
+pytestmark = pytest.mark.usefixtures("span_path")
+
 KiB = 1024
 
 

@@ -19,6 +19,9 @@ from cudamem.stats import AllocatorStats
 
 from ..fakes import FakeAllocator
 
+#: Every test runs on the Python path and on the compiled span core.
+pytestmark = pytest.mark.usefixtures("span_path")
+
 MiB = 1024**2
 
 

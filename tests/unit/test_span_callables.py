@@ -16,6 +16,9 @@ from cudamem import _backend
 
 from ..fakes import FakeAllocator
 
+#: Every test runs on the Python path and on the compiled span core.
+pytestmark = pytest.mark.usefixtures("span_path")
+
 MiB = 1024**2
 
 

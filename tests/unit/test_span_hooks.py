@@ -29,6 +29,9 @@ from cudamem.stats import DeviceCounters
 
 from ..fakes import FakeAllocator
 
+#: Every test runs on the Python path and on the compiled span core.
+pytestmark = pytest.mark.usefixtures("span_path")
+
 MiB = 1024**2
 _history = sys.modules["cudamem._history"]
 _leaks = sys.modules["cudamem.leaks"]

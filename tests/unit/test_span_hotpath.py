@@ -19,6 +19,9 @@ from cudamem.span import RawSpan, add_exit_hook, remove_exit_hook
 from ..fakes import FakeAllocator
 from .test_backend_contexts import Probe, backend_with
 
+#: Every test runs on the Python path and on the compiled span core.
+pytestmark = pytest.mark.usefixtures("span_path")
+
 MiB = 1024**2
 
 

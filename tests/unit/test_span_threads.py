@@ -17,6 +17,9 @@ from cudamem import span as _span
 
 from ..fakes import FakeAllocator
 
+#: Every test runs on the Python path and on the compiled span core.
+pytestmark = pytest.mark.usefixtures("span_path")
+
 MiB = 1024**2
 
 

@@ -1,0 +1,238 @@
+"""cudamem's own optional C extensions (the heap pass, the span core): one life for each.
+
+* ``idle``: nothing at import; ``pip install`` and ``import cudamem`` compile nothing.
+* The first use asks ``native()``: a cached build is loaded at once; otherwise a daemon
+  thread compiles one (``cc``, Python's headers, well under a second) into the per-user
+  cache, and the pure-Python path serves meanwhile (no call waits for a compiler).
+* ``ready`` -> the next ``native()`` validates it (the extension's own check): ``active``,
+  else ``dropped`` with why. A user of the module may still ``drop()`` it later (a check of
+  its own failed).
+* The switch variable set to ``0``, no compiler, a failed build: ``disabled``/``failed``,
+  and Python serves. ``status()`` says which and why.
+
+The source file's hash names the build, so a changed source builds anew. The module name
+reaches the C file as ``CUDAMEM_MODULE_NAME``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, cast
+
+from . import _fastread
+
+__all__ = ["Extension", "ExtensionStatus"]
+
+BUILD_TIMEOUT_S = 120.0
+
+IDLE, BUILDING, READY, ACTIVE = "idle", "building", "ready", "active"
+DISABLED, FAILED, DROPPED, UNSUPPORTED = "disabled", "failed", "dropped", "unsupported"
+#: States that no later call changes (nothing to poll for).
+FINAL = frozenset({ACTIVE, DISABLED, FAILED, DROPPED, UNSUPPORTED})
+
+
+@dataclass(frozen=True, slots=True)
+class ExtensionStatus:
+    """Whether a compiled extension serves now, and why (or why not)."""
+
+    active: bool
+    state: str
+    reason: str
+    path: str | None = None
+
+
+def _off(env: str) -> bool:
+    return os.environ.get(env, "1").strip().lower() in ("0", "off", "no", "false")
+
+
+def compiler() -> str | None:
+    """``$CC`` (or ``cc``) when it is on PATH."""
+    cc = os.environ.get("CC") or "cc"
+    return cc if shutil.which(cc.split()[0]) else None
+
+
+class Extension:
+    """One optional C extension: its source, its cache, its state."""
+
+    def __init__(
+        self,
+        *,
+        stem: str,
+        source: str,
+        switch_env: str,
+        what: str,
+        idle_reason: str,
+        validate: Callable[[Any], str | None],
+    ) -> None:
+        #: Cache folder and module-name prefix (``heapscan``, ``spancore``).
+        self.stem = stem
+        self.source = source
+        self.switch_env = switch_env
+        #: What it is, in a reason: "compiled pass", "compiled span core".
+        self.what = what
+        self.validate = validate
+        self.lock = threading.Lock()
+        self.state = IDLE
+        self.reason = idle_reason
+        self.module: ModuleType | None = None
+        self.path: str | None = None
+        self.thread: threading.Thread | None = None
+
+    # -- where the build lives ------------------------------------------------------
+
+    def paths(self) -> tuple[str, str]:
+        """(module name, library path) of the build of this source for this Python."""
+        with open(self.source, "rb") as fh:
+            source = fh.read()
+        suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+        key = hashlib.sha256(
+            source + (sys.implementation.cache_tag or "py").encode() + suffix.encode()
+        ).hexdigest()[:12]
+        name = f"_cudamem_{self.stem}_{key}"
+        root = os.path.join(os.path.dirname(_fastread.cache_root()), self.stem)
+        arch = platform.machine() or "unknown"
+        return name, os.path.join(root, f"{sys.implementation.cache_tag}-{arch}", name + suffix)
+
+    def build(self, path: str, name: str) -> None:
+        """Compile the source into ``path`` (atomically); ``RuntimeError`` with the
+        compiler's words on failure."""
+        cc = compiler()
+        include = sysconfig.get_paths().get("include")
+        if cc is None:
+            raise RuntimeError("no C compiler (cc, or $CC) on PATH")
+        if not include or not os.path.exists(os.path.join(include, "Python.h")):
+            raise RuntimeError(f"no Python.h in {include!r} (install Python's development headers)")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=name, suffix=".tmp", dir=os.path.dirname(path))
+        os.close(fd)
+        argv = [
+            *cc.split(),
+            "-O2",
+            "-shared",
+            "-fPIC",
+            f"-I{include}",
+            f"-DCUDAMEM_MODULE_NAME={name}",
+            self.source,
+            "-o",
+            tmp,
+        ]
+        if sys.platform == "darwin":  # Python's symbols resolve when the interpreter loads it
+            argv[1:1] = ["-undefined", "dynamic_lookup"]
+        try:
+            done = subprocess.run(
+                argv,
+                capture_output=True,
+                text=True,
+                errors="replace",
+                timeout=BUILD_TIMEOUT_S,
+                stdin=subprocess.DEVNULL,
+                check=False,
+            )
+            if done.returncode != 0:
+                tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+                raise RuntimeError(f"the build failed: {' | '.join(tail) or 'no output'}")
+            os.replace(tmp, path)
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+    # -- life -----------------------------------------------------------------------
+
+    def _background(self, path: str, name: str) -> None:
+        try:
+            if not os.path.exists(path):
+                self.build(path, name)
+            module = cast(ModuleType, _fastread.load_library(path, name))
+        except Exception as exc:  # reported through status(); Python serves
+            with self.lock:
+                self.state, self.reason = FAILED, f"{type(exc).__name__}: {exc}"
+            return
+        with self.lock:
+            self.module, self.path = module, path
+            self.state, self.reason = READY, "built; validated at its first use"
+
+    def _start(self) -> None:
+        """First use: load the cached build, or start building one (caller holds the lock)."""
+        if _off(self.switch_env):
+            env = self.switch_env
+            self.state, self.reason = DISABLED, f"{env}={os.environ[env]} turns it off"
+            return
+        if os.name == "nt" or sys.implementation.name != "cpython":
+            self.state, self.reason = UNSUPPORTED, f"the {self.what} is built for CPython on POSIX"
+            return
+        name, path = self.paths()
+        self.path = path
+        self.state = BUILDING
+        self.reason = "compiling in the background; the Python path serves"
+        self.thread = threading.Thread(
+            target=self._background,
+            args=(path, name),
+            name=f"cudamem-{self.stem}-build",
+            daemon=True,
+        )
+        self.thread.start()
+
+    def native(self) -> Any:
+        """The module when it is active, else ``None`` (never waits)."""
+        module = self.module
+        if module is not None and self.state == ACTIVE:
+            return module
+        with self.lock:
+            if self.state == IDLE:
+                self._start()  # a cached build loads in the thread within milliseconds
+                return None
+            if self.state != READY or self.module is None:
+                return None
+            problem = self.validate(self.module)
+            if problem is not None:
+                self.state, self.reason, self.module = DROPPED, problem, None
+                return None
+            self.state, self.reason = ACTIVE, f"{self.what}, validated ({self.path})"
+            return self.module
+
+    def settled(self) -> bool:
+        """Whether no later ``native()`` can change the answer (active, or never will be)."""
+        return self.state in FINAL
+
+    def drop(self, reason: str) -> None:
+        """Stop serving: a check of the module's user failed (``reason`` says which)."""
+        with self.lock:
+            self.state, self.reason, self.module = DROPPED, reason, None
+
+    def wait(self, timeout: float = 60.0) -> ExtensionStatus:
+        """Start the build if needed, wait for it, validate; the status afterwards
+        (benchmarks and tests use this; the library itself never waits)."""
+        self.native()
+        thread = self.thread
+        if thread is not None:
+            thread.join(timeout)
+        self.native()
+        return self.status()
+
+    def status(self) -> ExtensionStatus:
+        with self.lock:
+            return ExtensionStatus(self.state == ACTIVE, self.state, self.reason, self.path)
+
+    @contextlib.contextmanager
+    def python_path(self) -> Iterator[None]:
+        """Within the block the Python path serves (tests compare the two)."""
+        saved = self.module, self.state
+        with self.lock:
+            self.module, self.state = None, DISABLED
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.module, self.state = saved

@@ -1,0 +1,972 @@
+/* cudamem's span core: the common path of a span's open and close, in C.
+ *
+ * ``open`` and ``close`` take exactly the arguments of ``span._py_open`` and
+ * ``span._py_close`` and do what they do, for the case almost every span is in: one device
+ * (named, or the backend's settled devices), no synchronize, counters that are tuples of
+ * three ints. Anything else is handed to the Python function before any state changes
+ * (``open``: before the span exists; ``close``: before anything but the exit reads is
+ * stored, which the Python close stores again). The rare branches of the common path (a
+ * span of another thread open, a closed parent, a failing hook or read, a full queue) call
+ * the same Python helpers the Python path calls, so each rule keeps one home in span.py.
+ *
+ * Module state is read at each call from span.py's and _backend.py's globals (hooks,
+ * queues and constants may be rebound), so the C path sees what the Python path would.
+ * RawSpan's fields are stored by their slot offsets, checked at ``init`` to be object
+ * slots of that exact type; the objects read that way are checked to be RawSpans first.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+
+#ifndef CUDAMEM_MODULE_NAME
+#define CUDAMEM_MODULE_NAME _cudamem_spancore
+#endif
+#define CM_CAT2(a, b) a##b
+#define CM_CAT(a, b) CM_CAT2(a, b)
+#define CM_STR2(a) #a
+#define CM_STR(a) CM_STR2(a)
+
+enum {
+    F_NAME, F_DEVICE, F_SYNC, F_PEAK, F_LEAKS, F_PARENT, F_CHILDREN, F_EXTRAS, F_FOLD,
+    F_XFOLD, F_RECORD, F_CLOSED, F_DEVS, F_OWNER, F_SOLO, F_ARMED, F_BEFORE, F_START_NS,
+    F_END_NS, F_EXIT_DEVS, F_AFTER, F_LEVEL, F_ALLOC_DELTA, F_RES_DELTA, F_PEAK_TOTAL,
+    F_PEAK_DELTA, F_EXCEPTION, F_THREAD, F_TOP_LEVEL, F_DROPPED, N_FIELDS
+};
+
+static const char *FIELD_NAMES[N_FIELDS] = {
+    "name", "device", "sync", "peak", "leaks", "parent", "children", "extras", "fold",
+    "xfold", "_record", "closed", "devs", "owner", "solo", "armed", "before", "start_ns",
+    "end_ns", "exit_devs", "after", "level", "alloc_delta", "res_delta", "peak_total",
+    "peak_delta", "exception", "thread", "top_level", "dropped"};
+
+static Py_ssize_t off[N_FIELDS];
+static PyTypeObject *raw_type = NULL; /* span.RawSpan */
+static PyObject *g_span = NULL;       /* span.py's globals */
+static PyObject *g_backend = NULL;    /* _backend.py's globals */
+
+/* Interned names. */
+enum {
+    S_PY_OPEN, S_PY_CLOSE, S_ACTIVE, S_SETTLED, S_FAST_RESET, S_FAST_COUNTERS,
+    S_COUNTERS_RESET_PEAK, S_COUNTERS, S_OPEN_PEAK, S_PROCESS_PEAK, S_PEAK_INBOX,
+    S_PEAK_INBOX_MAX, S_MERGE_SOON, S_ENTER_PEAK, S_ENTRY_FAILED, S_ENTRY_HOOKS,
+    S_ENTRY_HOOKS_LEAKS, S_ENTRY_HOOK_FAILED, S_TOP, S_LIVE, S_NOW_NS, S_WAIT_FOLDS,
+    S_EXCEPTION_INFO, S_TLS, S_THREAD_NAME, S_MAX_CHILDREN, S_UNLINK, S_FINISHED_SINK,
+    S_FINISHED, S_FINISHED_AT, S_DRAIN_FINISHED, S_EXIT_CALLS, S_EXIT_CALLS_OK,
+    S_EXIT_HOOK_FAILED, S_CLOSE_FAILED, S_APPEND, S_HOOKS, S_EXTRAS_ATTR, S_NAME_ATTR,
+    N_NAMES
+};
+static const char *NAMES[N_NAMES] = {
+    "_py_open", "_py_close", "_active", "settled_devices", "fast_reset", "fast_counters",
+    "counters_reset_peak", "counters", "_open_peak", "_process_peak", "_peak_inbox",
+    "_PEAK_INBOX", "_merge_peaks_soon", "_enter_peak", "_entry_failed", "_entry_hooks",
+    "_entry_hooks_leaks", "_entry_hook_failed", "_top", "_live", "_now_ns", "_wait_folds",
+    "_exception_info", "_tls", "_thread_name", "MAX_CHILDREN", "_unlink", "_finished_sink",
+    "finished", "FINISHED_AT", "_drain_finished", "_exit_calls", "_exit_calls_ok",
+    "_exit_hook_failed", "_close_failed", "append", "hooks", "_extras", "name"};
+static PyObject *S[N_NAMES];
+
+#define SLOT(o, f) (*(PyObject **)((char *)(o) + off[f]))
+
+/* Store ``v`` (a new reference, stolen) in field ``f`` of a RawSpan. */
+static void put(PyObject *o, int f, PyObject *v) {
+    PyObject *old = SLOT(o, f);
+    SLOT(o, f) = v;
+    Py_XDECREF(old);
+}
+
+/* Store ``v`` (borrowed) in field ``f``. */
+static void set(PyObject *o, int f, PyObject *v) { put(o, f, Py_NewRef(v)); }
+
+/* A global of span.py (borrowed), or NULL with an exception set. */
+static PyObject *G(int name) {
+    PyObject *v = PyDict_GetItemWithError(g_span, S[name]);
+    if (v == NULL && !PyErr_Occurred())
+        PyErr_Format(PyExc_RuntimeError, "cudamem.span has no %s", NAMES[name]);
+    return v;
+}
+
+static PyObject *call0(int name) {
+    PyObject *f = G(name);
+    return f == NULL ? NULL : PyObject_CallNoArgs(f);
+}
+
+static PyObject *call1(int name, PyObject *a) {
+    PyObject *f = G(name);
+    return f == NULL ? NULL : PyObject_CallOneArg(f, a);
+}
+
+static PyObject *callv(int name, PyObject *const *args, size_t n) {
+    PyObject *f = G(name);
+    return f == NULL ? NULL : PyObject_Vectorcall(f, args, n, NULL);
+}
+
+/* The pending exception as an object (a new reference; the error indicator cleared). */
+static PyObject *take_exception(void) {
+#if PY_VERSION_HEX >= 0x030C0000
+    return PyErr_GetRaisedException();
+#else
+    PyObject *t, *v, *tb;
+    PyErr_Fetch(&t, &v, &tb);
+    PyErr_NormalizeException(&t, &v, &tb);
+    if (v != NULL && tb != NULL)
+        PyException_SetTraceback(v, tb);
+    Py_XDECREF(t);
+    Py_XDECREF(tb);
+    return v;
+#endif
+}
+
+/* Whether the pending error is an ``Exception`` (what the Python path catches); a
+ * ``BaseException`` that is not (KeyboardInterrupt, SystemExit) propagates. */
+static int catchable(void) { return PyErr_ExceptionMatches(PyExc_Exception); }
+
+static PyObject *thread_ident(void) { return PyLong_FromUnsignedLong(PyThread_get_thread_ident()); }
+
+/* Whether every value of ``open_peak`` equals ``me`` (span._only); -1 on error. */
+static int only_me(PyObject *open_peak, PyObject *me) {
+    Py_ssize_t pos = 0;
+    PyObject *k, *v;
+    while (PyDict_Next(open_peak, &pos, &k, &v)) {
+        int eq = PyObject_RichCompareBool(v, me, Py_EQ);
+        if (eq <= 0)
+            return eq;
+    }
+    return 1;
+}
+
+/* A tuple of three exact ints, read into ``out`` (0 when it is not one). */
+static int triple(PyObject *t, long long out[3]) {
+    if (!PyTuple_CheckExact(t) || PyTuple_GET_SIZE(t) != 3)
+        return 0;
+    for (int i = 0; i < 3; i++) {
+        PyObject *x = PyTuple_GET_ITEM(t, i);
+        int overflow = 0;
+        if (!PyLong_CheckExact(x))
+            return 0;
+        out[i] = PyLong_AsLongLongAndOverflow(x, &overflow);
+        if (overflow || (out[i] == -1 && PyErr_Occurred())) {
+            PyErr_Clear();
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* ``backend.<fast>(d)`` when the reader is set, falling back to ``backend.<method>(d)``
+ * when it is None or raises an Exception (what span.py's edges do); a new reference. */
+static PyObject *read_counters(PyObject *backend, PyObject *d, int fast_name, int method) {
+    PyObject *fast = PyObject_GetAttr(backend, S[fast_name]);
+    if (fast == NULL)
+        return NULL;
+    if (fast != Py_None) {
+        PyObject *v = PyObject_CallOneArg(fast, d);
+        Py_DECREF(fast);
+        if (v != NULL || !catchable())
+            return v;
+        PyErr_Clear();
+    } else {
+        Py_DECREF(fast);
+    }
+    return PyObject_CallMethodOneArg(backend, S[method], d);
+}
+
+/* Parse ``hooks=`` (the only keyword) into *hooks; 0 when the call is not one this module
+ * takes (the Python function then answers, with its own errors). */
+static int keyword_hooks(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, int *hooks) {
+    *hooks = 1;
+    if (kwnames == NULL || PyTuple_GET_SIZE(kwnames) == 0)
+        return 1;
+    if (PyTuple_GET_SIZE(kwnames) != 1)
+        return 0;
+    PyObject *key = PyTuple_GET_ITEM(kwnames, 0);
+    if (key != S[S_HOOKS] && PyUnicode_Compare(key, S[S_HOOKS]) != 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    PyObject *v = args[nargs];
+    if (v != Py_True && v != Py_False)
+        return 0;
+    *hooks = v == Py_True;
+    return 1;
+}
+
+static int flag(PyObject *v) { return v == Py_True ? 1 : v == Py_False ? 0 : -1; }
+
+/* ---------------------------------------------------------------------------- open */
+
+/* The entry measurement raised: span._entry_failed(span, err), as the Python except. */
+static int entry_failed(PyObject *span) {
+    if (!catchable())
+        return -1;
+    PyObject *err = take_exception();
+    PyObject *args[2] = {span, err};
+    PyObject *r = callv(S_ENTRY_FAILED, args, 2);
+    Py_XDECREF(err);
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+/* A lone or same-thread peak span on one device: read and reset, fold, queue the
+ * discarded peak (span._py_open's one-device branch). */
+static int enter_peak_one(PyObject *span, PyObject *backend, PyObject *d, PyObject *open_peak,
+                          PyObject *me, int alone) {
+    PyObject *values = read_counters(backend, d, S_FAST_RESET, S_COUNTERS_RESET_PEAK);
+    if (values == NULL)
+        return -1;
+    PyObject *before = PyTuple_Pack(1, values);
+    if (before == NULL) {
+        Py_DECREF(values);
+        return -1;
+    }
+    put(span, F_BEFORE, before);
+    set(span, F_ARMED, Py_True);
+    PyObject *discarded = PySequence_GetItem(values, 2);
+    Py_DECREF(values);
+    if (discarded == NULL)
+        return -1;
+    int rc = -1;
+    if (!alone) { /* fold into this thread's open spans */
+        Py_ssize_t pos = 0;
+        PyObject *other, *owner;
+        while (PyDict_Next(open_peak, &pos, &other, &owner)) {
+            if (other == span || Py_TYPE(other) != raw_type || SLOT(other, F_OWNER) == NULL)
+                continue;
+            int mine = PyObject_RichCompareBool(SLOT(other, F_OWNER), me, Py_EQ);
+            if (mine < 0)
+                goto done;
+            if (!mine)
+                continue;
+            PyObject *fold = SLOT(other, F_FOLD);
+            if (fold == NULL || fold == Py_None) {
+                PyObject *fresh = PyDict_New();
+                if (fresh == NULL || PyDict_SetItem(fresh, d, discarded) < 0) {
+                    Py_XDECREF(fresh);
+                    goto done;
+                }
+                put(other, F_FOLD, fresh);
+            } else if (PyDict_CheckExact(fold)) {
+                PyObject *cur = PyDict_GetItemWithError(fold, d);
+                int higher = cur == NULL ? (PyErr_Occurred() ? -1 : 1)
+                                         : PyObject_RichCompareBool(discarded, cur, Py_GT);
+                if (higher < 0 || (higher && PyDict_SetItem(fold, d, discarded) < 0))
+                    goto done;
+            } else {
+                PyErr_SetString(PyExc_TypeError, "a span's fold is not a dict");
+                goto done;
+            }
+        }
+    }
+    { /* ``if discarded > _process_peak.get(d, -1)``: queue it */
+        PyObject *process_peak = G(S_PROCESS_PEAK);
+        if (process_peak == NULL)
+            goto done;
+        PyObject *cur = PyDict_GetItemWithError(process_peak, d);
+        int higher = cur == NULL ? (PyErr_Occurred() ? -1 : 1)
+                                 : PyObject_RichCompareBool(discarded, cur, Py_GT);
+        if (higher < 0)
+            goto done;
+        if (higher) {
+            PyObject *inbox = G(S_PEAK_INBOX), *limit = G(S_PEAK_INBOX_MAX);
+            if (inbox == NULL || limit == NULL)
+                goto done;
+            PyObject *item = PyTuple_Pack(2, d, discarded);
+            if (item == NULL)
+                goto done;
+            PyObject *r = PyObject_CallMethodOneArg(inbox, S[S_APPEND], item);
+            Py_DECREF(item);
+            if (r == NULL)
+                goto done;
+            Py_DECREF(r);
+            Py_ssize_t n = PyObject_Size(inbox);
+            long long most = PyLong_AsLongLong(limit);
+            if (n < 0 || (most == -1 && PyErr_Occurred()))
+                goto done;
+            if (n > most) {
+                r = call0(S_MERGE_SOON);
+                if (r == NULL)
+                    goto done;
+                Py_DECREF(r);
+            }
+        }
+    }
+    rc = 0;
+done:
+    Py_DECREF(discarded);
+    return rc;
+}
+
+/* The measurement part of an open (the Python ``try`` block); -1 with an error set. */
+static int enter_measure(PyObject *span, PyObject *backend, PyObject *devs, int peak) {
+    PyObject *d = PyTuple_GET_ITEM(devs, 0);
+    if (!peak) {
+        PyObject *values = read_counters(backend, d, S_FAST_COUNTERS, S_COUNTERS);
+        if (values == NULL)
+            return -1;
+        PyObject *before = PyTuple_Pack(1, values);
+        Py_DECREF(values);
+        if (before == NULL)
+            return -1;
+        put(span, F_BEFORE, before);
+        return 0;
+    }
+    PyObject *me = thread_ident();
+    if (me == NULL)
+        return -1;
+    set(span, F_OWNER, me);
+    set(span, F_SOLO, Py_True);
+    set(span, F_ARMED, Py_False);
+    int rc = -1;
+    PyObject *open_peak = G(S_OPEN_PEAK);
+    if (open_peak == NULL || !PyDict_CheckExact(open_peak)) {
+        if (open_peak != NULL)
+            PyErr_SetString(PyExc_TypeError, "cudamem.span._open_peak is not a dict");
+        goto done;
+    }
+    if (PyDict_SetItem(open_peak, span, me) < 0) /* announce (see span._enter_peak) */
+        goto done;
+    int alone = PyDict_GET_SIZE(open_peak) == 1;
+    int only = alone ? 1 : only_me(open_peak, me);
+    if (only < 0)
+        goto done;
+    if (only) {
+        rc = enter_peak_one(span, backend, d, open_peak, me, alone);
+    } else {
+        PyObject *args[3] = {span, backend, devs};
+        PyObject *r = callv(S_ENTER_PEAK, args, 3);
+        if (r != NULL) {
+            Py_DECREF(r);
+            rc = 0;
+        }
+    }
+done:
+    Py_DECREF(me);
+    return rc;
+}
+
+static int enter_hooks(PyObject *span, int leaks) {
+    PyObject *hooks = G(leaks ? S_ENTRY_HOOKS_LEAKS : S_ENTRY_HOOKS);
+    if (hooks == NULL)
+        return -1;
+    if (!PyTuple_CheckExact(hooks)) {
+        PyErr_SetString(PyExc_TypeError, "cudamem.span's entry hooks are not a tuple");
+        return -1;
+    }
+    Py_INCREF(hooks); /* a hook may rebind the global */
+    int rc = 0;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(hooks); i++) {
+        PyObject *hook = PyTuple_GET_ITEM(hooks, i);
+        PyObject *r = PyObject_CallOneArg(hook, span);
+        if (r != NULL) {
+            Py_DECREF(r);
+            continue;
+        }
+        if (!catchable()) {
+            rc = -1;
+            break;
+        }
+        PyObject *err = take_exception();
+        PyObject *args[2] = {hook, err};
+        r = callv(S_ENTRY_HOOK_FAILED, args, 2);
+        Py_XDECREF(err);
+        if (r == NULL) {
+            rc = -1;
+            break;
+        }
+        Py_DECREF(r);
+    }
+    Py_DECREF(hooks);
+    return rc;
+}
+
+static PyObject *fallback(int name, PyObject *const *args, Py_ssize_t nargs,
+                          PyObject *kwnames) {
+    PyObject *f = G(name);
+    return f == NULL ? NULL : PyObject_Vectorcall(f, args, nargs, kwnames);
+}
+
+/* open(name, device, sync, peak, leaks, nest=True, push=True, *, hooks=True) */
+static PyObject *core_open(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                           PyObject *kwnames) {
+    int hooks;
+    if (raw_type == NULL || nargs < 5 || nargs > 7 || !keyword_hooks(args, nargs, kwnames, &hooks))
+        return fallback(S_PY_OPEN, args, nargs, kwnames);
+    PyObject *name = args[0], *device = args[1];
+    int sync = flag(args[2]), peak = flag(args[3]), leaks = flag(args[4]);
+    int nest = nargs > 5 ? flag(args[5]) : 1, push = nargs > 6 ? flag(args[6]) : 1;
+    if (sync != 0 || peak < 0 || leaks < 0 || nest < 0 || push < 0)
+        return fallback(S_PY_OPEN, args, nargs, kwnames);
+    PyObject *backend = PyDict_GetItemWithError(g_backend, S[S_ACTIVE]);
+    if (backend == NULL) {
+        if (PyErr_Occurred())
+            return NULL;
+        return fallback(S_PY_OPEN, args, nargs, kwnames);
+    }
+    Py_INCREF(backend);
+    PyObject *devs;
+    if (device == Py_None) {
+        devs = PyObject_GetAttr(backend, S[S_SETTLED]);
+        if (devs == NULL)
+            PyErr_Clear();
+        else if (!PyTuple_CheckExact(devs) || PyTuple_GET_SIZE(devs) != 1)
+            Py_CLEAR(devs);
+    } else {
+        devs = PyLong_CheckExact(device) ? PyTuple_Pack(1, device) : NULL;
+        if (devs == NULL && PyErr_Occurred()) {
+            Py_DECREF(backend);
+            return NULL;
+        }
+    }
+    if (devs == NULL) { /* several devices, none settled yet, or an odd device */
+        Py_DECREF(backend);
+        return fallback(S_PY_OPEN, args, nargs, kwnames);
+    }
+    PyObject *span = raw_type->tp_alloc(raw_type, 0);
+    if (span == NULL) {
+        Py_DECREF(backend);
+        Py_DECREF(devs);
+        return NULL;
+    }
+    set(span, F_NAME, name);
+    set(span, F_DEVICE, device);
+    set(span, F_SYNC, Py_False);
+    set(span, F_PEAK, peak ? Py_True : Py_False);
+    set(span, F_LEAKS, leaks ? Py_True : Py_False);
+    set(span, F_PARENT, Py_None);
+    set(span, F_CHILDREN, Py_None);
+    set(span, F_EXTRAS, Py_None);
+    set(span, F_FOLD, Py_None);
+    set(span, F_XFOLD, Py_None);
+    set(span, F_RECORD, Py_None);
+    set(span, F_CLOSED, Py_False);
+    put(span, F_DEVS, devs); /* the reference moves into the span */
+    int rc = enter_measure(span, backend, devs, peak);
+    Py_DECREF(backend);
+    if (rc < 0 && entry_failed(span) < 0)
+        goto error;
+    if (nest) {
+        PyObject *top = G(S_TOP), *parent = NULL;
+        if (top == NULL || PyContextVar_Get(top, NULL, &parent) < 0)
+            goto error;
+        if (parent == NULL)
+            parent = Py_NewRef(Py_None);
+        if (parent != Py_None) {
+            PyObject *closed = Py_TYPE(parent) == raw_type ? SLOT(parent, F_CLOSED) : NULL;
+            if (closed != Py_False) { /* closed, or not a RawSpan: the Python rule */
+                PyObject *live = call1(S_LIVE, parent);
+                Py_DECREF(parent);
+                if (live == NULL)
+                    goto error;
+                parent = live;
+            }
+        }
+        put(span, F_PARENT, parent);
+        if (push) {
+            PyObject *token = PyContextVar_Set(top, span);
+            if (token == NULL)
+                goto error;
+            Py_DECREF(token);
+        }
+    }
+    if (hooks && enter_hooks(span, leaks) < 0)
+        goto error;
+    PyObject *start = call0(S_NOW_NS);
+    if (start == NULL)
+        goto error;
+    put(span, F_START_NS, start);
+    return span;
+error:
+    Py_DECREF(span);
+    return NULL;
+}
+
+/* --------------------------------------------------------------------------- close */
+
+/* The last line of defence (span._close_failed), as the Python outer except. */
+static int close_failed(PyObject *span) {
+    if (!catchable())
+        return -1;
+    PyObject *err = take_exception();
+    PyObject *args[2] = {span, err};
+    PyObject *r = callv(S_CLOSE_FAILED, args, 2);
+    Py_XDECREF(err);
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+/* The larger of ``*top`` and ``fold.get(d)`` (a dict or None); -1 on error. */
+static int fold_max(PyObject *fold, PyObject *d, long long *top) {
+    if (fold == NULL || fold == Py_None)
+        return 0;
+    if (!PyDict_CheckExact(fold)) {
+        PyErr_SetString(PyExc_TypeError, "a span's fold is not a dict");
+        return -1;
+    }
+    PyObject *v = PyDict_GetItemWithError(fold, d);
+    if (v == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    long long x = PyLong_AsLongLong(v);
+    if (x == -1 && PyErr_Occurred())
+        return -1;
+    if (x > *top)
+        *top = x;
+    return 0;
+}
+
+/* Everything of a close after the counters are read, up to the exit hooks (the Python
+ * ``try`` block past the measurement); -1 with an error set. */
+static int close_body(PyObject *span, PyObject *backend, PyObject *exc, long long b[3],
+                      long long a[3], PyObject *devs, int hooks) {
+    int peak = SLOT(span, F_PEAK) == Py_True;
+    if (peak) {
+        PyObject *open_peak = G(S_OPEN_PEAK);
+        if (open_peak == NULL)
+            return -1;
+        if (PyDict_DelItem(open_peak, span) < 0) {
+            if (!PyErr_ExceptionMatches(PyExc_KeyError))
+                return -1;
+            PyErr_Clear();
+        }
+        if (PyDict_GET_SIZE(open_peak) > 0) {
+            PyObject *me = thread_ident();
+            if (me == NULL)
+                return -1;
+            int only = only_me(open_peak, me);
+            Py_DECREF(me);
+            if (only < 0)
+                return -1;
+            if (!only) { /* a fold of another thread may still be writing into this span */
+                PyObject *r = call0(S_WAIT_FOLDS);
+                if (r == NULL)
+                    return -1;
+                Py_DECREF(r);
+            }
+        }
+    }
+    PyObject *v;
+    if ((v = PyLong_FromLongLong(a[0])) == NULL)
+        return -1;
+    put(span, F_LEVEL, v);
+    if ((v = PyLong_FromLongLong(a[0] - b[0])) == NULL)
+        return -1;
+    put(span, F_ALLOC_DELTA, v);
+    if ((v = PyLong_FromLongLong(a[1] - b[1])) == NULL)
+        return -1;
+    put(span, F_RES_DELTA, v);
+    if (peak) {
+        long long top = a[2] > b[0] ? a[2] : b[0];
+        PyObject *fold = SLOT(span, F_FOLD), *xfold = SLOT(span, F_XFOLD);
+        if ((fold != NULL && fold != Py_None) || (xfold != NULL && xfold != Py_None)) {
+            PyObject *d = PyTuple_GET_ITEM(devs, 0);
+            if (fold_max(fold, d, &top) < 0 || fold_max(xfold, d, &top) < 0)
+                return -1;
+            set(span, F_FOLD, Py_None);
+            set(span, F_XFOLD, Py_None);
+        }
+        if ((v = PyLong_FromLongLong(top)) == NULL)
+            return -1;
+        put(span, F_PEAK_TOTAL, v);
+        if ((v = PyLong_FromLongLong(top - b[0])) == NULL)
+            return -1;
+        put(span, F_PEAK_DELTA, v);
+    } else {
+        set(span, F_PEAK_TOTAL, Py_None);
+        set(span, F_PEAK_DELTA, Py_None);
+    }
+    if (exc == Py_None) {
+        set(span, F_EXCEPTION, Py_None);
+    } else {
+        PyObject *args[2] = {exc, backend};
+        if ((v = callv(S_EXCEPTION_INFO, args, 2)) == NULL)
+            return -1;
+        put(span, F_EXCEPTION, v);
+    }
+    PyObject *tls = G(S_TLS);
+    if (tls == NULL)
+        return -1;
+    v = PyObject_GetAttr(tls, S[S_NAME_ATTR]);
+    if (v == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError))
+            return -1;
+        PyErr_Clear();
+        if ((v = call0(S_THREAD_NAME)) == NULL)
+            return -1;
+    }
+    put(span, F_THREAD, v);
+    set(span, F_CLOSED, Py_True);
+
+    PyObject *parent = Py_NewRef(SLOT(span, F_PARENT) ? SLOT(span, F_PARENT) : Py_None);
+    if (parent != Py_None) {
+        PyObject *closed = Py_TYPE(parent) == raw_type ? SLOT(parent, F_CLOSED) : NULL;
+        if (closed != Py_False) {
+            PyObject *live = call1(S_LIVE, parent);
+            Py_DECREF(parent);
+            if (live == NULL)
+                return -1;
+            parent = live;
+        }
+    }
+    int rc = -1;
+    PyObject *top = G(S_TOP), *current = NULL;
+    if (top == NULL || PyContextVar_Get(top, NULL, &current) < 0)
+        goto done;
+    Py_XDECREF(current); /* only its identity is compared */
+    if (current == span) {
+        PyObject *token = PyContextVar_Set(top, parent);
+        if (token == NULL)
+            goto done;
+        Py_DECREF(token);
+    }
+    if (parent != Py_None) {
+        if (Py_TYPE(parent) != raw_type) {
+            PyErr_SetString(PyExc_TypeError, "a span's parent is not a RawSpan");
+            goto done;
+        }
+        set(span, F_TOP_LEVEL, Py_False);
+        PyObject *children = SLOT(parent, F_CHILDREN);
+        PyObject *most_obj = G(S_MAX_CHILDREN);
+        if (most_obj == NULL)
+            goto done;
+        if (children == NULL || children == Py_None) {
+            PyObject *fresh = PyList_New(1);
+            if (fresh == NULL)
+                goto done;
+            PyList_SET_ITEM(fresh, 0, Py_NewRef(span));
+            put(parent, F_CHILDREN, fresh);
+        } else {
+            long long most = PyLong_AsLongLong(most_obj);
+            if (most == -1 && PyErr_Occurred())
+                goto done;
+            if (!PyList_CheckExact(children)) {
+                PyErr_SetString(PyExc_TypeError, "a span's children are not a list");
+                goto done;
+            }
+            if (PyList_GET_SIZE(children) < most) {
+                if (PyList_Append(children, span) < 0)
+                    goto done;
+            } else {
+                PyObject *dropped = SLOT(parent, F_DROPPED);
+                PyObject *one = PyLong_FromLong(1), *more = NULL;
+                if (one != NULL) {
+                    more = dropped == NULL ? Py_NewRef(one) : PyNumber_Add(dropped, one);
+                    Py_DECREF(one);
+                }
+                if (more == NULL)
+                    goto done;
+                put(parent, F_DROPPED, more);
+            }
+        }
+    } else {
+        set(span, F_TOP_LEVEL, Py_True);
+        PyObject *own = SLOT(span, F_PARENT), *children = SLOT(span, F_CHILDREN);
+        int linked = own != NULL && own != Py_None;
+        if (!linked && children != NULL && children != Py_None) {
+            linked = PyObject_IsTrue(children);
+            if (linked < 0)
+                goto done;
+        }
+        if (linked) {
+            PyObject *r = call1(S_UNLINK, span);
+            if (r == NULL)
+                goto done;
+            Py_DECREF(r);
+        }
+        PyObject *sink = G(S_FINISHED_SINK);
+        if (sink == NULL)
+            goto done;
+        if (hooks && sink != Py_None) {
+            PyObject *queue = G(S_FINISHED), *at = G(S_FINISHED_AT);
+            if (queue == NULL || at == NULL)
+                goto done;
+            PyObject *r = PyObject_CallMethodOneArg(queue, S[S_APPEND], span);
+            if (r == NULL)
+                goto done;
+            Py_DECREF(r);
+            Py_ssize_t n = PyObject_Size(queue);
+            long long most = PyLong_AsLongLong(at);
+            if (n < 0 || (most == -1 && PyErr_Occurred()))
+                goto done;
+            if (n >= most) {
+                r = call0(S_DRAIN_FINISHED);
+                if (r == NULL)
+                    goto done;
+                Py_DECREF(r);
+            }
+        }
+    }
+    rc = 0;
+done:
+    Py_DECREF(parent);
+    return rc;
+}
+
+/* The exit hooks; *pending gets the error to raise after them (a new reference or NULL).
+ * -1 for an error the Python path would not catch inside its loop. */
+static int exit_hooks(PyObject *span, PyObject *exc, PyObject **pending) {
+    PyObject *hooks = G(exc == Py_None ? S_EXIT_CALLS_OK : S_EXIT_CALLS);
+    if (hooks == NULL)
+        return -1;
+    if (!PyTuple_CheckExact(hooks)) {
+        PyErr_SetString(PyExc_TypeError, "cudamem.span's exit hooks are not a tuple");
+        return -1;
+    }
+    Py_INCREF(hooks);
+    int rc = 0;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(hooks); i++) {
+        PyObject *hook = PyTuple_GET_ITEM(hooks, i);
+        PyObject *r = PyObject_CallOneArg(hook, span);
+        if (r != NULL) {
+            Py_DECREF(r);
+            continue;
+        }
+        if (!catchable()) {
+            rc = -1;
+            break;
+        }
+        PyObject *err = take_exception();
+        PyObject *args[4] = {hook, err, exc, *pending ? *pending : Py_None};
+        r = callv(S_EXIT_HOOK_FAILED, args, 4);
+        Py_XDECREF(err);
+        if (r == NULL) {
+            rc = -1;
+            break;
+        }
+        Py_XSETREF(*pending, r == Py_None ? NULL : r);
+        if (r == Py_None)
+            Py_DECREF(r);
+    }
+    Py_DECREF(hooks);
+    return rc;
+}
+
+/* close(span, exc, keeper=None, *, hooks=True) */
+static PyObject *core_close(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                            PyObject *kwnames) {
+    int hooks;
+    if (raw_type == NULL || nargs < 2 || nargs > 3 || !keyword_hooks(args, nargs, kwnames, &hooks))
+        return fallback(S_PY_CLOSE, args, nargs, kwnames);
+    PyObject *span = args[0], *exc = args[1], *keeper = nargs > 2 ? args[2] : Py_None;
+    if (Py_TYPE(span) != raw_type)
+        return fallback(S_PY_CLOSE, args, nargs, kwnames);
+    PyObject *closed = SLOT(span, F_CLOSED);
+    if (closed == Py_True)
+        Py_RETURN_NONE;
+    PyObject *devs = SLOT(span, F_DEVS), *device = SLOT(span, F_DEVICE);
+    PyObject *before = SLOT(span, F_BEFORE);
+    if (closed != Py_False || devs == NULL || device == NULL || before == NULL ||
+        SLOT(span, F_SYNC) != Py_False || !PyTuple_CheckExact(devs) ||
+        PyTuple_GET_SIZE(devs) != 1 || !PyTuple_CheckExact(before) ||
+        PyTuple_GET_SIZE(before) != 1)
+        return fallback(S_PY_CLOSE, args, nargs, kwnames);
+    long long b[3], a[3];
+    if (!triple(PyTuple_GET_ITEM(before, 0), b))
+        return fallback(S_PY_CLOSE, args, nargs, kwnames);
+    PyObject *backend = PyDict_GetItemWithError(g_backend, S[S_ACTIVE]);
+    if (backend == NULL) {
+        if (PyErr_Occurred())
+            return NULL;
+        return fallback(S_PY_CLOSE, args, nargs, kwnames);
+    }
+    Py_INCREF(backend);
+    Py_INCREF(span);
+    Py_INCREF(devs);
+    PyObject *pending = NULL, *result = NULL;
+    if (device == Py_None) { /* the devices of entry must still be the settled ones */
+        PyObject *settled = PyObject_GetAttr(backend, S[S_SETTLED]);
+        if (settled == NULL)
+            PyErr_Clear();
+        Py_XDECREF(settled);
+        if (settled != devs)
+            goto python;
+    }
+    PyObject *end = call0(S_NOW_NS);
+    if (end == NULL)
+        goto python_clear;
+    put(span, F_END_NS, end);
+    PyObject *values = read_counters(backend, PyTuple_GET_ITEM(devs, 0), S_FAST_COUNTERS,
+                                     S_COUNTERS);
+    if (values == NULL)
+        goto python_clear; /* the Python close reads again and says why it failed */
+    if (!triple(values, a)) {
+        Py_DECREF(values);
+        goto python;
+    }
+    PyObject *after = PyTuple_Pack(1, values);
+    Py_DECREF(values);
+    if (after == NULL)
+        goto python_clear;
+    set(span, F_EXIT_DEVS, devs);
+    put(span, F_AFTER, after);
+    /* As the Python try block: a failure before the hooks skips them. */
+    if (close_body(span, backend, exc, b, a, devs, hooks) < 0) {
+        if (close_failed(span) < 0)
+            goto out;
+    } else if (hooks && exit_hooks(span, exc, &pending) < 0 && close_failed(span) < 0) {
+        goto out;
+    }
+    PyObject *extras = SLOT(span, F_EXTRAS);
+    if (extras != NULL && extras != Py_None) {
+        if (keeper != Py_None && PyObject_SetAttr(keeper, S[S_EXTRAS_ATTR], extras) < 0)
+            goto out;
+        set(span, F_EXTRAS, Py_None);
+    }
+    if (pending != NULL) {
+        PyErr_SetObject((PyObject *)Py_TYPE(pending), pending);
+        goto out;
+    }
+    result = Py_NewRef(Py_None);
+    goto out;
+python_clear:
+    if (!catchable())
+        goto out;
+    PyErr_Clear();
+python:
+    result = fallback(S_PY_CLOSE, args, nargs, kwnames);
+out:
+    Py_XDECREF(pending);
+    Py_DECREF(devs);
+    Py_DECREF(span);
+    Py_DECREF(backend);
+    return result;
+}
+
+/* ---------------------------------------------------------- MemorySpan's with block */
+
+enum { M_DETACHED, M_DEVICE, M_LEAKS, M_NAME, M_PEAK, M_RAW, M_SYNC, M_FIELDS };
+static const char *MFIELD_NAMES[M_FIELDS] = {"_detached", "_device", "_leaks", "_name",
+                                             "_peak", "_raw", "_sync"};
+static Py_ssize_t moff[M_FIELDS];
+static PyTypeObject *span_type = NULL; /* span.MemorySpan */
+static PyObject *s_span_default = NULL;  /* "span" */
+static PyObject *s_py_enter = NULL, *s_py_exit = NULL;
+
+#define MSLOT(o, f) (*(PyObject **)((char *)(o) + moff[f]))
+
+/* MemorySpan.__enter__: the span on the stack, opened by ``core_open``; a span entered
+ * before or detached goes to the Python method (``span._py_span_enter``). */
+static PyObject *span_enter(PyObject *self, PyObject *unused) {
+    PyObject *raw = MSLOT(self, M_RAW), *detached = MSLOT(self, M_DETACHED);
+    PyObject *name = MSLOT(self, M_NAME);
+    if (raw != Py_None || detached == NULL || !PyLong_CheckExact(detached) ||
+        PyLong_AsLong(detached) != 0 || name == NULL || MSLOT(self, M_DEVICE) == NULL ||
+        MSLOT(self, M_SYNC) == NULL || MSLOT(self, M_PEAK) == NULL ||
+        MSLOT(self, M_LEAKS) == NULL) {
+        if (PyErr_Occurred())
+            return NULL;
+        PyObject *f = PyDict_GetItemWithError(g_span, s_py_enter);
+        return f == NULL ? NULL : PyObject_CallOneArg(f, self);
+    }
+    if (name == Py_None || (PyUnicode_Check(name) && PyUnicode_GET_LENGTH(name) == 0))
+        name = s_span_default; /* ``self._name or "span"`` */
+    PyObject *args[5] = {name, MSLOT(self, M_DEVICE), MSLOT(self, M_SYNC), MSLOT(self, M_PEAK),
+                         MSLOT(self, M_LEAKS)};
+    PyObject *span = core_open(NULL, args, 5, NULL);
+    if (span == NULL)
+        return NULL;
+    PyObject *old = MSLOT(self, M_RAW);
+    MSLOT(self, M_RAW) = span;
+    Py_XDECREF(old);
+    return Py_NewRef(self);
+}
+
+/* MemorySpan.__exit__(exc_type, exc, tb): ``core_close(self._raw, exc, self)``. */
+static PyObject *span_exit(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyObject *f = PyDict_GetItemWithError(g_span, s_py_exit);
+        if (f == NULL)
+            return NULL;
+        PyObject *call[4] = {self, nargs > 0 ? args[0] : Py_None, nargs > 1 ? args[1] : Py_None,
+                             nargs > 2 ? args[2] : Py_None};
+        return PyObject_Vectorcall(f, call, 4, NULL);
+    }
+    PyObject *raw = MSLOT(self, M_RAW);
+    if (raw == NULL || raw == Py_None)
+        Py_RETURN_NONE;
+    Py_INCREF(raw);
+    PyObject *call[3] = {raw, args[1], self};
+    PyObject *r = core_close(NULL, call, 3, NULL);
+    Py_DECREF(raw);
+    return r;
+}
+
+static PyMethodDef enter_def = {"__enter__", span_enter, METH_NOARGS,
+                                "Open the span (the compiled span core)."};
+static PyMethodDef exit_def = {"__exit__", (PyCFunction)(void (*)(void))span_exit,
+                               METH_FASTCALL, "Close the span (the compiled span core)."};
+
+/* The offsets of ``names`` (object slots of ``type``) into ``out``; -1 with an error. */
+static int slot_offsets(PyTypeObject *type, const char **names, int n, Py_ssize_t *out) {
+    for (int i = 0; i < n; i++) {
+        PyObject *descr = PyDict_GetItemString(type->tp_dict, names[i]);
+        if (descr == NULL || !Py_IS_TYPE(descr, &PyMemberDescr_Type)) {
+            PyErr_Format(PyExc_TypeError, "%s.%s is not a slot", type->tp_name, names[i]);
+            return -1;
+        }
+        PyMemberDef *m = ((PyMemberDescrObject *)descr)->d_member;
+        if (m->type != T_OBJECT_EX || (m->flags & READONLY) || m->offset <= 0 ||
+            (size_t)m->offset + sizeof(PyObject *) > (size_t)type->tp_basicsize) {
+            PyErr_Format(PyExc_TypeError, "%s.%s is not a writable object slot", type->tp_name,
+                         names[i]);
+            return -1;
+        }
+        out[i] = m->offset;
+    }
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------- init */
+
+/* init(span_globals, backend_globals, RawSpan, MemorySpan): check the slots, keep what
+ * the calls read; returns (__enter__, __exit__), MemorySpan's methods through the core. */
+static PyObject *core_init(PyObject *self, PyObject *args) {
+    PyObject *span_globals, *backend_globals;
+    PyTypeObject *type, *mtype;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!:init", &PyDict_Type, &span_globals, &PyDict_Type,
+                          &backend_globals, &PyType_Type, &type, &PyType_Type, &mtype))
+        return NULL;
+    Py_ssize_t offsets[N_FIELDS], moffsets[M_FIELDS];
+    if (slot_offsets(type, FIELD_NAMES, N_FIELDS, offsets) < 0 ||
+        slot_offsets(mtype, MFIELD_NAMES, M_FIELDS, moffsets) < 0)
+        return NULL;
+    for (int i = 0; i < N_NAMES; i++) {
+        if (S[i] == NULL && (S[i] = PyUnicode_InternFromString(NAMES[i])) == NULL)
+            return NULL;
+    }
+    if ((s_span_default == NULL && (s_span_default = PyUnicode_InternFromString("span")) == NULL) ||
+        (s_py_enter == NULL && (s_py_enter = PyUnicode_InternFromString("_py_span_enter")) == NULL) ||
+        (s_py_exit == NULL && (s_py_exit = PyUnicode_InternFromString("_py_span_exit")) == NULL))
+        return NULL;
+    PyObject *enter = PyDescr_NewMethod(mtype, &enter_def);
+    PyObject *exit = enter == NULL ? NULL : PyDescr_NewMethod(mtype, &exit_def);
+    if (exit == NULL) {
+        Py_XDECREF(enter);
+        return NULL;
+    }
+    memcpy(off, offsets, sizeof off);
+    memcpy(moff, moffsets, sizeof moff);
+    Py_XSETREF(g_span, Py_NewRef(span_globals));
+    Py_XSETREF(g_backend, Py_NewRef(backend_globals));
+    Py_XSETREF(raw_type, (PyTypeObject *)Py_NewRef((PyObject *)type));
+    Py_XSETREF(span_type, (PyTypeObject *)Py_NewRef((PyObject *)mtype));
+    PyObject *pair = PyTuple_Pack(2, enter, exit);
+    Py_DECREF(enter);
+    Py_DECREF(exit);
+    return pair;
+}
+
+static PyMethodDef methods[] = {
+    {"init", core_init, METH_VARARGS,
+     "init(span_globals, backend_globals, RawSpan, MemorySpan) -> (__enter__, __exit__)"},
+    {"open", (PyCFunction)(void (*)(void))core_open, METH_FASTCALL | METH_KEYWORDS,
+     "open(name, device, sync, peak, leaks, nest=True, push=True, *, hooks=True)"},
+    {"close", (PyCFunction)(void (*)(void))core_close, METH_FASTCALL | METH_KEYWORDS,
+     "close(span, exc, keeper=None, *, hooks=True)"},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, CM_STR(CUDAMEM_MODULE_NAME),
+                                    "cudamem's span core (see span.py)", -1, methods};
+
+PyMODINIT_FUNC CM_CAT(PyInit_, CUDAMEM_MODULE_NAME)(void) { return PyModule_Create(&module); }

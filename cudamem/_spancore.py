@@ -1,0 +1,42 @@
+"""The optional compiled span core (``_spancore.c``): a span's open and close in C for the
+case almost every span is in (one device, no synchronize), a few times cheaper than the
+Python path; everything else is handed to the Python functions it replaces.
+
+Built, cached and loaded like the heap pass (``cudamem._cext``): nothing at import, a
+background build at the first span, ``CUDAMEM_FAST_SPAN=0`` turns it off. This module owns
+the build; ``span.py`` owns the switch: it hands the module its state (``init``), checks a
+span through each path field by field, and only then replaces its ``_open``/``_close``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ._cext import Extension, ExtensionStatus
+
+__all__ = ["EXTENSION", "SWITCH_ENV", "status"]
+
+SWITCH_ENV = "CUDAMEM_FAST_SPAN"
+SOURCE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_spancore.c")
+
+
+def _validate(module: Any) -> str | None:
+    """The build's own check: the functions span.py calls are there."""
+    missing = [n for n in ("init", "open", "close") if not callable(getattr(module, n, None))]
+    return f"the compiled span core lacks {', '.join(missing)}" if missing else None
+
+
+EXTENSION = Extension(
+    stem="spancore",
+    source=SOURCE_PATH,
+    switch_env=SWITCH_ENV,
+    what="compiled span core",
+    idle_reason="not needed yet (no span has opened)",
+    validate=_validate,
+)
+
+
+def status() -> ExtensionStatus:
+    """Which path opens and closes spans, and why."""
+    return EXTENSION.status()
