@@ -17,6 +17,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
+#include <time.h>
 
 #ifndef CUDAMEM_MODULE_NAME
 #define CUDAMEM_MODULE_NAME _cudamem_spancore
@@ -120,7 +121,37 @@ static PyObject *take_exception(void) {
  * ``BaseException`` that is not (KeyboardInterrupt, SystemExit) propagates. */
 static int catchable(void) { return PyErr_ExceptionMatches(PyExc_Exception); }
 
-static PyObject *thread_ident(void) { return PyLong_FromUnsignedLong(PyThread_get_thread_ident()); }
+/* span.py's containers that are mutated in place and never rebound, kept at init. */
+static PyObject *c_open_peak = NULL, *c_process_peak = NULL, *c_inbox_append = NULL;
+static PyObject *c_top = NULL, *c_tls = NULL, *c_finished = NULL, *c_finished_append = NULL;
+/* Whether span._now_ns is time.perf_counter_ns, read here as that function does. */
+static int c_monotonic = 0;
+
+/* ``_now_ns()``: CLOCK_MONOTONIC, what time.perf_counter_ns reads on Linux. */
+static PyObject *now_ns(void) {
+#if defined(__linux__)
+    struct timespec ts;
+    if (c_monotonic && clock_gettime(CLOCK_MONOTONIC, &ts) == 0)
+        return PyLong_FromLongLong((long long)ts.tv_sec * 1000000000LL + ts.tv_nsec);
+#endif
+    return call0(S_NOW_NS);
+}
+
+/* threading.get_ident(), the same object while the thread is the same. */
+static unsigned long last_ident = 0;
+static PyObject *last_ident_obj = NULL;
+
+static PyObject *thread_ident(void) {
+    unsigned long ident = PyThread_get_thread_ident();
+    if (last_ident_obj == NULL || ident != last_ident) {
+        PyObject *obj = PyLong_FromUnsignedLong(ident);
+        if (obj == NULL)
+            return NULL;
+        Py_XSETREF(last_ident_obj, obj);
+        last_ident = ident;
+    }
+    return Py_NewRef(last_ident_obj);
+}
 
 /* Whether every value of ``open_peak`` equals ``me`` (span._only); -1 on error. */
 static int only_me(PyObject *open_peak, PyObject *me) {
@@ -259,9 +290,7 @@ static int enter_peak_one(PyObject *span, PyObject *backend, PyObject *d, PyObje
         }
     }
     { /* ``if discarded > _process_peak.get(d, -1)``: queue it */
-        PyObject *process_peak = G(S_PROCESS_PEAK);
-        if (process_peak == NULL)
-            goto done;
+        PyObject *process_peak = c_process_peak;
         PyObject *cur = PyDict_GetItemWithError(process_peak, d);
         int higher = cur == NULL ? (PyErr_Occurred() ? -1 : 1)
                                  : PyObject_RichCompareBool(discarded, cur, Py_GT);
@@ -274,7 +303,7 @@ static int enter_peak_one(PyObject *span, PyObject *backend, PyObject *d, PyObje
             PyObject *item = PyTuple_Pack(2, d, discarded);
             if (item == NULL)
                 goto done;
-            PyObject *r = PyObject_CallMethodOneArg(inbox, S[S_APPEND], item);
+            PyObject *r = PyObject_CallOneArg(c_inbox_append, item);
             Py_DECREF(item);
             if (r == NULL)
                 goto done;
@@ -318,12 +347,7 @@ static int enter_measure(PyObject *span, PyObject *backend, PyObject *devs, int 
     set(span, F_SOLO, Py_True);
     set(span, F_ARMED, Py_False);
     int rc = -1;
-    PyObject *open_peak = G(S_OPEN_PEAK);
-    if (open_peak == NULL || !PyDict_CheckExact(open_peak)) {
-        if (open_peak != NULL)
-            PyErr_SetString(PyExc_TypeError, "cudamem.span._open_peak is not a dict");
-        goto done;
-    }
+    PyObject *open_peak = c_open_peak;
     if (PyDict_SetItem(open_peak, span, me) < 0) /* announce (see span._enter_peak) */
         goto done;
     int alone = PyDict_GET_SIZE(open_peak) == 1;
@@ -446,8 +470,8 @@ static PyObject *core_open(PyObject *self, PyObject *const *args, Py_ssize_t nar
     if (rc < 0 && entry_failed(span) < 0)
         goto error;
     if (nest) {
-        PyObject *top = G(S_TOP), *parent = NULL;
-        if (top == NULL || PyContextVar_Get(top, NULL, &parent) < 0)
+        PyObject *top = c_top, *parent = NULL;
+        if (PyContextVar_Get(top, NULL, &parent) < 0)
             goto error;
         if (parent == NULL)
             parent = Py_NewRef(Py_None);
@@ -471,7 +495,7 @@ static PyObject *core_open(PyObject *self, PyObject *const *args, Py_ssize_t nar
     }
     if (hooks && enter_hooks(span, leaks) < 0)
         goto error;
-    PyObject *start = call0(S_NOW_NS);
+    PyObject *start = now_ns();
     if (start == NULL)
         goto error;
     put(span, F_START_NS, start);
@@ -522,9 +546,7 @@ static int close_body(PyObject *span, PyObject *backend, PyObject *exc, long lon
                       long long a[3], PyObject *devs, int hooks) {
     int peak = SLOT(span, F_PEAK) == Py_True;
     if (peak) {
-        PyObject *open_peak = G(S_OPEN_PEAK);
-        if (open_peak == NULL)
-            return -1;
+        PyObject *open_peak = c_open_peak;
         if (PyDict_DelItem(open_peak, span) < 0) {
             if (!PyErr_ExceptionMatches(PyExc_KeyError))
                 return -1;
@@ -584,10 +606,7 @@ static int close_body(PyObject *span, PyObject *backend, PyObject *exc, long lon
             return -1;
         put(span, F_EXCEPTION, v);
     }
-    PyObject *tls = G(S_TLS);
-    if (tls == NULL)
-        return -1;
-    v = PyObject_GetAttr(tls, S[S_NAME_ATTR]);
+    v = PyObject_GetAttr(c_tls, S[S_NAME_ATTR]);
     if (v == NULL) {
         if (!PyErr_ExceptionMatches(PyExc_AttributeError))
             return -1;
@@ -610,8 +629,8 @@ static int close_body(PyObject *span, PyObject *backend, PyObject *exc, long lon
         }
     }
     int rc = -1;
-    PyObject *top = G(S_TOP), *current = NULL;
-    if (top == NULL || PyContextVar_Get(top, NULL, &current) < 0)
+    PyObject *top = c_top, *current = NULL;
+    if (PyContextVar_Get(top, NULL, &current) < 0)
         goto done;
     Py_XDECREF(current); /* only its identity is compared */
     if (current == span) {
@@ -678,10 +697,10 @@ static int close_body(PyObject *span, PyObject *backend, PyObject *exc, long lon
         if (sink == NULL)
             goto done;
         if (hooks && sink != Py_None) {
-            PyObject *queue = G(S_FINISHED), *at = G(S_FINISHED_AT);
-            if (queue == NULL || at == NULL)
+            PyObject *queue = c_finished, *at = G(S_FINISHED_AT);
+            if (at == NULL)
                 goto done;
-            PyObject *r = PyObject_CallMethodOneArg(queue, S[S_APPEND], span);
+            PyObject *r = PyObject_CallOneArg(c_finished_append, span);
             if (r == NULL)
                 goto done;
             Py_DECREF(r);
@@ -782,7 +801,7 @@ static PyObject *core_close(PyObject *self, PyObject *const *args, Py_ssize_t na
         if (settled != devs)
             goto python;
     }
-    PyObject *end = call0(S_NOW_NS);
+    PyObject *end = now_ns();
     if (end == NULL)
         goto python_clear;
     put(span, F_END_NS, end);
@@ -945,6 +964,53 @@ static PyObject *core_init(PyObject *self, PyObject *args) {
         Py_XDECREF(enter);
         return NULL;
     }
+    /* The containers span.py mutates in place and never rebinds. */
+    PyObject *kept[4] = {NULL, NULL, NULL, NULL};
+    const int kept_names[4] = {S_OPEN_PEAK, S_PROCESS_PEAK, S_TOP, S_TLS};
+    for (int i = 0; i < 4; i++) {
+        kept[i] = PyDict_GetItemWithError(span_globals, S[kept_names[i]]);
+        if (kept[i] == NULL) {
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_RuntimeError, "cudamem.span has no %s", NAMES[kept_names[i]]);
+            Py_DECREF(enter);
+            Py_DECREF(exit);
+            return NULL;
+        }
+    }
+    if (!PyDict_CheckExact(kept[0]) || !PyDict_CheckExact(kept[1]) ||
+        !PyContextVar_CheckExact(kept[2])) {
+        PyErr_SetString(PyExc_TypeError, "cudamem.span's peak registries or stack are not "
+                                         "what the span core reads");
+        Py_DECREF(enter);
+        Py_DECREF(exit);
+        return NULL;
+    }
+    PyObject *inbox = PyDict_GetItemWithError(span_globals, S[S_PEAK_INBOX]);
+    PyObject *queue = PyDict_GetItemWithError(span_globals, S[S_FINISHED]);
+    PyObject *inbox_append = inbox == NULL ? NULL : PyObject_GetAttr(inbox, S[S_APPEND]);
+    PyObject *queue_append = queue == NULL ? NULL : PyObject_GetAttr(queue, S[S_APPEND]);
+    PyObject *time = PyImport_ImportModule("time");
+    PyObject *perf = time == NULL ? NULL : PyObject_GetAttrString(time, "perf_counter_ns");
+    Py_XDECREF(time);
+    if (inbox_append == NULL || queue_append == NULL || perf == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_RuntimeError, "cudamem.span has no _peak_inbox or finished");
+        Py_XDECREF(inbox_append);
+        Py_XDECREF(queue_append);
+        Py_XDECREF(perf);
+        Py_DECREF(enter);
+        Py_DECREF(exit);
+        return NULL;
+    }
+    c_monotonic = PyDict_GetItemWithError(span_globals, S[S_NOW_NS]) == perf;
+    Py_DECREF(perf);
+    Py_XSETREF(c_open_peak, Py_NewRef(kept[0]));
+    Py_XSETREF(c_process_peak, Py_NewRef(kept[1]));
+    Py_XSETREF(c_top, Py_NewRef(kept[2]));
+    Py_XSETREF(c_tls, Py_NewRef(kept[3]));
+    Py_XSETREF(c_finished, Py_NewRef(queue));
+    Py_XSETREF(c_inbox_append, inbox_append);
+    Py_XSETREF(c_finished_append, queue_append);
     memcpy(off, offsets, sizeof off);
     memcpy(moff, moffsets, sizeof moff);
     Py_XSETREF(g_span, Py_NewRef(span_globals));

@@ -1,0 +1,360 @@
+"""The compiled span core (``_spancore.c``): its build entry, its switch, and that a span
+through it is the span the Python path makes, field by field, in the common case and in
+every case it hands back to Python."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+import cudamem
+from cudamem import _backend, _cext, _fastread, _spancore
+from cudamem import span as _span
+from cudamem._data import to_data
+
+from ..fakes import FakeAllocator
+
+MiB = 1024**2
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+needs_cc = pytest.mark.skipif(_cext.compiler() is None, reason="no C compiler here")
+
+
+@pytest.fixture(scope="module")
+def core() -> Any:
+    status = _spancore.EXTENSION.wait()
+    module = _spancore.EXTENSION.native()
+    if module is None:
+        if _cext.compiler() is not None:
+            pytest.fail(f"the compiled span core is not active: {status.reason}")
+        pytest.skip(f"no compiled span core here: {status.reason}")
+    return module
+
+
+@pytest.fixture
+def paths(core: Any) -> Iterator[Callable[[bool], None]]:
+    """``use(True)``: spans through the core; ``use(False)``: through Python."""
+    saved = (
+        _span._open,
+        _span._close,
+        _span.MemorySpan.__dict__["__enter__"],
+        _span.MemorySpan.__dict__["__exit__"],
+        _span._core_pending,
+    )
+    _span._core_pending = False
+
+    def use(compiled: bool) -> None:
+        assert _span._use_core(core if compiled else None) is None
+
+    try:
+        yield use
+    finally:
+        (
+            _span._open,
+            _span._close,
+            _span.MemorySpan.__enter__,
+            _span.MemorySpan.__exit__,
+            _span._core_pending,
+        ) = saved
+
+
+# -- the build -----------------------------------------------------------------------
+
+
+@needs_cc
+def test_the_build_entry_compiles_a_module_with_the_calls_span_py_makes(tmp_path: Any) -> None:
+    name = "_cudamem_spancore_test"
+    path = str(tmp_path / f"{name}.so")
+    _spancore.EXTENSION.build(path, name)
+    module = _fastread.load_library(path, name)
+    assert _spancore._validate(module) is None
+    assert {"init", "open", "close"} <= set(dir(module))
+
+
+def test_a_module_without_the_calls_is_refused() -> None:
+    class Empty:
+        open = None
+
+    assert _spancore._validate(Empty()) == "the compiled span core lacks init, open, close"
+
+
+def test_init_refuses_a_type_whose_fields_are_not_slots(core: Any) -> None:
+    class NoSlots:
+        pass
+
+    with pytest.raises(TypeError, match=r"NoSlots\.name is not a slot"):
+        core.init(vars(_span), vars(_backend), NoSlots, _span.MemorySpan)
+    # The real types still pass (the refusal changed nothing).
+    assert not isinstance(_span._core_check(core), str)
+
+
+def _run(code: str, **env: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT, **env},
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+SWITCH = """
+import cudamem
+from cudamem import _backend, _spancore, span
+from tests.fakes import FakeAllocator
+with _backend.use(FakeAllocator()):
+    with cudamem.track("first"):
+        pass
+    _spancore.EXTENSION.wait()
+    with cudamem.track("second"):
+        pass
+    with cudamem.track("third") as s:
+        pass
+print(_spancore.status().state, span._open is span._py_open,
+      type(span.MemorySpan.__dict__["__enter__"]).__name__, s.allocated_delta)
+"""
+
+
+def test_switched_off_by_its_variable_every_span_stays_python() -> None:
+    out = _run(SWITCH, CUDAMEM_FAST_SPAN="0")
+    assert out == "disabled True function 0"
+
+
+@needs_cc
+def test_the_spans_after_the_build_open_and_close_through_the_core() -> None:
+    out = _run(SWITCH)
+    assert out == "active False method_descriptor 0"
+
+
+# -- the same spans ------------------------------------------------------------------
+
+
+def _clock(key: str) -> bool:
+    """A field that differs between any two runs (a clock), left out of the comparison."""
+    return any(word in key for word in ("duration", "started", "time", "_s"))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items() if not _clock(k)}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _nested(fake: FakeAllocator) -> list[Any]:
+    fake.alloc(100 * MiB)
+    with cudamem.track("outer") as outer:
+        fake.alloc(50 * MiB)
+        with cudamem.track("inner"):
+            fake.alloc(300 * MiB)
+            fake.free(300 * MiB)
+        with cudamem.track("quiet", peak=False):
+            fake.alloc(1 * MiB)
+        fake.free(51 * MiB)
+    return [outer]
+
+
+def _raised(fake: FakeAllocator) -> list[Any]:
+    spans = []
+    for kind in (ValueError, KeyError):
+        try:
+            with cudamem.track("boom") as span:
+                fake.alloc(8 * MiB)
+                raise kind("no")
+        except kind:
+            pass
+        spans.append(span)
+    return spans
+
+
+def _decorated(fake: FakeAllocator) -> list[Any]:
+    @cudamem.track("fn")
+    def fn(n: int) -> int:
+        fake.alloc(n)
+        return n
+
+    @cudamem.track("gen")
+    def gen() -> Iterator[int]:
+        for i in range(3):
+            fake.alloc(MiB)
+            yield i
+
+    with cudamem.track("around") as around:
+        fn(3 * MiB)
+        assert list(gen()) == [0, 1, 2]
+    return [around]
+
+
+def _many_children(fake: FakeAllocator) -> list[Any]:
+    with cudamem.track("parent") as parent:
+        for _ in range(_span.MAX_CHILDREN + 3):
+            with cudamem.track("child"):
+                fake.alloc(1)
+    return [parent]
+
+
+def _named_device(fake: FakeAllocator) -> list[Any]:
+    with cudamem.track("dev0", device=0) as a:
+        fake.alloc(2 * MiB)
+    with cudamem.MemorySpan("", device="cuda:0") as b:  # "" reads as "span"
+        fake.free(2 * MiB)
+    return [a, b]
+
+
+def _history(fake: FakeAllocator) -> list[Any]:
+    for i in range(_span.FINISHED_AT + 5):
+        with cudamem.track("loop"):
+            fake.alloc(i % 3)
+    return [cudamem.history()]
+
+
+SCENARIOS = [_nested, _raised, _decorated, _many_children, _named_device, _history]
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda f: f.__name__.strip("_"))
+def test_the_core_makes_the_spans_python_makes(
+    scenario: Callable[[FakeAllocator], list[Any]], paths: Callable[[bool], None]
+) -> None:
+    runs = []
+    for compiled in (False, True):
+        paths(compiled)
+        cudamem.clear_history()
+        _span._reset_state()
+        fake = FakeAllocator(devices=1)
+        with _backend.use(fake):
+            results = scenario(fake)
+        runs.append([_plain(to_data(r)) for r in results])
+    assert runs[0] == runs[1]
+
+
+def test_the_core_serves_the_common_span_itself(paths: Callable[[bool], None]) -> None:
+    """One device, settled: no call of the Python open or close."""
+    paths(True)
+    calls: list[str] = []
+    py_open, py_close = _span._py_open, _span._py_close
+
+    def spy_open(*a: Any, **k: Any) -> Any:
+        calls.append("open")
+        return py_open(*a, **k)
+
+    def spy_close(*a: Any, **k: Any) -> Any:
+        calls.append("close")
+        return py_close(*a, **k)
+
+    fake = FakeAllocator(devices=1)
+    saved = _span._py_open, _span._py_close
+    _span._py_open, _span._py_close = spy_open, spy_close  # type: ignore[assignment]
+    try:
+        with _backend.use(fake):
+            with cudamem.track("common") as common:
+                fake.alloc(MiB)
+            assert calls == []
+            fake.count = 2  # device 1 has no context: the devices are not settled
+            with cudamem.track("unsettled") as unsettled:
+                fake.alloc(MiB)
+            assert calls == ["open", "close"]
+    finally:
+        _span._py_open, _span._py_close = saved
+    assert common.allocated_delta == MiB and unsettled.allocated_delta == MiB
+
+
+# -- what the core hands back, and hostile neighbours ---------------------------------
+
+
+class OddReader(FakeAllocator):
+    """A C-level reader that answers lists, not tuples: the core hands the span to Python."""
+
+    def __init__(self) -> None:
+        super().__init__(devices=1)
+        self.fast_counters = self.fast_reset = self._list  # type: ignore[assignment]
+
+    def _list(self, device: int) -> list[int]:
+        a = self.allocated[device]
+        return [a, self.reserved[device], self.peak[device]]
+
+
+class RaisingReader(FakeAllocator):
+    """A C-level reader that raises: the methods answer instead."""
+
+    def __init__(self) -> None:
+        super().__init__(devices=1)
+        self.fast_counters = self.fast_reset = self._raise  # type: ignore[assignment]
+
+    def _raise(self, device: int) -> tuple[int, int, int]:
+        raise RuntimeError("reader went away")
+
+
+@pytest.mark.parametrize("backend", [OddReader, RaisingReader])
+def test_odd_or_failing_readers_give_the_same_span_on_both_paths(
+    backend: type[FakeAllocator], paths: Callable[[bool], None]
+) -> None:
+    deltas = []
+    for compiled in (False, True):
+        paths(compiled)
+        fake = backend()
+        with _backend.use(fake):
+            fake.alloc(MiB)
+            with cudamem.track("s") as span:
+                fake.alloc(3 * MiB)
+        deltas.append((span.allocated_delta, span.peak, span.record.notes))
+    assert deltas[0] == deltas[1] == (3 * MiB, 4 * MiB, ())
+
+
+def test_a_hook_that_interrupts_propagates_and_the_next_span_is_clean(
+    paths: Callable[[bool], None],
+) -> None:
+    paths(True)
+
+    def interrupt(raw: Any) -> None:
+        if raw.name == "stop":
+            raise KeyboardInterrupt
+
+    _span.add_exit_hook(interrupt)
+    try:
+        with _backend.use(FakeAllocator()):
+            with pytest.raises(KeyboardInterrupt), cudamem.track("stop"):
+                pass
+            with cudamem.track("after") as after:
+                pass
+    finally:
+        _span.remove_exit_hook(interrupt)
+    assert after.closed and after.allocated_delta == 0
+    assert _span._top.get() is None
+
+
+def test_threads_open_and_close_through_the_core_without_losing_a_peak(
+    paths: Callable[[bool], None],
+) -> None:
+    paths(True)
+    fake = FakeAllocator()
+    barrier = threading.Barrier(4)
+    peaks: list[int | None] = []
+    lock = threading.Lock()
+
+    def work(n: int) -> None:
+        barrier.wait()
+        for _ in range(200):
+            with cudamem.track(f"t{n}") as span:
+                pass
+            with lock:
+                peaks.append(span.peak)
+
+    with _backend.use(fake):
+        fake.alloc(5 * MiB)
+        threads = [threading.Thread(target=work, args=(n,)) for n in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert peaks == [5 * MiB] * 800
+    assert _span._open_peak == {}
