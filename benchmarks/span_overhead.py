@@ -131,15 +131,15 @@ def per_call_us(
     cases: dict[str, Callable[[], object]],
     target_s: float,
     rounds: int,
-    around: dict[str, contextlib.AbstractContextManager[None]] | None = None,
+    around: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] | None = None,
 ) -> dict[str, list[float]]:
     """µs per call of each case: ``rounds`` interleaved rounds of ~``target_s`` each
-    (``around[name]``: entered around that case's loops, e.g. ``PythonPath()``)."""
+    (``around[name]()``: entered around that case's loops, e.g. ``python_path()``)."""
     around = around or {}
     counts = {}
     for name, fn in cases.items():  # calibrate the calls per round
         n, elapsed = 10, 0.0
-        with around.get(name) or contextlib.nullcontext():
+        with around[name]() if name in around else contextlib.nullcontext():
             while elapsed < target_s / 4:
                 n *= 2
                 t0 = time.perf_counter()
@@ -151,7 +151,7 @@ def per_call_us(
     for _ in range(rounds):
         for name, fn in cases.items():
             n = counts[name]
-            with around.get(name) or contextlib.nullcontext():
+            with around[name]() if name in around else contextlib.nullcontext():
                 t0 = time.perf_counter_ns()
                 for _ in range(n):
                     fn()
@@ -346,28 +346,10 @@ def span_core() -> Any:
 PYTHON_ROW = "track() defaults, Python open/close"
 
 
-class PythonPath:
+def python_path() -> contextlib.AbstractContextManager[None]:
     """Around a case's timed loop: spans open and close through the Python functions (the
     compiled core's figures beside them, in the same interleaved rounds)."""
-
-    def __init__(self) -> None:
-        self.core = (
-            _span._open,
-            _span._close,
-            _span.MemorySpan.__dict__["__enter__"],
-            _span.MemorySpan.__dict__["__exit__"],
-        )
-
-    def __enter__(self) -> None:
-        _span._use_core(None)
-
-    def __exit__(self, *exc: object) -> None:
-        (
-            _span._open,
-            _span._close,
-            _span.MemorySpan.__enter__,
-            _span.MemorySpan.__exit__,
-        ) = self.core
+    return _span._serving(None)
 
 
 def span_cases(backend: _backend.Backend) -> dict[str, Callable[[], object]]:
@@ -541,10 +523,10 @@ def _spans(
     cases = span_cases(backend)
     if only is not None:
         cases = dict(list(cases.items())[:only])
-    around: dict[str, contextlib.AbstractContextManager[None]] = {}
+    around: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {}
     if only is None and _spancore.EXTENSION.native() is not None:
         cases[PYTHON_ROW] = cases["track() defaults"]
-        around[PYTHON_ROW] = PythonPath()
+        around[PYTHON_ROW] = python_path
     with _backend.use(backend):
         out = per_call_us(cases, target, rounds, around)
         out["nested pair (2 spans)"] = [x / 2 for x in out.get("nested pair (2 spans)", [])]

@@ -854,9 +854,9 @@ out:
 
 /* ---------------------------------------------------------- MemorySpan's with block */
 
-enum { M_DETACHED, M_DEVICE, M_LEAKS, M_NAME, M_PEAK, M_RAW, M_SYNC, M_FIELDS };
-static const char *MFIELD_NAMES[M_FIELDS] = {"_detached", "_device", "_leaks", "_name",
-                                             "_peak", "_raw", "_sync"};
+enum { M_DETACHED, M_DEVICE, M_EXTRAS, M_LEAKS, M_NAME, M_PEAK, M_RAW, M_SYNC, M_FIELDS };
+static const char *MFIELD_NAMES[M_FIELDS] = {"_detached", "_device", "_extras", "_leaks",
+                                             "_name",     "_peak",   "_raw",    "_sync"};
 static Py_ssize_t moff[M_FIELDS];
 static PyTypeObject *span_type = NULL; /* span.MemorySpan */
 static PyObject *s_span_default = NULL;  /* "span" */
@@ -909,6 +909,38 @@ static PyObject *span_exit(PyObject *self, PyObject *const *args, Py_ssize_t nar
     PyObject *r = core_close(NULL, call, 3, NULL);
     Py_DECREF(raw);
     return r;
+}
+
+/* make(name, sync, peak, leaks): ``track(name, ...)``'s MemorySpan (no device), its fields
+ * stored as span._py_make_span stores them. */
+static PyObject *core_make(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (span_type == NULL || nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "make(name, sync, peak, leaks)");
+        return NULL;
+    }
+    int flags[3];
+    for (int i = 0; i < 3; i++) {
+        PyObject *v = args[i + 1];
+        flags[i] = v == Py_True ? 1 : v == Py_False ? 0 : PyObject_IsTrue(v);
+        if (flags[i] < 0)
+            return NULL;
+    }
+    PyObject *span = span_type->tp_alloc(span_type, 0);
+    if (span == NULL)
+        return NULL;
+    MSLOT(span, M_NAME) = Py_NewRef(args[0]);
+    MSLOT(span, M_DEVICE) = Py_NewRef(Py_None);
+    MSLOT(span, M_RAW) = Py_NewRef(Py_None);
+    MSLOT(span, M_EXTRAS) = Py_NewRef(Py_None);
+    MSLOT(span, M_DETACHED) = PyLong_FromLong(0);
+    MSLOT(span, M_SYNC) = Py_NewRef(flags[0] ? Py_True : Py_False);
+    MSLOT(span, M_PEAK) = Py_NewRef(flags[1] ? Py_True : Py_False);
+    MSLOT(span, M_LEAKS) = Py_NewRef(flags[2] ? Py_True : Py_False);
+    if (MSLOT(span, M_DETACHED) == NULL) {
+        Py_DECREF(span);
+        return NULL;
+    }
+    return span;
 }
 
 static PyMethodDef enter_def = {"__enter__", span_enter, METH_NOARGS,
@@ -1030,6 +1062,8 @@ static PyMethodDef methods[] = {
      "open(name, device, sync, peak, leaks, nest=True, push=True, *, hooks=True)"},
     {"close", (PyCFunction)(void (*)(void))core_close, METH_FASTCALL | METH_KEYWORDS,
      "close(span, exc, keeper=None, *, hooks=True)"},
+    {"make", (PyCFunction)(void (*)(void))core_make, METH_FASTCALL,
+     "make(name, sync, peak, leaks): track()'s MemorySpan"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, CM_STR(CUDAMEM_MODULE_NAME),

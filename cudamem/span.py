@@ -25,6 +25,7 @@ left stranded on a stack.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import threading
@@ -1059,18 +1060,43 @@ def _core_poll() -> None:
 def _use_core(module: Any) -> str | None:
     """Open and close every span through ``module`` (the compiled core; ``None``: the
     Python functions), or say why it cannot serve (then nothing changes)."""
-    global _open, _close
+    global _open, _close, _make_span
     if module is None:
-        _open, _close = _py_open, _py_close
+        _open, _close, _make_span = _py_open, _py_close, _py_make_span
         MemorySpan.__enter__ = _py_span_enter  # type: ignore[method-assign]
         MemorySpan.__exit__ = _py_span_exit  # type: ignore[method-assign]
         return None
     checked = _core_check(module)
     if isinstance(checked, str):
         return checked
-    _open, _close = module.open, module.close
+    _open, _close, _make_span = module.open, module.close, module.make
     MemorySpan.__enter__, MemorySpan.__exit__ = checked  # type: ignore[method-assign]
     return None
+
+
+@contextlib.contextmanager
+def _serving(module: Any) -> Iterator[None]:
+    """Within the block every span opens and closes through ``module`` (the compiled core;
+    ``None``: the Python functions), and no poll switches it; afterwards what served
+    before serves again (tests and benchmarks compare the two paths with it)."""
+    global _open, _close, _make_span, _core_pending
+    saved = (
+        _open,
+        _close,
+        _make_span,
+        MemorySpan.__dict__["__enter__"],
+        MemorySpan.__dict__["__exit__"],
+        _core_pending,
+    )
+    problem = _use_core(module)
+    if problem is not None:
+        raise RuntimeError(problem)
+    _core_pending = False
+    try:
+        yield
+    finally:
+        _open, _close, _make_span, enter, exit_, _core_pending = saved
+        MemorySpan.__enter__, MemorySpan.__exit__ = enter, exit_  # type: ignore[method-assign]
 
 
 def _core_check(module: Any) -> tuple[Any, Any] | str:
@@ -1610,14 +1636,19 @@ def track(
             f"not {type(name).__name__}"
         )
     if device is None:  # the hot form, ``with track("step"):``, skips re-validation
-        span = _new_span(MemorySpan)
-        span._name = name
-        span._device = span._raw = span._extras = None
-        span._detached = 0
-        if sync is False and peak is True and leaks is False:  # the defaults
-            span._sync = span._leaks = False
-            span._peak = True
-        else:
-            span._sync, span._peak, span._leaks = bool(sync), bool(peak), bool(leaks)
-        return span
+        return _make_span(name, sync, peak, leaks)
     return MemorySpan(name, device=device, sync=sync, peak=peak, leaks=leaks)
+
+
+def _py_make_span(name: str | None, sync: bool, peak: bool, leaks: bool) -> MemorySpan:
+    """``track(name)``'s span, its fields stored without ``__init__``'s checks (``track``
+    made them); ``_make_span`` is this, or the compiled core's ``make`` while it serves."""
+    span = _new_span(MemorySpan)
+    span._name = name
+    span._device = span._raw = span._extras = None
+    span._detached = 0
+    span._sync, span._peak, span._leaks = bool(sync), bool(peak), bool(leaks)
+    return span
+
+
+_make_span: Callable[[str | None, bool, bool, bool], MemorySpan] = _py_make_span

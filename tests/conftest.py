@@ -93,13 +93,7 @@ def span_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     not build or fails its check fails the test instead of skipping it. Each run warns
     afresh (a once-only warning of the other run does not hide this run's)."""
     monkeypatch.setattr(_warn, "_warned", set())
-    saved = (
-        _span._open,
-        _span._close,
-        _span.MemorySpan.__dict__["__enter__"],
-        _span.MemorySpan.__dict__["__exit__"],
-        _span._core_pending,
-    )
+    module = None
     if request.param == "compiled":
         status = _spancore.EXTENSION.wait()
         module = _spancore.EXTENSION.native()
@@ -107,18 +101,5 @@ def span_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
             if _cext.compiler() is not None:
                 pytest.fail(f"the compiled span core is not active: {status.reason}")
             pytest.skip(f"no compiled span core here: {status.reason}")
-        problem = _span._use_core(module)
-        assert problem is None, problem
-    else:
-        _span._use_core(None)
-    _span._core_pending = False
-    try:
+    with _span._serving(module):
         yield request.param
-    finally:
-        (
-            _span._open,
-            _span._close,
-            _span.MemorySpan.__enter__,
-            _span.MemorySpan.__exit__,
-            _span._core_pending,
-        ) = saved

@@ -4,6 +4,7 @@ every case it hands back to Python."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -38,29 +39,13 @@ def core() -> Any:
 
 @pytest.fixture
 def paths(core: Any) -> Iterator[Callable[[bool], None]]:
-    """``use(True)``: spans through the core; ``use(False)``: through Python."""
-    saved = (
-        _span._open,
-        _span._close,
-        _span.MemorySpan.__dict__["__enter__"],
-        _span.MemorySpan.__dict__["__exit__"],
-        _span._core_pending,
-    )
-    _span._core_pending = False
+    """``use(True)``: spans through the core from now on; ``use(False)``: through Python."""
+    with contextlib.ExitStack() as stack:
 
-    def use(compiled: bool) -> None:
-        assert _span._use_core(core if compiled else None) is None
+        def use(compiled: bool) -> None:
+            stack.enter_context(_span._serving(core if compiled else None))
 
-    try:
         yield use
-    finally:
-        (
-            _span._open,
-            _span._close,
-            _span.MemorySpan.__enter__,
-            _span.MemorySpan.__exit__,
-            _span._core_pending,
-        ) = saved
 
 
 # -- the build -----------------------------------------------------------------------
