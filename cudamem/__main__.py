@@ -19,6 +19,8 @@ __all__ = ["build_parser", "main"]
 
 #: ``run``'s options that take a value (the value is the next word unless given with ``=``).
 _RUN_VALUE_OPTIONS = ("--json", "--html", "--top")
+#: How long ``status`` waits for the span core's build (a cached one loads at once).
+STATUS_WAIT_S = 30.0
 
 _RUN_USAGE = (
     "cudamem run [-h] [--json FILE] [--html FILE] [--top N] [--modules] "
@@ -152,13 +154,17 @@ def _cmd_status(args: argparse.Namespace) -> int:
     from ._present import present
     from .ledger import machine_status
     from .render.json import to_json
+    from .span import span_core_status
 
     status = machine_status()
     reader = _backend.reader_status()
+    core = span_core_status(wait=STATUS_WAIT_S)
     if args.json:
-        print(to_json({**to_data(status), "reader": reader}, kind="cudamem.status"))
+        print(
+            to_json({**to_data(status), "reader": reader, "span_core": core}, kind="cudamem.status")
+        )
     else:
-        print(f"{status}\n\n{present(reader)}")
+        print(f"{status}\n\n{present(reader)}\n{present(core)}")
     return 0
 
 

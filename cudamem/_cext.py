@@ -47,6 +47,8 @@ FINAL = frozenset({ACTIVE, DISABLED, FAILED, DROPPED, UNSUPPORTED})
 class ExtensionStatus:
     """Whether a compiled extension serves now, and why (or why not)."""
 
+    #: What it does, as ``cudamem status`` names it: "span core", "heap pass".
+    name: str
     active: bool
     state: str
     reason: str
@@ -70,6 +72,7 @@ class Extension:
         self,
         *,
         stem: str,
+        name: str,
         source: str,
         switch_env: str,
         what: str,
@@ -78,6 +81,7 @@ class Extension:
     ) -> None:
         #: Cache folder and module-name prefix (``heapscan``, ``spancore``).
         self.stem = stem
+        self.name = name
         self.source = source
         self.switch_env = switch_env
         #: What it is, in a reason: "compiled pass", "compiled span core".
@@ -223,7 +227,9 @@ class Extension:
 
     def status(self) -> ExtensionStatus:
         with self.lock:
-            return ExtensionStatus(self.state == ACTIVE, self.state, self.reason, self.path)
+            return ExtensionStatus(
+                self.name, self.state == ACTIVE, self.state, self.reason, self.path
+            )
 
     @contextlib.contextmanager
     def python_path(self) -> Iterator[None]:

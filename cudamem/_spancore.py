@@ -29,6 +29,7 @@ def _validate(module: Any) -> str | None:
 
 EXTENSION = Extension(
     stem="spancore",
+    name="span core",
     source=SOURCE_PATH,
     switch_env=SWITCH_ENV,
     what="compiled span core",

@@ -40,6 +40,7 @@ from typing_extensions import ParamSpec
 
 from . import _backend, _spancore
 from ._backend import Counters
+from ._cext import ExtensionStatus
 from ._data import to_data
 from ._device_arg import DeviceLike, resolve_device
 from ._present import Presented, PresentedHtml
@@ -1072,6 +1073,18 @@ def _use_core(module: Any) -> str | None:
     _open, _close, _make_span = module.open, module.close, module.make
     MemorySpan.__enter__, MemorySpan.__exit__ = checked  # type: ignore[method-assign]
     return None
+
+
+def span_core_status(wait: float = 0.0) -> ExtensionStatus:
+    """Which path opens and closes spans, the compiled span core or Python, and why.
+
+    ``wait``: seconds to wait for the core's build first and then switch to it, as the first
+    span after a build does (``cudamem status``); by default the state as it is now."""
+    if wait > 0:
+        _spancore.EXTENSION.wait(wait)
+        if _core_pending:
+            _core_poll()
+    return _spancore.status()
 
 
 @contextlib.contextmanager

@@ -1,11 +1,13 @@
-"""Text rendering of which counter reader serves spans (``cudamem status``, ``build-reader``)."""
+"""Text rendering of which counter reader serves spans, and which compiled extensions serve
+(``cudamem status``, ``build-reader``)."""
 
 from __future__ import annotations
 
+from .._cext import ExtensionStatus
 from .._fastread import ReaderStatus
 from .._present import renders
 
-__all__ = ["render_reader_status"]
+__all__ = ["render_extension_status", "render_reader_status"]
 
 _NAMES = {
     "C++": "C++ counter reader (~0.2 µs a read)",
@@ -22,3 +24,10 @@ def render_reader_status(status: ReaderStatus) -> str:
     else:
         which = _NAMES[status.reader]
     return f"reader: {which} [{status.state}]: {status.reason}"
+
+
+@renders(ExtensionStatus)
+def render_extension_status(status: ExtensionStatus) -> str:
+    """One line: ``span core: compiled [active]: <why>`` (or ``Python``, and why)."""
+    which = "compiled" if status.active else "Python"
+    return f"{status.name}: {which} [{status.state}]: {status.reason}"

@@ -642,7 +642,8 @@ def test_status_values_and_json() -> None:
 
 
 def test_status_command_names_the_reader(capsys: pytest.CaptureFixture[str]) -> None:
-    from cudamem import _nvml
+    from cudamem import _cext, _nvml
+    from cudamem.span import span_core_status
 
     from ..nvml_fakes import FakeGpu, make_nvml
 
@@ -651,11 +652,17 @@ def test_status_command_names_the_reader(capsys: pytest.CaptureFixture[str]) -> 
         text = capsys.readouterr().out
         assert main(["status", "--json"]) == 0
         data = json.loads(capsys.readouterr().out)
-    last = text.strip().splitlines()[-1]
+    reader_line, core_line = text.strip().splitlines()[-2:]
     expected = _backend.reader_status()
-    assert last == present(expected) and last.startswith("reader: ")
+    assert reader_line == present(expected) and reader_line.startswith("reader: ")
+    # The span core's line: the command waited for its build and switched to it.
+    core = span_core_status()
+    assert core_line == present(core)
+    if _cext.compiler() is not None:
+        assert core_line.startswith("span core: compiled [active]: compiled span core, validated")
     assert "GPU 0 NVIDIA H200" in text
     assert data["reader"] == to_data(expected)
+    assert data["span_core"] == to_data(core) and data["span_core"]["name"] == "span core"
     assert data["devices"][0]["index"] == 0
 
 
