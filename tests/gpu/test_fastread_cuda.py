@@ -167,7 +167,7 @@ def test_background_build_becomes_active_and_is_reused(tmp_path: Path) -> None:
     # A new process finds the build: `cudamem status` says spans will use it...
     status = _run("import sys; from cudamem.__main__ import main; main(['status'])", cache)
     assert status.returncode == 0, status.stderr
-    line = status.stdout.strip().splitlines()[-1]
+    line = next(x for x in status.stdout.splitlines() if x.startswith("reader: "))
     assert line.startswith("reader: C++ counter reader, once CUDA starts [cached]"), line
     # ...and a process using CUDA loads it instead of compiling.
     again = _run(_BACKGROUND, cache)
