@@ -125,6 +125,20 @@ class _Aggregate:
             for r in spans:
                 self.add_one(r)
             return
+        columns = _span._columns
+        folded = None if columns is None else columns(spans)
+        if folded is not None:  # the compiled span core's one pass over the batch
+            errors, measured, a_sum, r_sum, d_sum, a_max, r_max, d_max, *peak = folded
+            self.calls += n
+            self.errors += errors
+            self.measured += measured
+            self.alloc_sum += a_sum
+            self.res_sum += r_sum
+            self.dur_sum += d_sum / 1e9
+            self._maxima(a_max, r_max, d_max / 1e9)
+            if peak[0]:
+                self._peaks(*peak)
+            return
         allocs = [r.alloc_delta for r in spans]
         ress = [r.res_delta for r in spans]
         durs = [r.end_ns - r.start_ns for r in spans]

@@ -17,6 +17,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
+#include <limits.h>
 #include <time.h>
 
 #ifndef CUDAMEM_MODULE_NAME
@@ -943,6 +944,76 @@ static PyObject *core_make(PyObject *self, PyObject *const *args, Py_ssize_t nar
     return span;
 }
 
+/* ------------------------------------------------------------------ the history's fold */
+
+/* An int slot of a RawSpan as a long long; 0 when it is not one (the fold then goes to
+ * Python). */
+static int int_slot(PyObject *r, int f, long long *out) {
+    PyObject *v = SLOT(r, f);
+    int overflow = 0;
+    if (v == NULL || !PyLong_CheckExact(v))
+        return 0;
+    *out = PyLong_AsLongLongAndOverflow(v, &overflow);
+    if (overflow || (*out == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        return 0;
+    }
+    return 1;
+}
+
+#define ADD(sum, x)                                                                           \
+    if (__builtin_add_overflow(sum, x, &sum))                                                 \
+    Py_RETURN_NONE
+
+/* columns(spans): what the history folds a batch of closed RawSpans into, as
+ * (errors, measured, alloc_sum, res_sum, dur_sum_ns, alloc_max, res_max, dur_max_ns,
+ * peak_calls, peak_sum, peakd_sum, peak_max, peakd_max), or None when a span is not what
+ * this fold reads (then _history folds the batch in Python, to the same figures). */
+static PyObject *core_columns(PyObject *self, PyObject *spans) {
+    if (raw_type == NULL || !PyList_CheckExact(spans) || PyList_GET_SIZE(spans) == 0)
+        Py_RETURN_NONE;
+    Py_ssize_t errors = 0, measured = 0, peaks = 0;
+    long long alloc_sum = 0, res_sum = 0, dur_sum = 0, peak_sum = 0, peakd_sum = 0;
+    long long alloc_max = LLONG_MIN, res_max = LLONG_MIN, dur_max = LLONG_MIN;
+    long long peak_max = LLONG_MIN, peakd_max = LLONG_MIN;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(spans); i++) {
+        PyObject *r = PyList_GET_ITEM(spans, i);
+        long long a, res, end, start, peak, peakd;
+        if (Py_TYPE(r) != raw_type || !int_slot(r, F_ALLOC_DELTA, &a) ||
+            !int_slot(r, F_RES_DELTA, &res) || !int_slot(r, F_END_NS, &end) ||
+            !int_slot(r, F_START_NS, &start))
+            Py_RETURN_NONE;
+        PyObject *exc = SLOT(r, F_EXCEPTION), *after = SLOT(r, F_AFTER);
+        PyObject *top = SLOT(r, F_PEAK_TOTAL), *topd = SLOT(r, F_PEAK_DELTA);
+        if (exc == NULL || after == NULL || !PyTuple_CheckExact(after) || top == NULL ||
+            topd == NULL)
+            Py_RETURN_NONE;
+        errors += exc != Py_None;
+        measured += PyTuple_GET_SIZE(after) != 0;
+        long long dur;
+        if (__builtin_sub_overflow(end, start, &dur))
+            Py_RETURN_NONE;
+        ADD(alloc_sum, a);
+        ADD(res_sum, res);
+        ADD(dur_sum, dur);
+        alloc_max = a > alloc_max ? a : alloc_max;
+        res_max = res > res_max ? res : res_max;
+        dur_max = dur > dur_max ? dur : dur_max;
+        if (top == Py_None || topd == Py_None)
+            continue;
+        if (!int_slot(r, F_PEAK_TOTAL, &peak) || !int_slot(r, F_PEAK_DELTA, &peakd))
+            Py_RETURN_NONE;
+        peaks++;
+        ADD(peak_sum, peak);
+        ADD(peakd_sum, peakd);
+        peak_max = peak > peak_max ? peak : peak_max;
+        peakd_max = peakd > peakd_max ? peakd : peakd_max;
+    }
+    return Py_BuildValue("nnLLLLLLnLLLL", errors, measured, alloc_sum, res_sum, dur_sum,
+                         alloc_max, res_max, dur_max, peaks, peak_sum, peakd_sum, peak_max,
+                         peakd_max);
+}
+
 static PyMethodDef enter_def = {"__enter__", span_enter, METH_NOARGS,
                                 "Open the span (the compiled span core)."};
 static PyMethodDef exit_def = {"__exit__", (PyCFunction)(void (*)(void))span_exit,
@@ -1062,6 +1133,8 @@ static PyMethodDef methods[] = {
      "open(name, device, sync, peak, leaks, nest=True, push=True, *, hooks=True)"},
     {"close", (PyCFunction)(void (*)(void))core_close, METH_FASTCALL | METH_KEYWORDS,
      "close(span, exc, keeper=None, *, hooks=True)"},
+    {"columns", core_columns, METH_O,
+     "columns(spans): a batch of closed spans' sums and maxima for the history"},
     {"make", (PyCFunction)(void (*)(void))core_make, METH_FASTCALL,
      "make(name, sync, peak, leaks): track()'s MemorySpan"},
     {NULL, NULL, 0, NULL}};

@@ -1061,16 +1061,16 @@ def _core_poll() -> None:
 def _use_core(module: Any) -> str | None:
     """Open and close every span through ``module`` (the compiled core; ``None``: the
     Python functions), or say why it cannot serve (then nothing changes)."""
-    global _open, _close, _make_span
+    global _open, _close, _make_span, _columns
     if module is None:
-        _open, _close, _make_span = _py_open, _py_close, _py_make_span
+        _open, _close, _make_span, _columns = _py_open, _py_close, _py_make_span, None
         MemorySpan.__enter__ = _py_span_enter  # type: ignore[method-assign]
         MemorySpan.__exit__ = _py_span_exit  # type: ignore[method-assign]
         return None
     checked = _core_check(module)
     if isinstance(checked, str):
         return checked
-    _open, _close, _make_span = module.open, module.close, module.make
+    _open, _close, _make_span, _columns = module.open, module.close, module.make, module.columns
     MemorySpan.__enter__, MemorySpan.__exit__ = checked  # type: ignore[method-assign]
     return None
 
@@ -1092,11 +1092,12 @@ def _serving(module: Any) -> Iterator[None]:
     """Within the block every span opens and closes through ``module`` (the compiled core;
     ``None``: the Python functions), and no poll switches it; afterwards what served
     before serves again (tests and benchmarks compare the two paths with it)."""
-    global _open, _close, _make_span, _core_pending
+    global _open, _close, _make_span, _columns, _core_pending
     saved = (
         _open,
         _close,
         _make_span,
+        _columns,
         MemorySpan.__dict__["__enter__"],
         MemorySpan.__dict__["__exit__"],
         _core_pending,
@@ -1108,7 +1109,7 @@ def _serving(module: Any) -> Iterator[None]:
     try:
         yield
     finally:
-        _open, _close, _make_span, enter, exit_, _core_pending = saved
+        _open, _close, _make_span, _columns, enter, exit_, _core_pending = saved
         MemorySpan.__enter__, MemorySpan.__exit__ = enter, exit_  # type: ignore[method-assign]
 
 
@@ -1665,3 +1666,6 @@ def _py_make_span(name: str | None, sync: bool, peak: bool, leaks: bool) -> Memo
 
 
 _make_span: Callable[[str | None, bool, bool, bool], MemorySpan] = _py_make_span
+#: The compiled core's fold of a batch of closed spans into the history's sums and maxima
+#: (``columns(spans)``, ``None`` for a batch it does not read), while the core serves.
+_columns: Callable[[list[RawSpan]], tuple[int, ...] | None] | None = None

@@ -343,3 +343,49 @@ def test_threads_open_and_close_through_the_core_without_losing_a_peak(
             t.join()
     assert peaks == [5 * MiB] * 800
     assert _span._open_peak == {}
+
+
+def test_the_history_folds_a_batch_in_c_to_pythons_figures(
+    core: Any, paths: Callable[[bool], None]
+) -> None:
+    """A batch of the same name with errors, unmeasured spans, spans without a peak and
+    large values: the compiled fold and the Python fold give the same aggregates."""
+    from cudamem import _history
+
+    paths(True)
+    fake = FakeAllocator(devices=1)
+    spans = []
+    with _backend.use(fake):
+        for i in range(40):
+            try:
+                with cudamem.track("b", peak=i % 3 != 0) as span:
+                    fake.alloc((i % 7) * MiB << 20)  # up to 6 TiB: big ints
+                    if i % 5 == 0:
+                        raise ValueError(i)
+                    fake.free((i % 4) * MiB)
+            except ValueError:
+                pass
+            spans.append(span._raw)
+    spans.append(_span._py_open("unmeasured", None, False, False, False, False, False))
+    _span._py_close(spans[-1], None)  # settled devices, so measured; drop its after:
+    spans[-1].after = ()
+    compiled, python = _history._Aggregate(), _history._Aggregate()
+    assert core.columns(spans) is not None
+    compiled.add(spans)
+    with _span._serving(None):
+        python.add(spans)
+    assert compiled.freeze("b") == python.freeze("b")
+    assert compiled.freeze("b").errors == 8 and compiled.freeze("b").measured == 40
+
+
+def test_the_compiled_fold_refuses_what_it_does_not_read(core: Any) -> None:
+    assert core.columns([]) is None
+    assert core.columns([object()]) is None
+    assert core.columns(("not", "a list")) is None
+    raw = _span._py_open("x", None, False, False, False, False, False, hooks=False)
+    # Open, never closed: its exit fields are unset.
+    assert core.columns([raw]) is None
+    _span._py_close(raw, None, hooks=False)
+    assert core.columns([raw]) is not None
+    raw.alloc_delta = 2**70  # past 64 bits: Python's ints fold it
+    assert core.columns([raw]) is None
