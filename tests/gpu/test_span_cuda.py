@@ -1,4 +1,5 @@
-"""Spans on a real GPU (H200): seed 000's table, allocator rounding, nested peaks, contexts."""
+"""Spans on a real GPU (H200): seed 000's table, allocator rounding, nested peaks, contexts;
+each test on the Python path and on the compiled span core."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ import cudamem
 from cudamem import _backend
 from cudamem.demo import seed000_lifecycle
 
-pytestmark = pytest.mark.cuda
+#: Every test runs with spans through the Python functions and through the compiled span
+#: core (``span_path``), on the real allocator.
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("span_path")]
 MiB = 1024**2
 
 
@@ -304,3 +307,34 @@ def test_model_on_device1_only() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "OK" in out.stdout
+
+
+def test_the_compiled_core_serves_a_gpu_span_itself(span_path: str) -> None:
+    """Once CUDA runs, the device is settled: a span opens and closes in C, with the bytes
+    the allocator counts (no call of the Python open or close)."""
+    from cudamem import span as _span
+
+    if span_path != "compiled":
+        pytest.skip("the compiled core's own case")
+    _clean()
+    keep = torch.empty(1, device="cuda:0")  # a context: the device settles
+    assert _backend.get().initialized_devices() == (0,)
+    calls: list[str] = []
+    saved = _span._py_open, _span._py_close
+
+    def spy(name: str, real: object) -> object:
+        def call(*a: object, **k: object) -> object:
+            calls.append(name)
+            return real(*a, **k)  # type: ignore[operator]
+
+        return call
+
+    _span._py_open, _span._py_close = spy("open", saved[0]), spy("close", saved[1])  # type: ignore[assignment]
+    try:
+        with cudamem.track("gpu") as span:
+            x = torch.empty(3 * MiB, dtype=torch.uint8, device="cuda:0")
+    finally:
+        _span._py_open, _span._py_close = saved
+    assert calls == []
+    assert span.allocated_delta == 3 * MiB and span.peak_delta == 3 * MiB
+    del x, keep
