@@ -173,6 +173,13 @@ def _alloc_counts(device: str) -> dict[int, int] | None:
     return counts
 
 
+def _no_cuda_yet(device: str) -> bool:
+    """Whether no CUDA storage can exist now: CUDA storages are checked and CUDA has not
+    started in this process (no device has a context; a CUDA tensor needs one, so there
+    is none to find and the census is skipped: a CPU-only machine pays nothing)."""
+    return device == "cuda" and not _backend.get().initialized_devices()
+
+
 def _look(device: str) -> StorageSnapshot:
     """Every live storage of ``device`` now, remembered (with the allocation counts read
     before it) for the next test's baseline."""
@@ -207,6 +214,8 @@ def _baseline(device: str, *, peak: bool, reuse: bool = False) -> _Baseline:
         for d in backend.initialized_devices():
             allocated[d] = backend.read(d).allocated
     keys = _reused(device) if reuse else None
+    if keys is None and _no_cuda_yet(device):
+        keys = StorageSnapshot()
     _last.clear()
     base = _Baseline(device, live_refs(device) if keys is None else keys, allocated)
     if peak and device == "cuda":
@@ -270,7 +279,7 @@ def _survivors(base: _Baseline, *, settle_first: bool) -> tuple[StorageSnapshot,
     the check would cost; a test that left the allocator as it found it needs no census
     either (``_nothing_new``)."""
     new = StorageSnapshot()
-    if not settle_first and _nothing_new(base):
+    if _no_cuda_yet(base.device) or (not settle_first and _nothing_new(base)):
         return new, False
     settled = False
     for i in range(RECHECKS + 1):

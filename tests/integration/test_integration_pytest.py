@@ -538,6 +538,42 @@ def test_a_clean_test_skips_the_census_only_while_every_baseline_storage_lives(
     pp._last.clear()
 
 
+def test_before_cuda_starts_no_census_runs_and_a_cuda_leak_after_it_is_still_found(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A CUDA storage needs a context: while no device has one, the baseline is empty and
+    the look after the test is skipped (a CPU-only machine pays no census); a test that
+    starts CUDA gets the census after it, and its storage is new against that baseline."""
+    from cudamem import _backend
+    from cudamem.integrations import pytest_plugin as pp
+
+    censuses: list[str] = []
+    leaked = torch.ones(128)
+
+    def census(device: str) -> StorageSnapshot:
+        censuses.append(device)
+        return StorageSnapshot.of([leaked])  # the storage "alive on cuda" after the test
+
+    monkeypatch.setattr(pp, "live_refs", census)
+    fake = CountingFake(devices=1, contexts=())
+    with _backend.use(fake):
+        pp._last.clear()
+        base = pp._baseline("cuda", peak=False, reuse=True)
+        assert censuses == [] and not base.keys and base.allocated == {}
+        assert pp._survivors(base, settle_first=False) == (StorageSnapshot(), False)
+        assert pp._survivors(base, settle_first=True) == (StorageSnapshot(), False)
+        assert censuses == []  # nothing could exist: no look at all
+        base = pp._baseline("cuda", peak=False, reuse=True)
+        fake.alloc(512)  # the test starts CUDA (a context) and keeps a storage
+        new, _ = pp._survivors(base, settle_first=False)
+        assert censuses and [n for _d, n in new.values()] == [128 * 4]
+        # CPU storages are always looked for: a CPU tensor needs no context.
+        censuses.clear()
+        pp._baseline("cpu", peak=False)
+        assert censuses == ["cpu"]
+    pp._last.clear()
+
+
 def test_plugin_module_is_light() -> None:
     """Importing the registered plugin module imports neither torch nor cudamem."""
     code = (
