@@ -370,12 +370,17 @@ done:
     return rc;
 }
 
-static int enter_hooks(PyObject *span, int leaks) {
-    PyObject *hooks = G(leaks ? S_ENTRY_HOOKS_LEAKS : S_ENTRY_HOOKS);
+/* Call each hook of the tuple global ``name`` with ``span``, as the Python loops do: a
+ * hook's Exception goes to span._entry_hook_failed(hook, err) (``pending`` NULL: the
+ * entry hooks) or to span._exit_hook_failed(hook, err, exc, pending), whose answer
+ * becomes *pending (the error to raise after them: a new reference, or NULL). -1 for an
+ * error the Python loop would not catch. */
+static int call_hooks(int name, PyObject *span, PyObject *exc, PyObject **pending) {
+    PyObject *hooks = G(name);
     if (hooks == NULL)
         return -1;
     if (!PyTuple_CheckExact(hooks)) {
-        PyErr_SetString(PyExc_TypeError, "cudamem.span's entry hooks are not a tuple");
+        PyErr_Format(PyExc_TypeError, "cudamem.span.%s is not a tuple", NAMES[name]);
         return -1;
     }
     Py_INCREF(hooks); /* a hook may rebind the global */
@@ -392,14 +397,24 @@ static int enter_hooks(PyObject *span, int leaks) {
             break;
         }
         PyObject *err = take_exception();
-        PyObject *args[2] = {hook, err};
-        r = callv(S_ENTRY_HOOK_FAILED, args, 2);
+        if (pending == NULL) {
+            PyObject *args[2] = {hook, err};
+            r = callv(S_ENTRY_HOOK_FAILED, args, 2);
+        } else {
+            PyObject *args[4] = {hook, err, exc, *pending ? *pending : Py_None};
+            r = callv(S_EXIT_HOOK_FAILED, args, 4);
+        }
         Py_XDECREF(err);
         if (r == NULL) {
             rc = -1;
             break;
         }
-        Py_DECREF(r);
+        if (pending == NULL || r == Py_None) {
+            Py_DECREF(r);
+            r = NULL;
+        }
+        if (pending != NULL)
+            Py_XSETREF(*pending, r);
     }
     Py_DECREF(hooks);
     return rc;
@@ -494,7 +509,7 @@ static PyObject *core_open(PyObject *self, PyObject *const *args, Py_ssize_t nar
             Py_DECREF(token);
         }
     }
-    if (hooks && enter_hooks(span, leaks) < 0)
+    if (hooks && call_hooks(leaks ? S_ENTRY_HOOKS_LEAKS : S_ENTRY_HOOKS, span, NULL, NULL) < 0)
         goto error;
     PyObject *start = now_ns();
     if (start == NULL)
@@ -723,45 +738,6 @@ done:
     return rc;
 }
 
-/* The exit hooks; *pending gets the error to raise after them (a new reference or NULL).
- * -1 for an error the Python path would not catch inside its loop. */
-static int exit_hooks(PyObject *span, PyObject *exc, PyObject **pending) {
-    PyObject *hooks = G(exc == Py_None ? S_EXIT_CALLS_OK : S_EXIT_CALLS);
-    if (hooks == NULL)
-        return -1;
-    if (!PyTuple_CheckExact(hooks)) {
-        PyErr_SetString(PyExc_TypeError, "cudamem.span's exit hooks are not a tuple");
-        return -1;
-    }
-    Py_INCREF(hooks);
-    int rc = 0;
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(hooks); i++) {
-        PyObject *hook = PyTuple_GET_ITEM(hooks, i);
-        PyObject *r = PyObject_CallOneArg(hook, span);
-        if (r != NULL) {
-            Py_DECREF(r);
-            continue;
-        }
-        if (!catchable()) {
-            rc = -1;
-            break;
-        }
-        PyObject *err = take_exception();
-        PyObject *args[4] = {hook, err, exc, *pending ? *pending : Py_None};
-        r = callv(S_EXIT_HOOK_FAILED, args, 4);
-        Py_XDECREF(err);
-        if (r == NULL) {
-            rc = -1;
-            break;
-        }
-        Py_XSETREF(*pending, r == Py_None ? NULL : r);
-        if (r == Py_None)
-            Py_DECREF(r);
-    }
-    Py_DECREF(hooks);
-    return rc;
-}
-
 /* close(span, exc, keeper=None, *, hooks=True) */
 static PyObject *core_close(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
                             PyObject *kwnames) {
@@ -824,7 +800,10 @@ static PyObject *core_close(PyObject *self, PyObject *const *args, Py_ssize_t na
     if (close_body(span, backend, exc, b, a, devs, hooks) < 0) {
         if (close_failed(span) < 0)
             goto out;
-    } else if (hooks && exit_hooks(span, exc, &pending) < 0 && close_failed(span) < 0) {
+    } else if (hooks &&
+               call_hooks(exc == Py_None ? S_EXIT_CALLS_OK : S_EXIT_CALLS, span, exc, &pending) <
+                   0 &&
+               close_failed(span) < 0) {
         goto out;
     }
     PyObject *extras = SLOT(span, F_EXTRAS);

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -84,6 +85,18 @@ def _clean_cudamem_state() -> Iterator[None]:
     cudamem.clear_history()
 
 
+def compiled_span_core() -> Any:
+    """The compiled span core, built and active; where a C compiler exists and it is not,
+    the test fails (it does not skip); where none exists, it skips."""
+    status = _spancore.EXTENSION.wait()
+    module = _spancore.EXTENSION.native()
+    if module is None:
+        if _cext.compiler() is not None:
+            pytest.fail(f"the compiled span core is not active: {status.reason}")
+        pytest.skip(f"no compiled span core here: {status.reason}")
+    return module
+
+
 @pytest.fixture(params=["python", "compiled"])
 def span_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """Run the test once with spans opened and closed by the Python functions and once by
@@ -93,13 +106,6 @@ def span_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     not build or fails its check fails the test instead of skipping it. Each run warns
     afresh (a once-only warning of the other run does not hide this run's)."""
     monkeypatch.setattr(_warn, "_warned", set())
-    module = None
-    if request.param == "compiled":
-        status = _spancore.EXTENSION.wait()
-        module = _spancore.EXTENSION.native()
-        if module is None:
-            if _cext.compiler() is not None:
-                pytest.fail(f"the compiled span core is not active: {status.reason}")
-            pytest.skip(f"no compiled span core here: {status.reason}")
+    module = compiled_span_core() if request.param == "compiled" else None
     with _span._serving(module):
         yield request.param

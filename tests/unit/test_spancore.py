@@ -19,6 +19,7 @@ from cudamem import _backend, _cext, _fastread, _spancore
 from cudamem import span as _span
 from cudamem._data import to_data
 
+from ..conftest import compiled_span_core
 from ..fakes import FakeAllocator
 
 MiB = 1024**2
@@ -28,13 +29,7 @@ needs_cc = pytest.mark.skipif(_cext.compiler() is None, reason="no C compiler he
 
 @pytest.fixture(scope="module")
 def core() -> Any:
-    status = _spancore.EXTENSION.wait()
-    module = _spancore.EXTENSION.native()
-    if module is None:
-        if _cext.compiler() is not None:
-            pytest.fail(f"the compiled span core is not active: {status.reason}")
-        pytest.skip(f"no compiled span core here: {status.reason}")
-    return module
+    return compiled_span_core()
 
 
 @pytest.fixture
