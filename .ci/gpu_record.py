@@ -143,6 +143,7 @@ def _span_figures(results: Path) -> dict[str, Any] | None:
 
     return {
         "reader": data.get("reader"),
+        "span_core": data.get("span_core"),
         "quick": data.get("quick"),
         "enter_exit": {k: fig(k) for k in spans},
         "goals": data.get("goals"),
@@ -166,18 +167,22 @@ def write(logs: Path, record: Path) -> int:
     for name in BENCHES:
         rc, seconds = _rc(logs, name)
         benches[name] = {"rc": rc, "seconds": seconds}
-    reader = _json_tail(_read(logs / "status.json"))
-    reader = reader.get("reader") if isinstance(reader, dict) else None
+    status = _json_tail(_read(logs / "status.json"))
+    reader = status.get("reader") if isinstance(status, dict) else None
+    core = status.get("span_core") if isinstance(status, dict) else None
     built = _json_tail(_read(logs / "build_reader.log"))
     active = isinstance(reader, dict) and reader.get("state") in ("active", "cached")
+    # The compiled span core serves on a GPU host with a compiler (every H200 has one).
+    core_active = isinstance(core, dict) and core.get("state") == "active"
     data = {
         **before,
         "groups": groups,
         "benchmarks": benches,
         "reader_build": built,
         "reader": reader,
+        "span_core": core,
         "spans": _span_figures(ROOT / "benchmarks" / "results"),
-        "passed": ok and active,
+        "passed": ok and active and core_active,
     }
     record.parent.mkdir(parents=True, exist_ok=True)
     record.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n", encoding="utf-8")
@@ -188,6 +193,7 @@ def write(logs: Path, record: Path) -> int:
         print(f"bench {name:<14} rc={b['rc']}  {b['seconds']} s")
     state = reader.get("state") if isinstance(reader, dict) else None
     print(f"reader: {state}; commit {before.get('commit')} clean={before.get('clean')}")
+    print(f"span core: {core.get('state') if isinstance(core, dict) else None}")
     print(f"cudamem tree {before.get('cudamem_tree')}; verified: {data['passed']}")
     return 0 if data["passed"] else 1
 

@@ -69,7 +69,7 @@ def test_counts_read_pytests_last_line() -> None:
     assert rec.counts("") == {}
 
 
-def _logs(tmp_path: Path, rc: int, state: str) -> Path:
+def _logs(tmp_path: Path, rc: int, state: str, core: str = "active") -> Path:
     logs = tmp_path / "logs"
     logs.mkdir(parents=True)
     tree = rec.tree()
@@ -77,7 +77,8 @@ def _logs(tmp_path: Path, rc: int, state: str) -> Path:
     for name in rec.GROUPS:
         (logs / f"{name}.rc").write_text(f"{rc} 12")
         (logs / f"{name}.log").write_text("..\n10 passed, 1 skipped in 3.00s\n")
-    (logs / "status.json").write_text(json.dumps({"reader": {"state": state, "active": False}}))
+    status = {"reader": {"state": state, "active": False}, "span_core": {"state": core}}
+    (logs / "status.json").write_text(json.dumps(status))
     return logs
 
 
@@ -90,13 +91,17 @@ def test_write_then_check_a_verified_tree(tmp_path: Path) -> None:
     assert rec.check(record) == 0
 
 
-def test_a_failed_group_or_a_dict_reader_is_not_verified(tmp_path: Path) -> None:
+def test_a_failed_group_a_dict_reader_or_python_spans_are_not_verified(tmp_path: Path) -> None:
     record = tmp_path / "a.json"
     assert rec.write(_logs(tmp_path / "a", 1, "active"), record) == 1
     assert json.loads(record.read_text())["passed"] is False
     assert rec.check(record) == 1
     other = tmp_path / "b.json"
     assert rec.write(_logs(tmp_path / "b", 0, "failed"), other) == 1
+    # A span core that did not build or failed its check: spans ran in Python.
+    third = tmp_path / "c.json"
+    assert rec.write(_logs(tmp_path / "c", 0, "active", core="failed"), third) == 1
+    assert json.loads(third.read_text())["span_core"] == {"state": "failed"}
 
 
 def test_check_says_when_cudamem_changed_since_the_run(
