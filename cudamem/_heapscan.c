@@ -55,7 +55,14 @@ typedef struct {
     uintptr_t *slots;
     size_t mask;
     size_t used;
+    /* optional (set_filter): one bit per 16 address bits, set for every member, so that a
+     * test of an address that is not a member usually reads one word of 8 KiB */
+    uint64_t *bits;
 } PtrSet;
+
+#define FILTER_WORDS 1024
+
+static inline size_t filter_bit(uintptr_t p) { return (size_t)((p >> 4) ^ (p >> 20)) & 0xFFFF; }
 
 static size_t mix(uintptr_t p) {
     uint64_t x = (uint64_t)p;
@@ -72,6 +79,7 @@ static int set_init(PtrSet *s, size_t hint) {
     if (!s->slots) return -1;
     s->mask = n - 1;
     s->used = 0;
+    s->bits = NULL;
     return 0;
 }
 
@@ -94,6 +102,7 @@ static int set_grow(PtrSet *s) {
     for (size_t i = 0; i < old; i++)
         if (s->slots[i]) set_add(&bigger, s->slots[i]);
     free(s->slots);
+    bigger.bits = s->bits;
     *s = bigger;
     return 0;
 }
@@ -108,10 +117,26 @@ static int set_add(PtrSet *s, uintptr_t p) {
         if (v == 0) {
             s->slots[i] = p;
             s->used++;
+            if (s->bits) {
+                size_t b = filter_bit(p);
+                s->bits[b >> 6] |= (uint64_t)1 << (b & 63);
+            }
             return 0;
         }
         i = (i + 1) & s->mask;
     }
+}
+
+/* Give the set its filter, from its members; -1 without memory. */
+static int set_filter(PtrSet *s) {
+    s->bits = (uint64_t *)calloc(FILTER_WORDS, sizeof(uint64_t));
+    if (!s->bits) return -1;
+    for (size_t i = 0; i <= s->mask; i++) {
+        if (!s->slots[i]) continue;
+        size_t b = filter_bit(s->slots[i]);
+        s->bits[b >> 6] |= (uint64_t)1 << (b & 63);
+    }
+    return 0;
 }
 
 /* ids (ints) from an iterable into the set */
@@ -415,8 +440,14 @@ static int edges_record(Edges *e, PyObject *objs, Py_ssize_t start, Py_ssize_t e
 /* Whether object i's recorded referents include a wanted address. */
 static int edges_test(const Edges *e, const PtrSet *wanted, Py_ssize_t i) {
     const uintptr_t *p = e->edges + e->beg[i];
-    for (uint32_t j = 0; j < e->cnt[i]; j++)
+    const uint64_t *bits = wanted->bits;
+    for (uint32_t j = 0; j < e->cnt[i]; j++) {
+        if (bits) {
+            size_t b = filter_bit(p[j]);
+            if (!((bits[b >> 6] >> (b & 63)) & 1)) continue;
+        }
         if (set_has(wanted, p[j])) return 1;
+    }
     return 0;
 }
 
@@ -497,6 +528,10 @@ static PyObject *scan(PyObject *self, PyObject *args) {
     if (set_add_ids(&set, wanted) < 0) {
         free(set.slots);
         return NULL;
+    }
+    if (cache && set_filter(&set) < 0) { /* the recording's reads test the filter first */
+        free(set.slots);
+        return PyErr_NoMemory();
     }
     Py_ssize_t synced = PyList_GET_SIZE(added);
     Py_INCREF(objs); /* the snapshot stays alive whatever the callbacks do */
@@ -623,6 +658,7 @@ static PyObject *scan(PyObject *self, PyObject *args) {
     if (cache && array_type && cache->side_on) side_clear(cache);
     Py_DECREF(objs);
     free(set.slots);
+    free(set.bits);
     if (failed) {
         if (!PyErr_Occurred()) PyErr_NoMemory();
         return NULL;
@@ -886,7 +922,7 @@ static PyObject *walk(PyObject *self, PyObject *args) {
     for (int i = 0; i < NUM_GENERATIONS && !failed; i++)
         if (!(found[i] = PyList_New(0))) failed = 1;
     Py_ssize_t sizes[NUM_GENERATIONS] = {0};
-    Rec rec = {e, e ? array_type : NULL, 0, 0, {NULL, 0, 0}};
+    Rec rec = {e, e ? array_type : NULL, 0, 0, {NULL, 0, 0, NULL}};
     if (!failed && rec.array_type && set_init(&rec.dead, 4096) < 0) failed = 1;
     int recording = e != NULL && !failed;
     size_t room = 0; /* entries allocated in e->beg and e->cnt */
