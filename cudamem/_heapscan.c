@@ -25,6 +25,10 @@
  * are never dereferenced: only the batch's fresh recording is read for types (arrays),
  * before any callback runs. Bound to the first snapshot it meets (a different list, or
  * one whose length changed, is walked without it); it stops recording past its budget.
+ *
+ * walk(types, edges, array_type) (Python 3.11 to 3.13): the snapshot itself, read off gc's
+ * generation lists in place, with its tensors and its whole edge cache recorded in the same
+ * walk (see walk below); the passes over it then traverse nothing.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

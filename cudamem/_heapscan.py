@@ -14,6 +14,12 @@ Life in one process, as the counter reader's (``cudamem._fastread``):
 
 The traversal runs no Python code and calls no dunder; the pass keeps no reference after it
 returns; callbacks (the search's own) run between traversals. See ``_heapscan.c``.
+
+``walk`` (Python 3.11 to 3.13) lists the snapshot off gc's lists in place and records its
+edge cache in the same walk: validated against three ``gc.get_objects`` listings and a pass
+over its recording. The references it keeps (arrays and untracked containers leading to one,
+in array mode) live in the edge cache, which its caller drops with the snapshot; the first
+array-mode pass lets them go.
 """
 
 from __future__ import annotations
