@@ -267,7 +267,10 @@ def tensor_types() -> tuple[type, ...]:
 
 
 def all_tensors(
-    heap: list[Any] | None = None, ranges: list[tuple[int, int]] | None = None
+    heap: list[Any] | None = None,
+    ranges: list[tuple[int, int]] | None = None,
+    found: list[Any] | None = None,
+    found_types: tuple[type, ...] = (),
 ) -> list[Any]:
     """Every tensor object gc tracks, in one heap scan.
 
@@ -276,13 +279,18 @@ def all_tensors(
     over all objects. With the compiled heap pass, the tensors are read off by type instead:
     off a ``gc.get_objects()`` listing (``heap``, when the caller has one) or off gc's own
     lists in place. ``ranges``: the parts of ``heap`` to read, in turn, when it is a
-    ``_heap.snapshot`` (the ``order`` it gave).
+    ``_heap.snapshot`` (the ``order`` it gave). ``found``: the objects of exactly the
+    ``tensor_types()`` in ``gc.get_objects()``'s order, when the caller's walk of the heap
+    (``_heap.walked``) read them off already (``found_types``: the ``tensor_types()`` it
+    looked for); emptied.
     """
     import gc
 
-    types_ = tensor_types()
     module = _heapscan.native()
-    if module is not None:
+    if found is not None:
+        types_ = found_types
+    elif module is not None:
+        types_ = tensor_types()
         # The same objects in the same order (gc.get_objects lists the generations in the
         # order gc.get_referrers scans them), read off each object's type pointer only:
         # off ``heap``, a listing the caller took (and uses again), or off gc's own lists
@@ -294,6 +302,7 @@ def all_tensors(
         else:
             found = module.gc_instances(tuple(types_))
     else:
+        types_ = tensor_types()
         found = gc.get_referrers(*types_)
     # Most referrers of the tensor types are not tensors (module dicts, MRO tuples): decide
     # once per type, by identity (the objects keep their types alive meanwhile).

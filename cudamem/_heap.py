@@ -42,6 +42,7 @@ __all__ = [
     "referrers",
     "snapshot",
     "untracked_arrays",
+    "walked",
 ]
 
 #: Objects asked about at once below which ``gc.get_referrers`` beats a chunked pass.
@@ -112,6 +113,27 @@ def snapshot(order: list[tuple[int, int]] | None = None) -> list[Any]:
     objs += middle
     objs += young
     return objs
+
+
+def walked(
+    order: list[tuple[int, int]], kinds: tuple[type, ...], array_type: type | None = None
+) -> tuple[list[Any], Any, list[Any]] | None:
+    """``snapshot(order)``, its ``edge_cache()`` with every object's referents recorded, and
+    the objects of exactly the types ``kinds`` in ``gc.get_objects()``'s order, from one walk
+    of gc's lists in C (``_heapscan``'s ``walk``): a listing, a type scan and the first
+    traversal cost one walk of the heap instead of three. ``array_type``: the edge cache
+    also keeps that type's instances (and the untracked dicts and tuples) among the
+    referents, for the first array-mode pass. ``None`` while the compiled pass is not active
+    or has no walk (Python 3.14 on): the caller lists the heap itself."""
+    module = _heapscan.native()
+    if module is None or not hasattr(module, "walk"):
+        return None
+    edges = module.edges(EDGE_BUDGET)
+    with gc_paused():
+        objs, (old, middle, young), found = module.walk(kinds, edges, array_type)
+    mid = old + middle
+    order[:] = [(mid, mid + young), (old, mid), (0, old)]
+    return objs, edges, found
 
 
 def edge_cache() -> Any:

@@ -25,17 +25,27 @@
  * are never dereferenced: only the batch's fresh recording is read for types (arrays),
  * before any callback runs. Bound to the first snapshot it meets (a different list, or
  * one whose length changed, is walked without it); it stops recording past its budget.
+ *
+ * walk(types, edges, array_type) (Python 3.11 to 3.13): the snapshot itself, read off gc's
+ * generation lists in place, with its tensors and its whole edge cache recorded in the same
+ * walk (see walk below); the passes over it then traverse nothing.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#if PY_VERSION_HEX < 0x030C0000
-/* Python 3.11 has no PyUnstable_GC_VisitObjects: gc_instances walks the interpreter's
- * generation lists itself, as that function does from 3.12 on. */
+#if PY_VERSION_HEX < 0x030E0000 && !defined(Py_GIL_DISABLED)
+/* The interpreter's generation lists, read in place: Python 3.11 has no
+ * PyUnstable_GC_VisitObjects (gc_instances walks the lists itself, as that function does
+ * from 3.12 on), and `walk` lists the heap oldest generation first, which that function
+ * cannot say (it gives no generation boundaries). 3.14 reorganised the generations: there
+ * the module has no `walk` and the Python listing serves. */
 #undef _PyGC_FINALIZED
 #define Py_BUILD_CORE 1
 #include "internal/pycore_gc.h"
 #include "internal/pycore_interp.h"
 #undef Py_BUILD_CORE
+#if NUM_GENERATIONS == 3
+#define CUDAMEM_HAVE_WALK 1
+#endif
 #endif
 #include <stdint.h>
 #include <string.h>
@@ -49,7 +59,14 @@ typedef struct {
     uintptr_t *slots;
     size_t mask;
     size_t used;
+    /* optional (set_filter): one bit per 16 address bits, set for every member, so that a
+     * test of an address that is not a member usually reads one word of 8 KiB */
+    uint64_t *bits;
 } PtrSet;
+
+#define FILTER_WORDS 1024
+
+static inline size_t filter_bit(uintptr_t p) { return (size_t)((p >> 4) ^ (p >> 20)) & 0xFFFF; }
 
 static size_t mix(uintptr_t p) {
     uint64_t x = (uint64_t)p;
@@ -66,6 +83,7 @@ static int set_init(PtrSet *s, size_t hint) {
     if (!s->slots) return -1;
     s->mask = n - 1;
     s->used = 0;
+    s->bits = NULL;
     return 0;
 }
 
@@ -88,6 +106,7 @@ static int set_grow(PtrSet *s) {
     for (size_t i = 0; i < old; i++)
         if (s->slots[i]) set_add(&bigger, s->slots[i]);
     free(s->slots);
+    bigger.bits = s->bits;
     *s = bigger;
     return 0;
 }
@@ -102,10 +121,26 @@ static int set_add(PtrSet *s, uintptr_t p) {
         if (v == 0) {
             s->slots[i] = p;
             s->used++;
+            if (s->bits) {
+                size_t b = filter_bit(p);
+                s->bits[b >> 6] |= (uint64_t)1 << (b & 63);
+            }
             return 0;
         }
         i = (i + 1) & s->mask;
     }
+}
+
+/* Give the set its filter, from its members; -1 without memory. */
+static int set_filter(PtrSet *s) {
+    s->bits = (uint64_t *)calloc(FILTER_WORDS, sizeof(uint64_t));
+    if (!s->bits) return -1;
+    for (size_t i = 0; i <= s->mask; i++) {
+        if (!s->slots[i]) continue;
+        size_t b = filter_bit(s->slots[i]);
+        s->bits[b >> 6] |= (uint64_t)1 << (b & 63);
+    }
+    return 0;
 }
 
 /* ids (ints) from an iterable into the set */
@@ -278,7 +313,27 @@ typedef struct {
     size_t len, cap, max; /* max: most edges it records */
     int full;             /* over budget: records no more */
     int oom;
+    /* `walk` in array mode: per snapshot index (ascending), the referents of the array type
+     * and the non-empty untracked dicts and tuples, with a strong reference each, for the
+     * first array-mode scan; released by it (or with the cache). side_on: recorded. */
+    Py_ssize_t *side_idx;
+    PyObject **side_obj;
+    size_t side_len, side_cap;
+    int side_on;
+    PyTypeObject *side_type; /* the array type it was recorded for (identity only) */
 } Edges;
+
+static void side_clear(Edges *e) {
+    PyObject **objs = e->side_obj;
+    size_t n = e->side_len;
+    e->side_obj = NULL;
+    e->side_len = e->side_cap = 0;
+    e->side_on = 0;
+    free(e->side_idx);
+    e->side_idx = NULL;
+    for (size_t i = 0; i < n; i++) Py_DECREF(objs[i]);
+    free(objs);
+}
 
 static void edges_free(PyObject *capsule) {
     Edges *e = (Edges *)PyCapsule_GetPointer(capsule, EDGES_NAME);
@@ -286,6 +341,7 @@ static void edges_free(PyObject *capsule) {
         PyErr_Clear();
         return;
     }
+    side_clear(e);
     free(e->beg);
     free(e->cnt);
     free(e->edges);
@@ -388,8 +444,14 @@ static int edges_record(Edges *e, PyObject *objs, Py_ssize_t start, Py_ssize_t e
 /* Whether object i's recorded referents include a wanted address. */
 static int edges_test(const Edges *e, const PtrSet *wanted, Py_ssize_t i) {
     const uintptr_t *p = e->edges + e->beg[i];
-    for (uint32_t j = 0; j < e->cnt[i]; j++)
+    const uint64_t *bits = wanted->bits;
+    for (uint32_t j = 0; j < e->cnt[i]; j++) {
+        if (bits) {
+            size_t b = filter_bit(p[j]);
+            if (!((bits[b >> 6] >> (b & 63)) & 1)) continue;
+        }
         if (set_has(wanted, p[j])) return 1;
+    }
     return 0;
 }
 
@@ -410,6 +472,26 @@ static void edges_fresh_arrays(const Edges *e, Visit *v, Py_ssize_t start, Py_ss
         }
         tested[i - start] = (char)v->hit;
     }
+}
+
+/* Array mode on a batch `walk` recorded: the arrays and untracked containers it kept for
+ * objects start..end-1, in the order a traversal of the batch meets them. */
+static int side_arrays(const Edges *e, Visit *v, Py_ssize_t start, Py_ssize_t end) {
+    size_t lo = 0, hi = e->side_len;
+    while (lo < hi) { /* the first entry at or after `start` */
+        size_t mid = lo + (hi - lo) / 2;
+        if (e->side_idx[mid] < start) lo = mid + 1;
+        else hi = mid;
+    }
+    for (size_t j = lo; j < e->side_len && e->side_idx[j] < end; j++) {
+        PyObject *o = e->side_obj[j];
+        if (Py_TYPE(o) == v->array_type) {
+            if (PyList_Append(v->arrays, o) < 0) return -1;
+        } else if (is_untracked_container(o)) {
+            if (PyList_Append(v->containers, o) < 0) return -1;
+        }
+    }
+    return 0;
 }
 
 static PyObject *scan(PyObject *self, PyObject *args) {
@@ -450,6 +532,10 @@ static PyObject *scan(PyObject *self, PyObject *args) {
     if (set_add_ids(&set, wanted) < 0) {
         free(set.slots);
         return NULL;
+    }
+    if (cache && set_filter(&set) < 0) { /* the recording's reads test the filter first */
+        free(set.slots);
+        return PyErr_NoMemory();
     }
     Py_ssize_t synced = PyList_GET_SIZE(added);
     Py_INCREF(objs); /* the snapshot stays alive whatever the callbacks do */
@@ -492,11 +578,18 @@ static PyObject *scan(PyObject *self, PyObject *args) {
             v.containers = PyList_New(0);
             PyObject *edges = PyList_New(0);
             if (!v.arrays || !v.containers || !edges) failed = 1;
+            int read = recorded_now; /* the batch's answers come from the cache */
             if (!failed && recorded_now) {
                 edges_fresh_arrays(cache, &v, start, end, tested);
                 if (v.error) failed = 1;
+            } else if (!failed && cached && cache->side_on && cache->side_type == array_type) {
+                /* recorded by `walk`, with its arrays: nothing to traverse */
+                read = 1;
+                if (side_arrays(cache, &v, start, end) < 0) failed = 1;
+                for (Py_ssize_t i = start; i < end; i++)
+                    tested[i - start] = (char)edges_test(cache, &set, i);
             }
-            for (Py_ssize_t i = start; i < end && !failed && !recorded_now; i++) {
+            for (Py_ssize_t i = start; i < end && !failed && !read; i++) {
                 PyObject *o = PyList_GET_ITEM(objs, i);
                 traverseproc trav = Py_TYPE(o)->tp_traverse;
                 v.hit = 0;
@@ -565,8 +658,11 @@ static PyObject *scan(PyObject *self, PyObject *args) {
         }
         v.array_type = saved;
     }
+    /* the arrays `walk` kept serve one array-mode pass (a search's first): let them go */
+    if (cache && array_type && cache->side_on) side_clear(cache);
     Py_DECREF(objs);
     free(set.slots);
+    free(set.bits);
     if (failed) {
         if (!PyErr_Occurred()) PyErr_NoMemory();
         return NULL;
@@ -687,7 +783,239 @@ static PyObject *gc_instances(PyObject *self, PyObject *types) {
     return v.out;
 }
 
+#ifdef CUDAMEM_HAVE_WALK
+/* -- walk: the snapshot, its tensors and its edge cache in one walk of gc's lists ---- */
+
+typedef struct {
+    Edges *e;
+    PyTypeObject *array_type; /* NULL: no arrays kept */
+    Py_ssize_t idx;           /* the snapshot index of the object traversed */
+    int side_failed;
+    PtrSet dead; /* untracked containers that lead to no array (they stay alive: no code runs) */
+} Rec;
+
+typedef struct {
+    Rec *r;
+    int depth;
+    int found; /* an array below */
+    int cut;   /* MAX_DEPTH stopped the look: not known to be dead */
+} Look;
+
+static int look_below(PyObject *c, Rec *r, int depth, int *cut);
+
+static int visit_look(PyObject *o, void *arg) {
+    Look *l = (Look *)arg;
+    if (Py_TYPE(o) == l->r->array_type) {
+        l->found = 1;
+        return 1;
+    }
+    if (is_untracked_container(o)) {
+        if (l->depth + 1 >= MAX_DEPTH) {
+            l->cut = 1;
+        } else if (look_below(o, l->r, l->depth + 1, &l->cut)) {
+            l->found = 1;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* Whether an array of the array type lies inside the untracked container `c` (at depth
+ * `depth` of descend's levels), through untracked dicts and tuples only: what descend
+ * would find below it. Containers below which there is none are remembered. */
+static int look_below(PyObject *c, Rec *r, int depth, int *cut) {
+    if (set_has(&r->dead, (uintptr_t)c)) return 0;
+    traverseproc trav = Py_TYPE(c)->tp_traverse;
+    Look l = {r, depth, 0, 0};
+    if (trav) trav(c, visit_look, &l);
+    if (l.cut) *cut = 1;
+    else if (!l.found && set_add(&r->dead, (uintptr_t)c) < 0) r->side_failed = 1;
+    return l.found;
+}
+
+static int side_add(Edges *e, Py_ssize_t idx, PyObject *o) {
+    if (e->side_len == e->side_cap) {
+        size_t cap = e->side_cap ? e->side_cap * 2 : 1024;
+        Py_ssize_t *ni = (Py_ssize_t *)realloc(e->side_idx, cap * sizeof(Py_ssize_t));
+        if (!ni) return -1;
+        e->side_idx = ni;
+        PyObject **no = (PyObject **)realloc(e->side_obj, cap * sizeof(PyObject *));
+        if (!no) return -1;
+        e->side_obj = no;
+        e->side_cap = cap;
+    }
+    Py_INCREF(o);
+    e->side_idx[e->side_len] = idx;
+    e->side_obj[e->side_len++] = o;
+    return 0;
+}
+
+/* Records the referent; in array mode also keeps it when it is an array or a non-empty
+ * untracked dict or tuple. Pointer compares, type checks and a reference count only. */
+static int visit_walk(PyObject *o, void *arg) {
+    Rec *r = (Rec *)arg;
+    if (visit_record(o, r->e)) return 1; /* over budget: the walk stops recording */
+    if (!r->array_type || r->side_failed) return 0;
+    int keep = Py_TYPE(o) == r->array_type;
+    if (!keep && is_untracked_container(o)) {
+        int cut = 0;
+        /* kept unless nothing below it is an array: descend would find nothing there */
+        keep = look_below(o, r, 0, &cut) || cut;
+    }
+    if (keep && side_add(r->e, r->idx, o) < 0) r->side_failed = 1;
+    return 0;
+}
+
+/* Let go of a recording `walk` could not finish: the cache is as new (scans record). */
+static void edges_reset(Edges *e) {
+    side_clear(e);
+    free(e->beg);
+    free(e->cnt);
+    free(e->edges);
+    e->beg = NULL;
+    e->cnt = NULL;
+    e->edges = NULL;
+    e->list = NULL;
+    e->n = e->batches = 0;
+    e->len = e->cap = 0;
+    e->full = e->oom = 0;
+}
+
+/* walk(types, edges, array_type) -> (objs, (n2, n1, n0), found)
+ *
+ * objs: every gc-tracked object, oldest first: generation 2, then 1, then 0, each in its
+ * list's order (what _heap.snapshot lists with three gc.get_objects calls), read off gc's
+ * lists in place; (n2, n1, n0): the generations' sizes in it; found: the objects whose exact
+ * type is in the tuple `types`, in gc.get_objects()'s order (generation 0 first).
+ * edges: an unused edge cache, or None. The walk records every object's referent addresses
+ * into it as it goes (the object is in cache then: one walk instead of a listing and a
+ * traversal), bound to objs with every batch recorded; over its budget it is left unused
+ * (scans record as before). array_type (a type, or None): the cache also keeps, with a
+ * reference each, the referents of exactly that type and the non-empty untracked dicts and
+ * tuples, which the first array-mode scan reads instead of traversing (and then releases).
+ *
+ * No Python code runs and no gc-tracked object is made during the walk (appending to a list
+ * reallocates its item array only); gc is off meanwhile and as it was afterwards. */
+static PyObject *walk(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *types, *edges_obj, *array_obj;
+    if (!PyArg_ParseTuple(args, "O!OO", &PyTuple_Type, &types, &edges_obj, &array_obj))
+        return NULL;
+    Edges *e = NULL;
+    if (edges_obj != Py_None) {
+        e = (Edges *)PyCapsule_GetPointer(edges_obj, EDGES_NAME);
+        if (!e) return NULL;
+        if (e->list != NULL || e->len != 0 || e->beg != NULL || e->side_on) {
+            PyErr_SetString(PyExc_ValueError, "walk: the edge cache is in use already");
+            return NULL;
+        }
+    }
+    PyTypeObject *array_type = NULL;
+    if (array_obj != Py_None) {
+        if (!PyType_Check(array_obj)) {
+            PyErr_SetString(PyExc_TypeError, "walk: array_type must be a type or None");
+            return NULL;
+        }
+        array_type = (PyTypeObject *)array_obj;
+    }
+    PtrSet tset;
+    if (type_set(types, &tset) < 0) return NULL;
+    PyObject *out = PyList_New(0);
+    PyObject *found[NUM_GENERATIONS] = {NULL};
+    int failed = out == NULL;
+    for (int i = 0; i < NUM_GENERATIONS && !failed; i++)
+        if (!(found[i] = PyList_New(0))) failed = 1;
+    Py_ssize_t sizes[NUM_GENERATIONS] = {0};
+    Rec rec = {e, e ? array_type : NULL, 0, 0, {NULL, 0, 0, NULL}};
+    if (!failed && rec.array_type && set_init(&rec.dead, 4096) < 0) failed = 1;
+    int recording = e != NULL && !failed;
+    size_t room = 0; /* entries allocated in e->beg and e->cnt */
+    if (recording && array_type) {
+        e->side_on = 1;
+        e->side_type = array_type;
+    }
+    struct _gc_runtime_state *gc = &PyInterpreterState_Get()->gc;
+    int enabled = gc->enabled;
+    gc->enabled = 0;
+    for (int gen = NUM_GENERATIONS - 1; gen >= 0 && !failed; gen--) {
+        Py_ssize_t before = PyList_GET_SIZE(out);
+        PyGC_Head *head = &gc->generations[gen].head;
+        for (PyGC_Head *g = (PyGC_Head *)head->_gc_next; g != head;
+             g = (PyGC_Head *)g->_gc_next) {
+#if defined(__GNUC__) || defined(__clang__)
+            /* the next object's header, while this one is traversed */
+            __builtin_prefetch((const void *)g->_gc_next);
+#endif
+            PyObject *o = (PyObject *)(g + 1);
+            if (o == out || o == found[0] || o == found[1] || o == found[2]) continue;
+            Py_ssize_t i = PyList_GET_SIZE(out);
+            if (PyList_Append(out, o) < 0) {
+                failed = 1;
+                break;
+            }
+            if (set_has(&tset, (uintptr_t)Py_TYPE(o)) && PyList_Append(found[gen], o) < 0) {
+                failed = 1;
+                break;
+            }
+            if (!recording) continue;
+            if ((size_t)i >= room) {
+                size_t more = room ? room * 2 : (size_t)1 << 16;
+                size_t *beg = (size_t *)realloc(e->beg, more * sizeof(size_t));
+                if (beg) e->beg = beg;
+                uint32_t *cnt = beg ? (uint32_t *)realloc(e->cnt, more * sizeof(uint32_t)) : NULL;
+                if (cnt) e->cnt = cnt;
+                if (!beg || !cnt) {
+                    recording = 0;
+                    continue;
+                }
+                room = more;
+            }
+            traverseproc trav = Py_TYPE(o)->tp_traverse;
+            e->beg[i] = e->len;
+            rec.idx = i;
+            if (trav) trav(o, visit_walk, &rec);
+            if (e->full || rec.side_failed || e->len - e->beg[i] > UINT32_MAX) {
+                recording = 0;
+                continue;
+            }
+            e->cnt[i] = (uint32_t)(e->len - e->beg[i]);
+        }
+        sizes[gen] = PyList_GET_SIZE(out) - before;
+    }
+    gc->enabled = enabled;
+    free(tset.slots);
+    free(rec.dead.slots);
+    if (e != NULL) {
+        if (recording && !failed) {
+            e->list = out;
+            e->n = PyList_GET_SIZE(out);
+            e->batches = (e->n + CHUNK - 1) / CHUNK;
+        } else {
+            edges_reset(e);
+        }
+    }
+    PyObject *result = NULL;
+    if (!failed) {
+        /* gc.get_objects()'s order: the youngest generation first */
+        for (int i = 1; i < NUM_GENERATIONS && !failed; i++) {
+            Py_ssize_t at = PyList_GET_SIZE(found[0]);
+            if (PyList_SetSlice(found[0], at, at, found[i]) < 0) failed = 1;
+        }
+        if (!failed)
+            result = Py_BuildValue("(O(nnn)O)", out, sizes[2], sizes[1], sizes[0], found[0]);
+    }
+    Py_XDECREF(out);
+    for (int i = 0; i < NUM_GENERATIONS; i++) Py_XDECREF(found[i]);
+    if (!result && !PyErr_Occurred()) PyErr_NoMemory();
+    return result;
+}
+#endif
+
 static PyMethodDef methods[] = {
+#ifdef CUDAMEM_HAVE_WALK
+    {"walk", walk, METH_VARARGS,
+     "The snapshot, the objects of given types and a full edge cache in one walk."},
+#endif
     {"scan", scan, METH_VARARGS, "One pass over a heap snapshot (see the file's comment)."},
     {"instances", instances, METH_VARARGS, "The objects whose exact type is in a tuple."},
     {"gc_instances", gc_instances, METH_O, "The gc-tracked objects whose exact type is in a tuple."},

@@ -14,6 +14,12 @@ Life in one process, as the counter reader's (``cudamem._fastread``):
 
 The traversal runs no Python code and calls no dunder; the pass keeps no reference after it
 returns; callbacks (the search's own) run between traversals. See ``_heapscan.c``.
+
+``walk`` (Python 3.11 to 3.13) lists the snapshot off gc's lists in place and records its
+edge cache in the same walk: validated against three ``gc.get_objects`` listings and a pass
+over its recording. The references it keeps (arrays and untracked containers leading to one,
+in array mode) live in the edge cache, which its caller drops with the snapshot; the first
+array-mode pass lets them go.
 """
 
 from __future__ import annotations
@@ -269,9 +275,56 @@ def validate(module: Any) -> str | None:
         walked.clear()
         if not same:
             return "the compiled walk of gc's lists differs from gc.get_objects()"
-        return None
+        return _wrong_walk(module, Box, target, expected) if hasattr(module, "walk") else None
     except Exception as exc:
         return f"the compiled pass failed its check: {type(exc).__name__}: {exc}"
     finally:
         heap.clear()
         holders.clear()
+
+
+def _wrong_walk(module: Any, kind: type, target: Any, expected: list[Any]) -> str | None:
+    """Why ``module.walk`` cannot serve: its listing is not the three generations' listings
+    oldest first, its ``found`` not the objects of ``kind`` in ``gc.get_objects()``'s order,
+    or a pass reading the edge cache it recorded misses ``target``'s referrers."""
+    was = gc.isenabled()
+    gc.disable()  # a collection in between would move objects between generations
+    young: list[Any] = []
+    middle = old = objs = found = listing = young
+    try:
+        young = gc.get_objects(generation=0)
+        middle = gc.get_objects(generation=1)
+        old = gc.get_objects(generation=2)
+        cache = module.edges(1 << 26)
+        objs, _sizes, found = module.walk((kind,), cache, None)
+        listing = old + middle + young
+        # What was made after the listing (the listings, the call's argument tuples) is the
+        # youngest: it ends the walk's listing.
+        n = len(listing)
+        if not n <= len(objs) <= n + 16 or not all(
+            a is b for a, b in zip(objs[:n], listing, strict=True)
+        ):
+            return "the compiled walk lists the heap otherwise than gc.get_objects()"
+        mine = [o for o in young + middle + old if type(o) is kind]
+        same = len(mine) == len(found) and all(a is b for a, b in zip(mine, found, strict=True))
+        mine.clear()
+        if not same:
+            return "the compiled walk's objects of a type differ from gc.get_objects()'"
+        hits: list[Any] = []
+
+        def hit(o: Any) -> bool:
+            hits.append(o)
+            return False
+
+        module.scan(objs, {id(target)}, [], hit, None, None, None, None, cache)
+        want = {id(o) for o in expected}
+        got = {id(o) for o in hits if id(o) in want}
+        hits.clear()
+        if got != want:
+            return "a pass over the compiled walk's edge cache misses referrers"
+        return None
+    finally:
+        for lst in (young, middle, old, objs, found, listing):
+            lst.clear()
+        if was:
+            gc.enable()

@@ -285,9 +285,8 @@ class Search:
         prepared, self._scan = self._scan, None
         if prepared is not None:
             tensors = prepared[0]
-        elif _heapscan.native() is not None:  # one listing of the heap for both
-            heap = self._snapshot()
-            tensors = _autograd.all_tensors(heap, self._order)
+        elif _heapscan.native() is not None:  # one walk of the heap for the passes, too
+            tensors = self._walk()
         else:
             tensors = _autograd.all_tensors()
         self.tensors = self._own(tensors)
@@ -541,6 +540,21 @@ class Search:
                 need = last + 1 if whole or last < 0 else None
             first = False
             self.current, self.next = self.next, self.current
+
+    def _walk(self) -> list[Any]:
+        """Every tensor, off the heap snapshot taken now with its edge cache recorded
+        whole (one walk of gc's lists: ``_heap.walked``) or, where that walk is missing,
+        off a listing."""
+        kinds = _autograd.tensor_types()
+        cpu = any(k is not None and k[0] == "cpu" for k in self.keys)
+        arrays = _autograd.array_types() if cpu else ()
+        walked = _heap.walked(self._order, kinds, arrays[0] if arrays else None)
+        if walked is None:
+            return _autograd.all_tensors(self._snapshot(), self._order)
+        heap, self._edges, found = walked
+        self.heap = self._own(heap)
+        self._reserve(len(heap) * _RELEASE_NS)
+        return _autograd.all_tensors(found=found, found_types=kinds)
 
     def _snapshot(self) -> list[Any]:
         """The heap snapshot every pass of this search walks (taken at the first pass), with

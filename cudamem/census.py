@@ -304,9 +304,18 @@ def _gather(
     edges: Any = None
     if _heapscan.native() is not None and (counts or scan is not None):
         order: list[tuple[int, int]] = []
-        heap = _heap.snapshot(order)
-        edges = _heap.edge_cache()
-        tensors = _autograd.all_tensors(heap, order)
+        kinds = _autograd.tensor_types()
+        # A search of CPU storages looks for numpy arrays in its first pass: the walk keeps
+        # those among the referents for it.
+        arrays = _autograd.array_types() if scan is not None and device in (None, "cpu") else ()
+        walked = _heap.walked(order, kinds, arrays[0] if arrays else None)
+        if walked is not None:  # one walk of gc's lists: listing, tensors, edge cache
+            heap, edges, found = walked
+            tensors = _autograd.all_tensors(found=found, found_types=kinds)
+        else:
+            heap = _heap.snapshot(order)
+            edges = _heap.edge_cache()
+            tensors = _autograd.all_tensors(heap, order)
     else:  # the tensors only (no pass follows), read off gc's lists in place
         tensors = _autograd.all_tensors()
     # A search in another thread must not name our lists.

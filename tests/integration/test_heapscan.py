@@ -476,3 +476,172 @@ def test_gc_order_lists_the_snapshot_as_gc_get_objects_does(compiled: Any) -> No
     assert compiled.instances([1, 2, "a", 3, 4], (int,), 1, 4) == [2, 3]
     with pytest.raises(ValueError, match="start <= end"):
         compiled.instances([1], (int,), 2, 1)
+
+
+def _walk(compiled: Any, kinds: tuple[type, ...], array_type: Any = None) -> tuple[Any, ...]:
+    if not hasattr(compiled, "walk"):
+        pytest.skip("no in-place walk on this Python: the listing serves")
+    cache = compiled.edges(_heap.EDGE_BUDGET)
+    with _heap.gc_paused():
+        objs, sizes, found = compiled.walk(kinds, cache, array_type)
+    return objs, sizes, found, cache
+
+
+def test_the_walk_lists_what_the_snapshot_lists_and_records_every_batch(compiled: Any) -> None:
+    """``walk``: the three generations oldest first (``_heap.snapshot``'s listing), the
+    objects of a type in ``gc.get_objects()``'s order, the edge cache bound and complete;
+    hostile objects and a cycle included; reference counts and gc state as they were."""
+
+    class Mark:
+        pass
+
+    target = torch.ones(2)
+    heap, _holders = _heap_with(target)  # hostile objects, a cycle, a deep nest
+    old = [Mark() for _ in range(100)]
+    gc.collect()
+    young = [Mark() for _ in range(20)] + [Hostile(target)]
+    enabled, count = gc.isenabled(), sys.getrefcount(target)
+    marks: list[Any] = []
+    with _heap.gc_paused():
+        listing = _heap.snapshot()
+        objs, (n2, n1, n0), found, cache = _walk(compiled, (Mark, Hostile))
+    try:
+        n = len(listing)
+        # made after the listing: the snapshot's own lists, the call's arguments
+        assert n <= len(objs) <= n + 16 and n2 + n1 + n0 == len(objs)
+        assert all(a is b for a, b in zip(objs[:n], listing, strict=False))
+        marks += [o for o in gc.get_objects() if type(o) in (Mark, Hostile)]
+        assert [id(o) for o in found] == [id(o) for o in marks]
+        assert {id(o) for o in old + young} <= {id(o) for o in found}
+        batches, recorded, full = compiled.edges_info(cache)
+        assert batches == (len(objs) + _heap.CHUNK - 1) // _heap.CHUNK and recorded > n
+        assert not full
+        # the recording answers as a traversal does (the heap did not change meanwhile)
+        with_cache = _climbing_pass(objs, {id(target)}, {}, cache)[0]
+        without = _climbing_pass(objs, {id(target)}, {}, None)[0]
+        assert with_cache == without and id(young[-1]) in with_cache
+    finally:
+        listing.clear()
+        objs.clear()
+        found.clear()
+        marks.clear()
+        heap.clear()
+    assert gc.isenabled() == enabled and sys.getrefcount(target) == count
+    del cache  # the recording holds no reference: nothing to let go of
+    assert sys.getrefcount(target) == count
+
+
+def test_the_walk_keeps_arrays_for_the_first_array_pass_only(compiled: Any) -> None:
+    """In array mode the walk keeps the arrays and the untracked containers that lead to
+    one; the first array-mode pass over its cache hands over what a traversal would, and
+    lets them go. Untracked containers with no array below are not kept."""
+    t = torch.ones(4)
+    box = {"arr": t.numpy()}
+    nested = {"a": (t.numpy(), "x")}
+    plain = {"n": (1, "x")}  # untracked, no array below: not kept
+    holder = [box, nested, plain]
+    gc.collect()
+    assert not gc.is_tracked(box) and not gc.is_tracked(nested) and not gc.is_tracked(plain)
+    counts = [sys.getrefcount(o) for o in (box["arr"], box, plain)]
+    objs, _sizes, found, cache = _walk(compiled, (), np.ndarray)
+    found.clear()
+    try:
+        # kept: ``box`` (a tracked list's referent with an array below), not the array
+        # inside it (no tracked object refers to it), not ``plain``
+        assert [sys.getrefcount(o) for o in (box["arr"], box, plain)] == [
+            counts[0],
+            counts[1] + 1,
+            counts[2],
+        ]
+
+        def arrays_seen(edges: Any) -> tuple[set[int], set[tuple[int, int]], list[int]]:
+            got: set[int] = set()
+            pairs_seen: set[tuple[int, int]] = set()
+
+            def on_arrays(arrays: list[Any], pairs: list[tuple[Any, Any]]) -> bool:
+                got.update(id(a) for a in arrays)
+                pairs_seen.update((id(c), id(k)) for c, k in pairs)
+                return False
+
+            hits = _climbing_pass(
+                objs, {id(t)}, {}, edges, array_type=np.ndarray, on_arrays=on_arrays
+            )[0]
+            return got, pairs_seen, hits
+
+        fast = arrays_seen(cache)
+        slow = arrays_seen(None)
+        assert fast[0] == slow[0] and fast[2] == slow[2]
+        assert {id(box["arr"]), id(nested["a"][0])} <= fast[0]
+        assert (id(box), id(box["arr"])) in fast[1]
+        assert (id(nested["a"]), id(nested["a"][0])) in fast[1]
+        assert fast[1] <= slow[1]  # the traversal also names steps that lead nowhere
+        assert [sys.getrefcount(o) for o in (box["arr"], box, plain)] == counts
+        assert arrays_seen(cache)[:2] == slow[:2]  # read off the recording: a traversal
+    finally:
+        objs.clear()
+        holder.clear()
+
+
+def test_the_walk_over_budget_leaves_the_cache_unused(compiled: Any) -> None:
+    if not hasattr(compiled, "walk"):
+        pytest.skip("no in-place walk on this Python")
+    target = object()
+    keep = [[target] for _ in range(10)]
+    small = compiled.edges(100)
+    with _heap.gc_paused():
+        objs, _sizes, _found = compiled.walk((), small, np.ndarray)
+    try:
+        assert compiled.edges_info(small) == (0, 0, False)
+        hits = _climbing_pass(objs, {id(target)}, {}, small)[0]  # records as it goes
+        assert {id(k) for k in keep} <= set(hits)
+    finally:
+        objs.clear()
+    used = compiled.edges(1 << 20)
+    _climbing_pass([[target]], {id(target)}, {}, used)
+    with pytest.raises(ValueError, match="in use"):
+        compiled.walk((), used, None)
+    with pytest.raises(TypeError, match="array_type"):
+        compiled.walk((), None, 3)
+    with pytest.raises(TypeError):
+        compiled.walk([int], None, None)
+    with pytest.raises(TypeError, match="types only"):
+        compiled.walk((1,), None, None)
+
+
+def test_searches_after_the_walk_survive_mutating_threads_and_hostile_objects(
+    compiled: Any,
+) -> None:
+    """Other threads mutate containers while searches run (the walk itself holds the GIL,
+    the passes after it call back into Python); hostile objects and a cycle hold the
+    target; a tensor's traversal may visit nothing (torch returns early for a tensor
+    only C++ holds): every search answers as the Python pass does."""
+    if not hasattr(compiled, "walk"):
+        pytest.skip("no in-place walk on this Python")
+    target = torch.ones(3)
+    hostile = Hostile(target)
+    cycle: list[Any] = [target]
+    cycle.append(cycle)
+    churned: list[list[Any]] = [[i] for i in range(300)]
+    stop = threading.Event()
+
+    def churn() -> None:
+        while not stop.is_set():
+            for lst in churned:
+                lst.append(target)
+                lst.pop()
+
+    th = threading.Thread(target=churn)
+    th.start()
+    try:
+        for _ in range(3):
+            paths = [h.path for h in cudamem.who_holds(target)]
+            assert any("cycle[0]" in p for p in paths), paths
+    finally:
+        stop.set()
+        th.join(10)
+    assert not th.is_alive()
+    fast = [h.path.split(": ", 1)[-1] for h in cudamem.who_holds(target)]
+    with _heapscan.python_pass():
+        slow = [h.path.split(": ", 1)[-1] for h in cudamem.who_holds(target)]
+    assert fast == slow
+    del hostile
