@@ -19,7 +19,7 @@ __all__ = ["build_parser", "main"]
 
 #: ``run``'s options that take a value (the value is the next word unless given with ``=``).
 _RUN_VALUE_OPTIONS = ("--json", "--html", "--top")
-#: How long ``status`` waits for the span core's build (a cached one loads at once).
+#: How long ``status`` waits for each compiled extension's build (a cached one loads at once).
 STATUS_WAIT_S = 30.0
 
 _RUN_USAGE = (
@@ -149,7 +149,7 @@ def _html(report: object) -> str:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from . import _backend
+    from . import _backend, _heapscan
     from ._data import to_data
     from ._present import present
     from .ledger import machine_status
@@ -159,12 +159,12 @@ def _cmd_status(args: argparse.Namespace) -> int:
     status = machine_status()
     reader = _backend.reader_status()
     core = span_core_status(wait=STATUS_WAIT_S)
+    heap = _heapscan.wait(STATUS_WAIT_S)
     if args.json:
-        print(
-            to_json({**to_data(status), "reader": reader, "span_core": core}, kind="cudamem.status")
-        )
+        extra = {"reader": reader, "span_core": core, "heap_pass": heap}
+        print(to_json({**to_data(status), **extra}, kind="cudamem.status"))
     else:
-        print(f"{status}\n\n{present(reader)}\n{present(core)}")
+        print(f"{status}\n\n{present(reader)}\n{present(core)}\n{present(heap)}")
     return 0
 
 

@@ -1024,8 +1024,8 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-#ifndef CUDAMEM_HEAPSCAN_NAME
-#define CUDAMEM_HEAPSCAN_NAME _cudamem_heapscan
+#ifndef CUDAMEM_MODULE_NAME
+#define CUDAMEM_MODULE_NAME _cudamem_heapscan
 #endif
 #define STR2(x) #x
 #define STR(x) STR2(x)
@@ -1033,8 +1033,8 @@ static PyMethodDef methods[] = {
 #define CAT(a, b) CAT2(a, b)
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, STR(CUDAMEM_HEAPSCAN_NAME), "cudamem's compiled heap pass.", -1,
+    PyModuleDef_HEAD_INIT, STR(CUDAMEM_MODULE_NAME), "cudamem's compiled heap pass.", -1,
     methods, NULL, NULL, NULL, NULL,
 };
 
-PyMODINIT_FUNC CAT(PyInit_, CUDAMEM_HEAPSCAN_NAME)(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC CAT(PyInit_, CUDAMEM_MODULE_NAME)(void) { return PyModule_Create(&module); }

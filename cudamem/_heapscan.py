@@ -1,16 +1,11 @@
 """The optional compiled heap pass (``_heapscan.c``): one walk of a heap snapshot finds the
 referrers of any number of objects, ~10x faster than ``_heap.chunked_pass`` in Python.
 
-Life in one process, as the counter reader's (``cudamem._fastread``):
-
-* ``idle``: nothing at import; ``pip install`` and ``import cudamem`` compile nothing.
-* The first heap pass asks ``native()``: a cached build is loaded at once; otherwise a daemon
-  thread compiles one (``cc``, Python's headers, a few hundred milliseconds) into the per-user
-  cache, and the Python pass serves meanwhile (no call waits for a compiler).
-* ``ready`` -> the next ``native()`` validates it on a small heap whose referrers are known
-  (what ``gc.get_referrers`` and the Python pass say): ``active``, else ``dropped`` with why.
-* ``CUDAMEM_FAST_HEAP=0``, no compiler, a failed build: ``disabled``/``failed``, and the
-  Python pass serves. ``status()`` says which and why.
+Built, cached, loaded and switched like the span core (``cudamem._cext``: nothing at import,
+a background build at the first heap pass while the Python pass serves, ``CUDAMEM_FAST_HEAP=0``
+turns it off, ``status()`` says which pass serves and why); ``validate`` is its check: on a
+small heap whose referrers are known (what ``gc.get_referrers`` says), the compiled pass
+must find the same.
 
 The traversal runs no Python code and calls no dunder; the pass keeps no reference after it
 returns; callbacks (the search's own) run between traversals. See ``_heapscan.c``.
@@ -24,202 +19,38 @@ array-mode pass lets them go.
 
 from __future__ import annotations
 
-import contextlib
 import gc
-import hashlib
 import os
-import platform
-import shutil
-import subprocess
-import sys
-import sysconfig
-import tempfile
-import threading
-from dataclasses import dataclass
-from types import ModuleType
-from typing import Any, cast
+from contextlib import AbstractContextManager
+from typing import Any
 
-from . import _fastread
+from ._cext import Extension, ExtensionStatus
 
-__all__ = ["SWITCH_ENV", "HeapScanStatus", "native", "status", "wait"]
+__all__ = ["EXTENSION", "SWITCH_ENV", "native", "python_pass", "status", "validate", "wait"]
 
 SWITCH_ENV = "CUDAMEM_FAST_HEAP"
 SOURCE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_heapscan.c")
-BUILD_TIMEOUT_S = 120.0
-
-IDLE, BUILDING, READY, ACTIVE = "idle", "building", "ready", "active"
-DISABLED, FAILED, DROPPED, UNSUPPORTED = "disabled", "failed", "dropped", "unsupported"
-
-
-@dataclass(frozen=True, slots=True)
-class HeapScanStatus:
-    """Which heap pass serves the holder search, and why."""
-
-    #: Whether the compiled pass serves now.
-    active: bool
-    state: str
-    reason: str
-    path: str | None = None
-
-
-class _State:
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.state = IDLE
-        self.reason = "not needed yet (no holder search has run)"
-        self.module: ModuleType | None = None
-        self.path: str | None = None
-        self.thread: threading.Thread | None = None
-
-
-_s = _State()
-
-
-def _source() -> bytes:
-    with open(SOURCE_PATH, "rb") as fh:
-        return fh.read()
-
-
-def _paths() -> tuple[str, str]:
-    """(module name, library path) of the build of this source for this Python."""
-    source = _source()
-    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
-    key = hashlib.sha256(
-        source + (sys.implementation.cache_tag or "py").encode() + suffix.encode()
-    ).hexdigest()[:12]
-    name = f"_cudamem_heapscan_{key}"
-    root = os.path.join(os.path.dirname(_fastread.cache_root()), "heapscan")
-    arch = platform.machine() or "unknown"
-    return name, os.path.join(root, f"{sys.implementation.cache_tag}-{arch}", name + suffix)
-
-
-def _compiler() -> str | None:
-    """``$CC`` (or ``cc``) when it is on PATH."""
-    cc = os.environ.get("CC") or "cc"
-    return cc if shutil.which(cc.split()[0]) else None
-
-
-def build(path: str, name: str) -> None:
-    """Compile the pass into ``path`` (atomically); ``RuntimeError`` with the compiler's
-    words on failure."""
-    cc = _compiler()
-    include = sysconfig.get_paths().get("include")
-    if cc is None:
-        raise RuntimeError("no C compiler (cc, or $CC) on PATH")
-    if not include or not os.path.exists(os.path.join(include, "Python.h")):
-        raise RuntimeError(f"no Python.h in {include!r} (install Python's development headers)")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=name, suffix=".tmp", dir=os.path.dirname(path))
-    os.close(fd)
-    argv = [
-        *cc.split(),
-        "-O2",
-        "-shared",
-        "-fPIC",
-        f"-I{include}",
-        f"-DCUDAMEM_HEAPSCAN_NAME={name}",
-        SOURCE_PATH,
-        "-o",
-        tmp,
-    ]
-    if sys.platform == "darwin":  # Python's symbols resolve when the interpreter loads it
-        argv[1:1] = ["-undefined", "dynamic_lookup"]
-    try:
-        done = subprocess.run(
-            argv,
-            capture_output=True,
-            text=True,
-            errors="replace",
-            timeout=BUILD_TIMEOUT_S,
-            stdin=subprocess.DEVNULL,
-            check=False,
-        )
-        if done.returncode != 0:
-            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-            raise RuntimeError(f"the build failed: {' | '.join(tail) or 'no output'}")
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-
-
-def _background(path: str, name: str) -> None:
-    try:
-        if not os.path.exists(path):
-            build(path, name)
-        module = cast(ModuleType, _fastread.load_library(path, name))
-    except Exception as exc:  # reported through status(); the Python pass serves
-        with _s.lock:
-            _s.state, _s.reason = FAILED, f"{type(exc).__name__}: {exc}"
-        return
-    with _s.lock:
-        _s.module, _s.path = module, path
-        _s.state, _s.reason = READY, "built; validated at its first use"
-
-
-def _start() -> None:
-    """First use: load the cached build, or start building one (caller holds the lock)."""
-    if os.environ.get(SWITCH_ENV, "1").strip().lower() in ("0", "off", "no", "false"):
-        _s.state, _s.reason = DISABLED, f"{SWITCH_ENV}={os.environ[SWITCH_ENV]} turns it off"
-        return
-    if os.name == "nt" or sys.implementation.name != "cpython":
-        _s.state, _s.reason = UNSUPPORTED, "the compiled pass is built for CPython on POSIX"
-        return
-    name, path = _paths()
-    _s.path = path
-    _s.state, _s.reason = BUILDING, "compiling in the background; the Python pass serves"
-    _s.thread = threading.Thread(
-        target=_background, args=(path, name), name="cudamem-heapscan-build", daemon=True
-    )
-    _s.thread.start()
 
 
 def native() -> Any:
     """The compiled pass's module when it is active, else ``None`` (never waits)."""
-    module = _s.module
-    if module is not None and _s.state == ACTIVE:
-        return module
-    with _s.lock:
-        if _s.state == IDLE:
-            _start()  # a cached build loads in the thread within milliseconds
-            return None
-        if _s.state != READY or _s.module is None:
-            return None
-        problem = validate(_s.module)
-        if problem is not None:
-            _s.state, _s.reason, _s.module = DROPPED, problem, None
-            return None
-        _s.state, _s.reason = ACTIVE, f"compiled pass, validated ({_s.path})"
-        return _s.module
+    return EXTENSION.native()
 
 
-def wait(timeout: float = 60.0) -> HeapScanStatus:
+def wait(timeout: float = 60.0) -> ExtensionStatus:
     """Start the build if needed, wait for it, validate; the status afterwards (benchmarks
     and tests use this; the search itself never waits)."""
-    native()
-    thread = _s.thread
-    if thread is not None:
-        thread.join(timeout)
-    native()
-    return status()
+    return EXTENSION.wait(timeout)
 
 
-def status() -> HeapScanStatus:
-    with _s.lock:
-        return HeapScanStatus(_s.state == ACTIVE, _s.state, _s.reason, _s.path)
+def status() -> ExtensionStatus:
+    """Which heap pass serves the holder search, and why."""
+    return EXTENSION.status()
 
 
-@contextlib.contextmanager
-def python_pass() -> Any:
+def python_pass() -> AbstractContextManager[None]:
     """Within the block the Python pass serves (tests compare the two)."""
-    saved = _s.module, _s.state
-    with _s.lock:
-        _s.module, _s.state = None, DISABLED
-    try:
-        yield
-    finally:
-        with _s.lock:
-            _s.module, _s.state = saved
+    return EXTENSION.python_path()
 
 
 def validate(module: Any) -> str | None:
@@ -328,3 +159,14 @@ def _wrong_walk(module: Any, kind: type, target: Any, expected: list[Any]) -> st
             lst.clear()
         if was:
             gc.enable()
+
+
+EXTENSION = Extension(
+    stem="heapscan",
+    name="heap pass",
+    source=SOURCE_PATH,
+    switch_env=SWITCH_ENV,
+    what="compiled pass",
+    idle_reason="not needed yet (no holder search has run)",
+    validate=validate,
+)

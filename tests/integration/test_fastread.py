@@ -642,7 +642,7 @@ def test_status_values_and_json() -> None:
 
 
 def test_status_command_names_the_reader(capsys: pytest.CaptureFixture[str]) -> None:
-    from cudamem import _cext, _nvml
+    from cudamem import _cext, _heapscan, _nvml
     from cudamem.span import span_core_status
 
     from ..nvml_fakes import FakeGpu, make_nvml
@@ -652,7 +652,7 @@ def test_status_command_names_the_reader(capsys: pytest.CaptureFixture[str]) -> 
         text = capsys.readouterr().out
         assert main(["status", "--json"]) == 0
         data = json.loads(capsys.readouterr().out)
-    reader_line, core_line = text.strip().splitlines()[-2:]
+    reader_line, core_line, heap_line = text.strip().splitlines()[-3:]
     expected = _backend.reader_status()
     assert reader_line == present(expected) and reader_line.startswith("reader: ")
     # The span core's line: the command waited for its build and switched to it.
@@ -663,6 +663,10 @@ def test_status_command_names_the_reader(capsys: pytest.CaptureFixture[str]) -> 
     assert "GPU 0 NVIDIA H200" in text
     assert data["reader"] == to_data(expected)
     assert data["span_core"] == to_data(core) and data["span_core"]["name"] == "span core"
+    heap = _heapscan.status()
+    assert heap_line == present(heap) and data["heap_pass"] == to_data(heap)
+    if _cext.compiler() is not None:
+        assert heap_line.startswith("heap pass: compiled [active]: compiled pass, validated")
     assert data["devices"][0]["index"] == 0
 
 
