@@ -296,7 +296,15 @@ def _gather(
     ``scan`` receives the tensor list, the graph walk, the heap snapshot and its edge cache
     (``_search.Prepared``), for a holder search to start from instead of scanning the heap
     again. ``counts=False``: the caller reads no Python-tensor
-    counts, so the referrer pass that corrects them (``_discount_preserved``) is skipped."""
+    counts, so the referrer pass that corrects them (``_discount_preserved``) is skipped.
+    No cyclic collection runs meanwhile (see ``_census``)."""
+    with _heap.gc_paused():
+        return _gather_now(device, scan, refs, counts)
+
+
+def _gather_now(
+    device: str | None, scan: list[Any] | None, refs: bool, counts: bool
+) -> tuple[dict[StorageKey, _Acc], list[str]]:
     # One snapshot of the heap serves the tensor scan, the referrer pass below and the holder
     # search after it (``scan``), with one edge cache, once the compiled pass is active (a
     # listing costs as much as either pass).
@@ -555,7 +563,24 @@ def _census(
     since: StorageSnapshot | None = None,
     limit: int | None = None,
 ) -> tuple[Census, int]:
-    """The census, and how many storages passed the filters (before ``limit``)."""
+    """The census, and how many storages passed the filters (before ``limit``). No cyclic
+    collection runs meanwhile: its own bookkeeping (a listing of the whole heap among it)
+    would have every young-generation collection traverse it (a quarter of a census on a
+    real training process's heap)."""
+    with _heap.gc_paused():
+        return _census_now(device, holders, only, frame, device_type, since=since, limit=limit)
+
+
+def _census_now(
+    device: str | None,
+    holders: bool,
+    only: Container[StorageRef] | None,
+    frame: Any,
+    device_type: str | None = None,
+    *,
+    since: StorageSnapshot | None = None,
+    limit: int | None = None,
+) -> tuple[Census, int]:
     t0 = time.perf_counter()
     scan: list[Any] = []
     acc, notes = _gather(device, scan if holders else None, refs=True)
