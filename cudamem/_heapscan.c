@@ -32,6 +32,10 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#ifdef Py_GIL_DISABLED
+/* Free-threaded builds: this module relies on the GIL; the build fails and Python serves. */
+#error "cudamem's compiled extensions need the GIL"
+#endif
 #if PY_VERSION_HEX < 0x030E0000 && !defined(Py_GIL_DISABLED)
 /* The interpreter's generation lists, read in place: Python 3.11 has no
  * PyUnstable_GC_VisitObjects (gc_instances walks the lists itself, as that function does

@@ -16,6 +16,10 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#ifdef Py_GIL_DISABLED
+/* Free-threaded builds: this module relies on the GIL; the build fails and Python serves. */
+#error "cudamem's compiled extensions need the GIL"
+#endif
 #include <structmember.h>
 #include <limits.h>
 #include <time.h>
