@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +14,8 @@ from _pytest.pytester import SysModulesSnapshot
 import cudamem
 from cudamem import _history
 from cudamem import span as _span
+
+from . import own_process
 
 
 def _has_cuda() -> bool:
@@ -56,12 +60,53 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+def _named(config: pytest.Config, path: Path) -> bool:
+    """Whether ``path`` (or a test in it) is named on the command line."""
+    here = config.invocation_params.dir
+    return any((here / arg.split("::")[0]).resolve() == path for arg in config.args)
+
+
+def _own_process(config: pytest.Config) -> bool:
+    """Whether ``tests/own_process.py``'s files run in processes of their own in this run:
+    not inside one of those processes, and no ``-m`` or ``-k`` that may pick their tests."""
+    return (
+        os.environ.get(own_process.ENV) != "1"
+        and not config.option.markexpr
+        and not config.option.keyword
+    )
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    if (
+        collection_path in own_process.PATHS
+        and _own_process(config)
+        and not _named(config, collection_path)
+    ):
+        return True
+    return None
+
+
 def pytest_report_header(config: pytest.Config) -> str | None:
     seed = config.getoption("--shuffle")
     return None if seed is None else f"cudamem: tests shuffled with seed {seed}"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # A file of tests/own_process.py collected here (named on the command line) runs here,
+    # not a second time in a process of its own.
+    here = {str(item.path) for item in items}
+    everything = list(items)
+    items[:] = [
+        item
+        for item in items
+        if not (
+            item.path.name == "test_own_process.py"
+            and str(own_process.ROOT / item.callspec.params["name"]) in here
+        )
+    ]
+    kept = {id(item) for item in items}
+    if dropped := [item for item in everything if id(item) not in kept]:
+        config.hook.pytest_deselected(items=dropped)
     seed = config.getoption("--shuffle")
     if seed is not None:
         random.Random(seed).shuffle(items)
