@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,6 +15,8 @@ from _pytest.pytester import SysModulesSnapshot
 import cudamem
 from cudamem import _cext, _history, _spancore, _warn
 from cudamem import span as _span
+
+from . import own_process
 
 
 def _has_cuda() -> bool:
@@ -57,15 +61,130 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+def _named(config: pytest.Config, path: Path) -> bool:
+    """Whether ``path`` (or a test in it) is named on the command line."""
+    here = config.invocation_params.dir
+    return any((here / arg.split("::")[0]).resolve() == path for arg in config.args)
+
+
+def _own_process(config: pytest.Config) -> bool:
+    """Whether ``tests/own_process.py``'s files run in processes of their own in this run:
+    not inside one of those processes, and no ``-m`` or ``-k`` that may pick their tests."""
+    return (
+        os.environ.get(own_process.ENV) != "1"
+        and not config.option.markexpr
+        and not config.option.keyword
+    )
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    if (
+        collection_path in own_process.PATHS
+        and _own_process(config)
+        and not _named(config, collection_path)
+    ):
+        return True
+    return None
+
+
 def pytest_report_header(config: pytest.Config) -> str | None:
     seed = config.getoption("--shuffle")
     return None if seed is None else f"cudamem: tests shuffled with seed {seed}"
 
 
+#: Seconds (roughly, on two CPU cores) of the suite's longest tests: each a subprocess or a
+#: module fixture's subprocess (``tests/integration/test_distributed.py``'s torchrun).
+_OWN = "tests/integration/test_own_process.py::test_file_in_its_own_process"
+_FRAMEWORK = "tests/integration/test_frameworks.py::test_framework_file"
+_DOCS = "tests/integration/test_cli_docs.py"
+SLOW = {
+    f"{_FRAMEWORK}[test_transformers.py]": 30,
+    f"{_OWN}[test_leaks.py]": 30,
+    f"{_OWN}[test_leaks_order.py]": 28,
+    f"{_FRAMEWORK}[test_compile.py]": 25,
+    f"{_FRAMEWORK}[test_lightning.py]": 22,
+    f"{_OWN}[test_integration_pytest.py]": 20,
+    f"{_DOCS}::modules": 20,
+    f"{_DOCS}::distributed_report": 15,
+    "tests/integration/test_distributed.py::test_rank0_gets_every_rank_and_the_others_none": 15,
+    f"{_FRAMEWORK}[test_modules_gpt2.py]": 13,
+    f"{_OWN}[test_oom.py]": 10,
+    f"{_OWN}[test_culprits.py]": 10,
+    f"{_OWN}[test_integration_memviz.py]": 10,
+    f"{_FRAMEWORK}[test_notebook.py]": 10,
+    f"{_DOCS}::scalars": 9,
+    f"{_FRAMEWORK}[test_plot.py]": 8,
+}
+_DOCS_EXAMPLES = ("test_example_runs_on_the_cpu", "test_committed_cpu_output_matches_a_fresh_run")
+
+
+def _group(item: pytest.Item) -> str:
+    """The test's own id, or one per docs example: its two tests share one run of the example
+    in a process (``tests/integration/test_cli_docs.py``'s ``cpu_run``)."""
+    if item.path.name == "test_cli_docs.py" and item.originalname in _DOCS_EXAMPLES:
+        return f"{_DOCS}::{item.callspec.params['name']}"
+    return item.nodeid
+
+
+def _weight(group: str) -> int:
+    """``SLOW``'s seconds; 5 for any other docs example (a subprocess), else 0."""
+    if group in SLOW:
+        return SLOW[group]
+    return 5 if group.startswith(f"{_DOCS}::") and "::test_" not in group else 0
+
+
+def _slow_first(items: list[pytest.Item], workers: int) -> list[pytest.Item]:
+    """``items`` reordered so that xdist's first split (``--dist worksteal`` sends each of
+    ``workers`` workers one contiguous share, then moves tests from the end of a share to a
+    worker that ran out) starts every share with its part of the longest tests, balanced
+    longest first. Only the order changes, never which tests run; no test depends on it."""
+    groups: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        groups.setdefault(_group(item), []).append(item)
+    slow = sorted((g for g in groups if _weight(g)), key=lambda g: -_weight(g))
+    if workers < 2 or not slow:
+        return items
+    taken = {id(item) for g in slow for item in groups[g]}
+    rest = [item for item in items if id(item) not in taken]
+    heads: list[list[pytest.Item]] = [[] for _ in range(workers)]
+    loads = [0] * workers
+    for g in slow:
+        k = loads.index(min(loads))
+        heads[k] += groups[g]
+        loads[k] += _weight(g)
+    # The sizes xdist gives: each worker len(pending) // workers left, in turn.
+    out: list[pytest.Item] = []
+    left = len(items)
+    for k, head in enumerate(heads):
+        size = left // (workers - k)
+        fill = max(0, size - len(head))
+        out += head + rest[:fill]
+        rest = rest[fill:]
+        left -= len(head) + fill
+    return out + rest
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # A file of tests/own_process.py collected here (named on the command line) runs here,
+    # not a second time in a process of its own.
+    here = {str(item.path) for item in items}
+    everything = list(items)
+    items[:] = [
+        item
+        for item in items
+        if not (
+            item.path.name == "test_own_process.py"
+            and str(own_process.ROOT / item.callspec.params["name"]) in here
+        )
+    ]
+    kept = {id(item) for item in items}
+    if dropped := [item for item in everything if id(item) not in kept]:
+        config.hook.pytest_deselected(items=dropped)
     seed = config.getoption("--shuffle")
     if seed is not None:
         random.Random(seed).shuffle(items)
+    elif hasattr(config, "workerinput"):  # an xdist worker: the controller keeps its order
+        items[:] = _slow_first(items, int(config.workerinput["workercount"]))
     skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU")
     skip_multi = pytest.mark.skip(reason="needs two CUDA GPUs")
     for item in items:

@@ -10,6 +10,7 @@ import math
 import pickle
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -24,6 +25,24 @@ from cudamem.render.json import to_json
 from cudamem.scalars import ScalarLogger, log_scalar
 
 # --------------------------------------------------------------------------- log_scalar
+
+
+class Later:
+    """A parameter's tensor, built when its test runs rather than at import.
+
+    pytest keeps every parameter alive for the whole session (the test function's
+    ``pytestmark`` and each collected item hold it). A CPU tensor made at import would sit
+    among the live storages of every later test in the same process: the census and holder
+    searches of the leak tests would climb from it into the whole test session, seconds each
+    (``tests/conftest.py``). The id pytest gives it is the one a tensor gets (``value12``)."""
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self.make = make
+
+
+def made(value: Any) -> Any:
+    """``value``, or the tensor a ``Later`` builds."""
+    return value.make() if isinstance(value, Later) else value
 
 
 @pytest.mark.parametrize(
@@ -41,19 +60,19 @@ from cudamem.scalars import ScalarLogger, log_scalar
         (np.bool_(True), 1.0),
         (np.array(4.0), 4.0),
         (np.array([[5.0]]), 5.0),
-        (torch.tensor(2.25), 2.25),
-        (torch.tensor([2.25]), 2.25),
-        (torch.tensor([[[-1.0]]]), -1.0),
-        (torch.tensor(3, dtype=torch.int64), 3.0),
-        (torch.tensor(True), 1.0),
-        (torch.tensor(0.5, dtype=torch.float16), 0.5),
-        (torch.tensor(0.5, dtype=torch.bfloat16), 0.5),
-        (torch.tensor(1.0, requires_grad=True) * 2, 2.0),
-        (torch.nn.Parameter(torch.tensor([1.5])), 1.5),
+        (Later(lambda: torch.tensor(2.25)), 2.25),
+        (Later(lambda: torch.tensor([2.25])), 2.25),
+        (Later(lambda: torch.tensor([[[-1.0]]])), -1.0),
+        (Later(lambda: torch.tensor(3, dtype=torch.int64)), 3.0),
+        (Later(lambda: torch.tensor(True)), 1.0),
+        (Later(lambda: torch.tensor(0.5, dtype=torch.float16)), 0.5),
+        (Later(lambda: torch.tensor(0.5, dtype=torch.bfloat16)), 0.5),
+        (Later(lambda: torch.tensor(1.0, requires_grad=True) * 2), 2.0),
+        (Later(lambda: torch.nn.Parameter(torch.tensor([1.5]))), 1.5),
     ],
 )
 def test_log_scalar_converts(value: Any, expected: float) -> None:
-    result = log_scalar(value)
+    result = log_scalar(made(value))
     assert type(result) is float
     assert result == expected
 
@@ -83,15 +102,16 @@ def test_log_scalar_sparse_and_quantized() -> None:
 @pytest.mark.parametrize(
     ("value", "shape"),
     [
-        (torch.zeros(3), "(3,)"),
-        (torch.zeros(2, 5), "(2, 5)"),
-        (torch.zeros(0), "(0,)"),
-        (torch.zeros(1, 0, 4), "(1, 0, 4)"),
+        (Later(lambda: torch.zeros(3)), "(3,)"),
+        (Later(lambda: torch.zeros(2, 5)), "(2, 5)"),
+        (Later(lambda: torch.zeros(0)), "(0,)"),
+        (Later(lambda: torch.zeros(1, 0, 4)), "(1, 0, 4)"),
         (np.zeros(4), "(4,)"),
         (np.zeros((2, 2)), "(2, 2)"),
     ],
 )
 def test_log_scalar_rejects_many_elements_naming_the_shape(value: Any, shape: str) -> None:
+    value = made(value)
     with pytest.raises(ValueError, match=re_escape(shape)):
         log_scalar(value)
 
@@ -116,11 +136,12 @@ def re_escape(text: str) -> str:
         np.complex64(1),
         np.str_("1"),
         np.array(["a"]),
-        torch.tensor(1 + 1j),
-        torch.tensor([1j]),
+        Later(lambda: torch.tensor(1 + 1j)),
+        Later(lambda: torch.tensor([1j])),
     ],
 )
 def test_log_scalar_rejects_non_numbers(value: Any) -> None:
+    value = made(value)
     with pytest.raises(TypeError):
         log_scalar(value)
 
@@ -394,15 +415,16 @@ def test_steps_must_fit_in_64_bits(step: Any, error: type[Exception]) -> None:
 @pytest.mark.parametrize(
     "value",
     [
-        torch.tensor(1.5, requires_grad=True) * 2,
-        torch.tensor(3, dtype=torch.int32),
-        torch.tensor(True),
-        torch.tensor(0.5, dtype=torch.bfloat16),
-        torch.tensor([[2.0]]),  # not 0-d: the full check
-        torch.ones(4)[2],  # a 0-d view
+        Later(lambda: torch.tensor(1.5, requires_grad=True) * 2),
+        Later(lambda: torch.tensor(3, dtype=torch.int32)),
+        Later(lambda: torch.tensor(True)),
+        Later(lambda: torch.tensor(0.5, dtype=torch.bfloat16)),
+        Later(lambda: torch.tensor([[2.0]])),  # not 0-d: the full check
+        Later(lambda: torch.ones(4)[2]),  # a 0-d view
     ],
 )
-def test_fast_path_agrees_with_the_full_check(value: torch.Tensor) -> None:
+def test_fast_path_agrees_with_the_full_check(value: Later) -> None:
+    value = made(value)
     fast = _scalars._plain_0d(value)
     full = _scalars._check_tensor(value)
     if fast is not None:
