@@ -289,6 +289,7 @@ class _Acc:
     ref: StorageRef | None = None
 
 
+@_heap.gc_paused()
 def _gather(
     device: str | None, scan: list[Any] | None = None, refs: bool = False, counts: bool = True
 ) -> tuple[dict[StorageKey, _Acc], list[str]]:
@@ -298,13 +299,6 @@ def _gather(
     again. ``counts=False``: the caller reads no Python-tensor
     counts, so the referrer pass that corrects them (``_discount_preserved``) is skipped.
     No cyclic collection runs meanwhile (see ``_census``)."""
-    with _heap.gc_paused():
-        return _gather_now(device, scan, refs, counts)
-
-
-def _gather_now(
-    device: str | None, scan: list[Any] | None, refs: bool, counts: bool
-) -> tuple[dict[StorageKey, _Acc], list[str]]:
     # One snapshot of the heap serves the tensor scan, the referrer pass below and the holder
     # search after it (``scan``), with one edge cache, once the compiled pass is active (a
     # listing costs as much as either pass).
@@ -553,6 +547,7 @@ def storages_since(base: StorageSnapshot, *, limit: int) -> tuple[tuple[LiveStor
     return census.storages, total
 
 
+@_heap.gc_paused()
 def _census(
     device: str | None,
     holders: bool,
@@ -567,20 +562,6 @@ def _census(
     collection runs meanwhile: its own bookkeeping (a listing of the whole heap among it)
     would have every young-generation collection traverse it (a quarter of a census on a
     real training process's heap)."""
-    with _heap.gc_paused():
-        return _census_now(device, holders, only, frame, device_type, since=since, limit=limit)
-
-
-def _census_now(
-    device: str | None,
-    holders: bool,
-    only: Container[StorageRef] | None,
-    frame: Any,
-    device_type: str | None = None,
-    *,
-    since: StorageSnapshot | None = None,
-    limit: int | None = None,
-) -> tuple[Census, int]:
     t0 = time.perf_counter()
     scan: list[Any] = []
     acc, notes = _gather(device, scan if holders else None, refs=True)

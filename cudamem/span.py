@@ -685,8 +685,6 @@ def _py_open(
     hooks (``hooks=False``: a measurement of cudamem's own, which no feature sees, e.g. the
     pytest plugin's per-test peak). Never raises. (``_open``: this, or the compiled span
     core's ``open`` once it is active, which hands every case but the common one here.)"""
-    if _core_pending:
-        _core_poll()
     span = _new_raw(RawSpan)  # no __init__: the stores below are the constructor
     span.name = name
     span.device = device
@@ -762,6 +760,8 @@ def _py_open(
             except Exception as err:
                 _entry_hook_failed(hook, err)
     span.start_ns = _now_ns()
+    if _core_pending and span.devs:  # a span with a device to read: the core can serve
+        _core_poll()
     return span
 
 
@@ -1043,8 +1043,10 @@ _CHECKED = (
 
 
 def _core_poll() -> None:
-    """One step of the span core's life, at a Python open: start its build (first call),
-    and once it is built, check it and switch to it. Never waits for a compiler."""
+    """One step of the span core's life, at a Python open that read a device (without one,
+    as on a machine without CUDA, the core would hand every span back: nothing is built):
+    start its build (first call), and once it is built, check it and switch to it. Never
+    waits for a compiler."""
     global _core_pending
     ext = _spancore.EXTENSION
     module = ext.native()

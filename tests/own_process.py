@@ -12,6 +12,9 @@ them out of the process that runs it; a file named on the command line, or any r
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,3 +30,26 @@ FILES = (
 PATHS = frozenset(ROOT / f for f in FILES)
 #: Set in the processes ``test_own_process.py`` starts: there the files are collected.
 ENV = "CUDAMEM_TESTS_OWN_PROCESS"
+
+
+def run_pytest(path: str, *options: str, env: dict[str, str] | None = None) -> tuple[int, str]:
+    """``python -m pytest -q <options> <path>`` from the repository root in a process of its
+    own (no xdist, no cache, this checkout first on the path): its exit status and the last
+    6,000 characters of its output."""
+    full = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        **(env or {}),
+    }
+    full.pop("PYTEST_XDIST_WORKER", None)
+    pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist"]
+    out = subprocess.run(
+        [*pytest, *options, path],
+        cwd=ROOT,
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        check=False,
+    )
+    return out.returncode, (out.stdout + out.stderr)[-6000:]

@@ -247,3 +247,33 @@ def test_inputs_still_referenced_from_python_count_as_python() -> None:
     assert _input_rows(ptrs) == [(1, True)] * 3
     _graph_kept.clear()
     del losses, local_x
+
+
+def test_no_cyclic_collection_runs_during_a_census_and_gc_is_left_as_found(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The census's own bookkeeping (a listing of the whole heap) is never traversed by a
+    collection it triggers: gc is off while it gathers and as it was afterwards."""
+    import gc
+
+    from cudamem import census
+
+    seen: list[bool] = []
+    gather_from = census._gather_from
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        seen.append(gc.isenabled())
+        return gather_from(*args, **kwargs)
+
+    monkeypatch.setattr(census, "_gather_from", spy)
+    keep = torch.ones(1024)
+    assert gc.isenabled()
+    found = cudamem.live_tensors(holders=True)
+    assert gc.isenabled() and seen == [False]
+    assert any(s.nbytes == keep.untyped_storage().nbytes() for s in found)
+    gc.disable()
+    try:
+        census.live_refs()
+        assert not gc.isenabled() and seen == [False, False]
+    finally:
+        gc.enable()
