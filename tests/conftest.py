@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 from collections.abc import Iterator
@@ -167,18 +168,17 @@ def _slow_first(items: list[pytest.Item], workers: int) -> list[pytest.Item]:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # A file of tests/own_process.py collected here (named on the command line) runs here,
     # not a second time in a process of its own.
-    here = {str(item.path) for item in items}
-    everything = list(items)
-    items[:] = [
-        item
-        for item in items
-        if not (
+    here = {item.path for item in items}
+    kept: list[pytest.Item] = []
+    dropped: list[pytest.Item] = []
+    for item in items:
+        again = (
             item.path.name == "test_own_process.py"
-            and str(own_process.ROOT / item.callspec.params["name"]) in here
+            and own_process.ROOT / item.callspec.params["name"] in here
         )
-    ]
-    kept = {id(item) for item in items}
-    if dropped := [item for item in everything if id(item) not in kept]:
+        (dropped if again else kept).append(item)
+    if dropped:
+        items[:] = kept
         config.hook.pytest_deselected(items=dropped)
     seed = config.getoption("--shuffle")
     if seed is not None:
@@ -228,3 +228,24 @@ def span_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     module = compiled_span_core() if request.param == "compiled" else None
     with _span._serving(module):
         yield request.param
+
+
+@contextlib.contextmanager
+def python_edges() -> Iterator[list[str]]:
+    """The calls of the Python open and close within the block, in order (``"open"``,
+    ``"close"``): none for a span the compiled span core serves itself."""
+    calls: list[str] = []
+    saved = _span._py_open, _span._py_close
+
+    def spy(edge: str, real: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls.append(edge)
+            return real(*args, **kwargs)
+
+        return call
+
+    _span._py_open, _span._py_close = spy("open", saved[0]), spy("close", saved[1])
+    try:
+        yield calls
+    finally:
+        _span._py_open, _span._py_close = saved

@@ -66,20 +66,17 @@ class FakeAllocator(Backend):
     @property  # type: ignore[override]
     def settled_devices(self) -> tuple[int, ...] | None:
         """As ``TorchBackend``'s: once every device has a context, the same tuple each time
-        (spans then read the devices without asking, and the compiled span core serves)."""
-        if "_settled_as_set" in self.__dict__:
-            return self.__dict__["_settled_as_set"]  # type: ignore[no-any-return]
+        (spans then read the devices without asking, and the compiled span core serves);
+        what a test sets stays."""
+        if "_settled_set" in self.__dict__:
+            return self.__dict__["_settled_set"]  # type: ignore[no-any-return]
         if len(self.contexts) < self.count:
             return None
-        settled = self.__dict__.get("_settled")
-        if settled is None:
-            settled = self.__dict__["_settled"] = tuple(sorted(self.contexts))
-        return settled
+        return self.__dict__.setdefault("_settled", tuple(sorted(self.contexts)))  # type: ignore[no-any-return]
 
     @settled_devices.setter
     def settled_devices(self, devices: tuple[int, ...] | None) -> None:
-        """What a test sets stays (as on a backend whose attribute it is)."""
-        self.__dict__["_settled_as_set"] = devices
+        self.__dict__["_settled_set"] = devices
 
     def has_context(self, device: int) -> bool:
         return device in self.contexts

@@ -15,6 +15,8 @@ import cudamem
 from cudamem import _backend
 from cudamem.demo import seed000_lifecycle
 
+from ..conftest import python_edges
+
 #: Every test runs with spans through the Python functions and through the compiled span
 #: core (``span_path``), on the real allocator.
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("span_path")]
@@ -312,30 +314,14 @@ def test_model_on_device1_only() -> None:
 def test_the_compiled_core_serves_a_gpu_span_itself(span_path: str) -> None:
     """Once CUDA runs on a one-GPU machine, the device is settled: a span opens and closes
     in C, with the bytes the allocator counts (no call of the Python open or close)."""
-    from cudamem import span as _span
-
     if span_path != "compiled":
         pytest.skip("the compiled core's own case")
     _clean()
     keep = torch.empty(1, device="cuda:0")  # a context: with one GPU, the device settles
     # With more GPUs than contexts the devices are not settled: name the device.
     device = None if _backend.get().settled_devices is not None else 0
-    calls: list[str] = []
-    saved = _span._py_open, _span._py_close
-
-    def spy(name: str, real: object) -> object:
-        def call(*a: object, **k: object) -> object:
-            calls.append(name)
-            return real(*a, **k)  # type: ignore[operator]
-
-        return call
-
-    _span._py_open, _span._py_close = spy("open", saved[0]), spy("close", saved[1])  # type: ignore[assignment]
-    try:
-        with cudamem.track("gpu", device=device) as span:
-            x = torch.empty(3 * MiB, dtype=torch.uint8, device="cuda:0")
-    finally:
-        _span._py_open, _span._py_close = saved
+    with python_edges() as calls, cudamem.track("gpu", device=device) as span:
+        x = torch.empty(3 * MiB, dtype=torch.uint8, device="cuda:0")
     assert calls == []
     assert span.allocated_delta == 3 * MiB and span.peak_delta == 3 * MiB
     del x, keep

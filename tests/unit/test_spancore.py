@@ -19,7 +19,7 @@ from cudamem import _backend, _cext, _fastread, _spancore
 from cudamem import span as _span
 from cudamem._data import to_data
 
-from ..conftest import compiled_span_core
+from ..conftest import compiled_span_core, python_edges
 from ..fakes import FakeAllocator
 
 MiB = 1024**2
@@ -27,9 +27,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 needs_cc = pytest.mark.skipif(_cext.compiler() is None, reason="no C compiler here")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def core() -> Any:
-    return compiled_span_core()
+    """The compiled core, initialised for this ``cudamem.span``: the C module keeps one
+    span module's state, and a test that imported ``cudamem`` afresh (pytester's in-process
+    runs, when a ``-k`` run collects them here) may have initialised it for its own."""
+    module = compiled_span_core()
+    assert not isinstance(_span._core_check(module), str)
+    return module
 
 
 @pytest.fixture
@@ -220,31 +225,15 @@ def test_the_core_makes_the_spans_python_makes(
 def test_the_core_serves_the_common_span_itself(paths: Callable[[bool], None]) -> None:
     """One device, settled: no call of the Python open or close."""
     paths(True)
-    calls: list[str] = []
-    py_open, py_close = _span._py_open, _span._py_close
-
-    def spy_open(*a: Any, **k: Any) -> Any:
-        calls.append("open")
-        return py_open(*a, **k)
-
-    def spy_close(*a: Any, **k: Any) -> Any:
-        calls.append("close")
-        return py_close(*a, **k)
-
     fake = FakeAllocator(devices=1)
-    saved = _span._py_open, _span._py_close
-    _span._py_open, _span._py_close = spy_open, spy_close  # type: ignore[assignment]
-    try:
-        with _backend.use(fake):
-            with cudamem.track("common") as common:
-                fake.alloc(MiB)
-            assert calls == []
-            fake.count = 2  # device 1 has no context: the devices are not settled
-            with cudamem.track("unsettled") as unsettled:
-                fake.alloc(MiB)
-            assert calls == ["open", "close"]
-    finally:
-        _span._py_open, _span._py_close = saved
+    with python_edges() as calls, _backend.use(fake):
+        with cudamem.track("common") as common:
+            fake.alloc(MiB)
+        assert calls == []
+        fake.count = 2  # device 1 has no context: the devices are not settled
+        with cudamem.track("unsettled") as unsettled:
+            fake.alloc(MiB)
+        assert calls == ["open", "close"]
     assert common.allocated_delta == MiB and unsettled.allocated_delta == MiB
 
 
