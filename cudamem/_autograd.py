@@ -69,6 +69,7 @@ _DTYPE = _TB_DICT["dtype"]
 _SHAPE = _TB_DICT["shape"]
 _FUNCTION_BASE = torch._C._FunctionBase
 _FB_DICT = _FUNCTION_BASE.__dict__
+_TYPE_DICT = type.__dict__["__dict__"]
 _SAVED_NAMES = {"result": "saved result", "self": "saved self", "other": "saved other"}
 
 
@@ -374,32 +375,59 @@ class GraphWalk:
                 self.refs[key] = ref
 
 
-def _node_attr(node: Any, name: str) -> Any:
-    """A node's attribute through the descriptor of torch's own class (no user override)."""
-    tp = type(node)
-    descr = _FB_DICT.get(name) if is_sub(tp, _FUNCTION_BASE) else tp.__dict__.get(name)
-    if descr is None:
-        return None
-    return descr.__get__(node, tp)
+@dataclass(frozen=True)
+class _NodeKind:
+    """What the graph walk reads off one node type, looked up once per type: its name,
+    torch's own descriptors for ``next_functions`` and ``variable`` (no user override), and
+    ``(label, descriptor)`` of each saved slot."""
+
+    tp: type
+    name: str
+    custom: bool  # a Python ``autograd.Function``'s node: its saved tensors are a tuple
+    next_functions: Any
+    variable: Any
+    saved: tuple[tuple[str, Any], ...]
 
 
-def _saved_slots(node: Any) -> list[tuple[str, Any]]:
-    """``(label, SavedTensor)`` of a node, without unpacking anything."""
-    tp = type(node)
-    out: list[tuple[str, Any]] = []
+#: ``id(node type) -> _NodeKind`` for torch's own (C++) node types, which live as long as
+#: torch (a ``Function``'s node type can die with its class: it is read afresh each time).
+_KINDS: dict[int, _NodeKind] = {}
+
+
+def _kind(tp: type) -> _NodeKind:
+    kind = _KINDS.get(id(tp))
+    if kind is not None and kind.tp is tp:
+        return kind
+    name = type_name(tp)
     if is_sub(tp, _FUNCTION_BASE):
-        raw = _node_attr(node, "_raw_saved_tensors")
-        for i, st in enumerate(raw or ()):
-            out.append((f"saved_tensors[{i}]", st))
-        return out
-    for name, descr in list(tp.__dict__.items()):
-        if not name.startswith("_raw_saved_"):
-            continue
-        short = name[len("_raw_saved_") :]
-        value = descr.__get__(node, tp)
-        label = _SAVED_NAMES.get(short, f"saved {short}")
-        if isinstance(value, (list, tuple)):
-            out.extend((f"{label}[{i}]", st) for i, st in enumerate(value))
+        saved = (("saved_tensors", _FB_DICT.get("_raw_saved_tensors")),)
+        return _NodeKind(tp, name, True, _FB_DICT.get("next_functions"), None, saved)
+    try:
+        attrs = dict(_TYPE_DICT.__get__(tp))
+    except Exception:
+        attrs = {}
+    slots = tuple(
+        (_SAVED_NAMES.get(short, f"saved {short}"), descr)
+        for attr, descr in attrs.items()
+        if type(attr) is str and attr.startswith("_raw_saved_")
+        for short in (attr[len("_raw_saved_") :],)
+    )
+    kind = _NodeKind(tp, name, False, attrs.get("next_functions"), attrs.get("variable"), slots)
+    _KINDS[id(tp)] = kind
+    return kind
+
+
+def _read(descr: Any, node: Any) -> Any:
+    return None if descr is None else descr.__get__(node, type(node))
+
+
+def _saved_slots(node: Any, kind: _NodeKind) -> list[tuple[str, Any]]:
+    """``(label, SavedTensor)`` of a node, without unpacking anything."""
+    out: list[tuple[str, Any]] = []
+    for label, descr in kind.saved:
+        value = _read(descr, node)
+        if kind.custom or isinstance(value, (list, tuple)):
+            out.extend((f"{label}[{i}]", st) for i, st in enumerate(value or ()))
         else:
             out.append((label, value))
     return out
@@ -430,23 +458,59 @@ def walk_graphs(
 ) -> GraphWalk:
     """Walk every graph reachable from ``owners``' ``grad_fn`` once (multi-source BFS).
 
-    A node shared by several owners is named through the first owner that reaches it.
+    A node shared by several owners is named through the first owner that reaches it, the
+    outermost owners first: an owner whose ``grad_fn`` lies inside another owner's graph (an
+    intermediate tensor, not ``loss_history[3]``) is walked after the others. The walk finds
+    such owners as it goes; only when there are some does it walk again in that order.
     ``refs``: also keep a ``cudamem._storages.StorageRef`` per storage found.
     """
-    walk = GraphWalk(known=known, refs={} if refs else None)
+    owners = list(owners)
+    fns: dict[int, int] = {}  # id(grad_fn) -> the first owner with it
+    # Node wrappers are cached only while a Python reference lives: keep them, or ids lie.
+    keep: list[Any] = []
+    for i, owner in enumerate(owners):
+        fn = _grad_fn(owner)
+        if fn is not None:
+            keep.append(fn)
+            fns.setdefault(id(fn), i)
+    inner: set[int] = set()
+    found = GraphWalk(known=known, refs={} if refs else None)
+    _walk_groups(found, (owners,), fns if len(fns) > 1 else {}, inner, max_nodes, deadline)
+    if inner:
+        found = GraphWalk(known=known, refs={} if refs else None)
+        outer_first = (
+            [o for i, o in enumerate(owners) if i not in inner],
+            [o for i, o in enumerate(owners) if i in inner],
+        )
+        _walk_groups(found, outer_first, {}, set(), max_nodes, deadline)
+    keep.clear()
+    return found
+
+
+def _grad_fn(owner: Any) -> Any:
+    try:
+        with _no_torch_function():
+            return _GRAD_FN.__get__(owner)
+    except Exception:
+        return None
+
+
+def _walk_groups(
+    walk: GraphWalk,
+    groups: tuple[list[Any], ...],
+    fns: dict[int, int],
+    inner: set[int],
+    max_nodes: int,
+    deadline: float | None,
+) -> None:
+    """One BFS per group in turn (each group's graphs to the end before the next starts);
+    the owners (by ``fns``) whose ``grad_fn`` a walked node leads to go into ``inner``."""
     queue: deque[tuple[Any, Any, str]] = deque()
     seen: set[int] = set()
     keep: list[Any] = []  # nodes stay alive while their ids are in ``seen``
-    outer, inner = _outermost_first(list(owners), max_nodes, deadline)
-    # Outer owners' graphs are walked to the end before inner owners start, so a node
-    # shared with an intermediate tensor is named through the outermost one.
-    for group in (outer, inner):
+    for group in groups:
         for owner in group:
-            try:
-                with _no_torch_function():
-                    fn = _GRAD_FN.__get__(owner)
-            except Exception:
-                fn = None
+            fn = _grad_fn(owner)
             grad = grad_of(owner)
             if grad is not None:
                 info = storage_of(grad)
@@ -456,10 +520,9 @@ def walk_graphs(
             if fn is not None and id(fn) not in seen:
                 seen.add(id(fn))
                 keep.append(fn)
-                queue.append((fn, owner, f"grad_fn {type_name(type(fn))}"))
-        _drain(queue, seen, keep, walk, max_nodes, deadline)
+                queue.append((fn, owner, f"grad_fn {_kind(type(fn)).name}"))
+        _drain(queue, seen, keep, walk, max_nodes, deadline, fns, inner)
     keep.clear()
-    return walk
 
 
 def _drain(
@@ -469,8 +532,11 @@ def _drain(
     walk: GraphWalk,
     max_nodes: int,
     deadline: float | None,
+    fns: dict[int, int],
+    inner: set[int],
 ) -> None:
-    """Walk the queued nodes breadth-first, queueing their ``next_functions``."""
+    """Walk the queued nodes breadth-first, queueing their ``next_functions``; the owners
+    (by ``fns``) whose ``grad_fn`` one of them is go into ``inner``."""
     while queue:
         if walk.nodes >= max_nodes or (deadline is not None and time.perf_counter() > deadline):
             walk.truncated = True
@@ -478,8 +544,9 @@ def _drain(
         node, owner, chain = queue.popleft()
         walk.nodes += 1
         try:
-            _visit(node, owner, chain, walk)
-            nexts = _node_attr(node, "next_functions") or ()
+            kind = _kind(type(node))
+            _visit(node, kind, owner, chain, walk)
+            nexts = _read(kind.next_functions, node) or ()
         except Exception:
             continue
         for pair in nexts:
@@ -487,79 +554,22 @@ def _drain(
                 nxt = pair[0]
             except Exception:
                 continue
-            if nxt is None or id(nxt) in seen:
+            if nxt is None:
+                continue
+            if fns and id(nxt) in fns:
+                inner.add(fns[id(nxt)])
+            if id(nxt) in seen:
                 continue
             seen.add(id(nxt))
             keep.append(nxt)
-            queue.append((nxt, owner, f"{chain} → {type_name(type(nxt))}"))
+            queue.append((nxt, owner, f"{chain} → {_kind(type(nxt)).name}"))
 
 
-def _outermost_first(
-    owners: list[Any], max_nodes: int, deadline: float | None
-) -> tuple[list[Any], list[Any]]:
-    """Owners whose ``grad_fn`` no other owner's graph reaches come first.
-
-    The walk names a shared node through the first owner that reaches it; the outermost
-    tensor (``loss_history[3]``, not an intermediate alias inside its graph) is the useful
-    name, so owners that are inside another owner's graph go last.
-    """
-    fns: dict[int, int] = {}
-    # Node wrappers are cached only while a Python reference lives: keep them, or ids lie.
-    keep: list[Any] = []
-    for i, owner in enumerate(owners):
-        try:
-            with _no_torch_function():
-                fn = _GRAD_FN.__get__(owner)
-        except Exception:
-            fn = None
-        if fn is not None:
-            keep.append(fn)
-            fns.setdefault(id(fn), i)
-    if len(fns) < 2:
-        return owners, []
-    inner: set[int] = set()
-    seen: set[int] = set()
-    stack: list[Any] = []
-    for owner in owners:
-        try:
-            with _no_torch_function():
-                fn = _GRAD_FN.__get__(owner)
-        except Exception:
-            continue
-        if fn is not None:
-            stack.append(fn)
-    count = 0
-    while stack and count < max_nodes:
-        if deadline is not None and time.perf_counter() > deadline:
-            break
-        node = stack.pop()
-        count += 1
-        try:
-            nexts = _node_attr(node, "next_functions") or ()
-        except Exception:
-            continue
-        for pair in nexts:
-            nxt = pair[0] if isinstance(pair, tuple) and pair else None
-            if nxt is None:
-                continue
-            if id(nxt) in fns:
-                inner.add(fns[id(nxt)])
-            if id(nxt) not in seen:
-                seen.add(id(nxt))
-                keep.append(nxt)
-                stack.append(nxt)
-    keep.clear()
-    return [o for i, o in enumerate(owners) if i not in inner], [
-        o for i, o in enumerate(owners) if i in inner
-    ]
-
-
-def _visit(node: Any, owner: Any, chain: str, walk: GraphWalk) -> None:
-    tp = type(node)
-    if is_sub(tp, _FUNCTION_BASE):
+def _visit(node: Any, kind: _NodeKind, owner: Any, chain: str, walk: GraphWalk) -> None:
+    if kind.custom:
         walk.py_nodes[id(node)] = (node, owner, chain)
-    if type_name(tp) == "AccumulateGrad":
-        var = _node_attr(node, "variable")
+    if kind.name == "AccumulateGrad":
+        var = _read(kind.variable, node)
         if var is not None:
             _note_wrapper(var, walk.known)
             info = storage_of(var)
@@ -569,7 +579,7 @@ def _visit(node: Any, owner: Any, chain: str, walk: GraphWalk) -> None:
                 walk.note_ref(info[0], var)
         return
     skipped = False
-    for label, st in _saved_slots(node):
+    for label, st in _saved_slots(node, kind):
         try:
             tensor, inspected = _packed_tensor(st)
         except Exception:

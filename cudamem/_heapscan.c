@@ -854,12 +854,9 @@ static int side_add(Edges *e, Py_ssize_t idx, PyObject *o) {
     return 0;
 }
 
-/* Records the referent; in array mode also keeps it when it is an array or a non-empty
- * untracked dict or tuple. Pointer compares, type checks and a reference count only. */
-static int visit_walk(PyObject *o, void *arg) {
-    Rec *r = (Rec *)arg;
-    if (visit_record(o, r->e)) return 1; /* over budget: the walk stops recording */
-    if (!r->array_type || r->side_failed) return 0;
+/* In array mode, keeps a recorded referent when it is an array or a non-empty untracked
+ * dict or tuple that may lead to one. Pointer compares, type checks and a reference count. */
+static void side_visit(PyObject *o, Rec *r) {
     int keep = Py_TYPE(o) == r->array_type;
     if (!keep && is_untracked_container(o)) {
         int cut = 0;
@@ -867,7 +864,26 @@ static int visit_walk(PyObject *o, void *arg) {
         keep = look_below(o, r, 0, &cut) || cut;
     }
     if (keep && side_add(r->e, r->idx, o) < 0) r->side_failed = 1;
-    return 0;
+}
+
+/* After the recording, before anything else runs (every recorded address is alive: the
+ * snapshot holds its objects and they hold their referents): the array-mode keeps, object
+ * by object in snapshot order, each object's referents in its traversal's order. A
+ * sequential read of the recording that asks for the referents' headers ahead of use. */
+static void side_pass(Rec *r, Py_ssize_t n) {
+    Edges *e = r->e;
+    const size_t total = e->len;
+    for (Py_ssize_t i = 0; i < n && !r->side_failed; i++) {
+        r->idx = i;
+        size_t at = e->beg[i];
+        const size_t end = at + e->cnt[i];
+        for (; at < end && !r->side_failed; at++) {
+#if defined(__GNUC__) || defined(__clang__)
+            if (at + PREFETCH < total) __builtin_prefetch((const void *)e->edges[at + PREFETCH]);
+#endif
+            side_visit((PyObject *)e->edges[at], r);
+        }
+    }
 }
 
 /* Let go of a recording `walk` could not finish: the cache is as new (scans record). */
@@ -896,7 +912,9 @@ static void edges_reset(Edges *e) {
  * traversal), bound to objs with every batch recorded; over its budget it is left unused
  * (scans record as before). array_type (a type, or None): the cache also keeps, with a
  * reference each, the referents of exactly that type and the non-empty untracked dicts and
- * tuples, which the first array-mode scan reads instead of traversing (and then releases).
+ * tuples, which the first array-mode scan reads instead of traversing (and then releases);
+ * they are read off the finished recording (side_pass), whose sequential order lets the
+ * referents' headers be asked for ahead, where a check during the walk waited for each.
  *
  * No Python code runs and no gc-tracked object is made during the walk (appending to a list
  * reallocates its item array only); gc is off meanwhile and as it was afterwards. */
@@ -933,7 +951,6 @@ static PyObject *walk(PyObject *self, PyObject *args) {
     Rec rec = {e, e ? array_type : NULL, 0, 0, {NULL, 0, 0, NULL}};
     if (!failed && rec.array_type && set_init(&rec.dead, 4096) < 0) failed = 1;
     int recording = e != NULL && !failed;
-    size_t room = 0; /* entries allocated in e->beg and e->cnt */
     if (recording && array_type) {
         e->side_on = 1;
         e->side_type = array_type;
@@ -941,23 +958,22 @@ static PyObject *walk(PyObject *self, PyObject *args) {
     struct _gc_runtime_state *gc = &PyInterpreterState_Get()->gc;
     int enabled = gc->enabled;
     gc->enabled = 0;
+    size_t room = 0; /* entries allocated in e->beg and e->cnt */
+    /* 1. The listing and the recording, object by object along gc's lists (the traversal
+     * of one object overlaps the wait for the next one's header). */
     for (int gen = NUM_GENERATIONS - 1; gen >= 0 && !failed; gen--) {
         Py_ssize_t before = PyList_GET_SIZE(out);
         PyGC_Head *head = &gc->generations[gen].head;
         for (PyGC_Head *g = (PyGC_Head *)head->_gc_next; g != head;
              g = (PyGC_Head *)g->_gc_next) {
 #if defined(__GNUC__) || defined(__clang__)
-            /* the next object's header, while this one is traversed */
             __builtin_prefetch((const void *)g->_gc_next);
 #endif
             PyObject *o = (PyObject *)(g + 1);
             if (o == out || o == found[0] || o == found[1] || o == found[2]) continue;
             Py_ssize_t i = PyList_GET_SIZE(out);
-            if (PyList_Append(out, o) < 0) {
-                failed = 1;
-                break;
-            }
-            if (set_has(&tset, (uintptr_t)Py_TYPE(o)) && PyList_Append(found[gen], o) < 0) {
+            if (PyList_Append(out, o) < 0 ||
+                (set_has(&tset, (uintptr_t)Py_TYPE(o)) && PyList_Append(found[gen], o) < 0)) {
                 failed = 1;
                 break;
             }
@@ -976,9 +992,8 @@ static PyObject *walk(PyObject *self, PyObject *args) {
             }
             traverseproc trav = Py_TYPE(o)->tp_traverse;
             e->beg[i] = e->len;
-            rec.idx = i;
-            if (trav) trav(o, visit_walk, &rec);
-            if (e->full || rec.side_failed || e->len - e->beg[i] > UINT32_MAX) {
+            if (trav) trav(o, visit_record, e);
+            if (e->full || e->len - e->beg[i] > UINT32_MAX) {
                 recording = 0;
                 continue;
             }
@@ -986,13 +1001,19 @@ static PyObject *walk(PyObject *self, PyObject *args) {
         }
         sizes[gen] = PyList_GET_SIZE(out) - before;
     }
+    Py_ssize_t n = failed ? 0 : PyList_GET_SIZE(out);
+    /* 3. Array mode: the keeps, from the recording. */
+    if (recording && rec.array_type) {
+        side_pass(&rec, n);
+        if (rec.side_failed) recording = 0;
+    }
     gc->enabled = enabled;
     free(tset.slots);
     free(rec.dead.slots);
     if (e != NULL) {
         if (recording && !failed) {
             e->list = out;
-            e->n = PyList_GET_SIZE(out);
+            e->n = n;
             e->batches = (e->n + CHUNK - 1) / CHUNK;
         } else {
             edges_reset(e);

@@ -76,3 +76,24 @@ def test_bad_arguments_name_the_argument(
 ) -> None:
     with pytest.raises(error, match=word):
         cudamem.find_graph_holders(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("inner_first", [True, False])
+def test_a_graph_is_named_through_its_outermost_owner(inner_first: bool) -> None:
+    """An intermediate tensor inside a loss's graph is an owner too; what the two share is
+    named through the loss, whichever of them the walk is handed first."""
+    from cudamem import _autograd
+
+    w = torch.randn(8, 8, requires_grad=True)
+    hidden = (torch.randn(8, 8) @ w).relu()
+    loss = (hidden * 2).sum()
+    owners = [hidden, loss] if inner_first else [loss, hidden]
+    walk = _autograd.walk_graphs(owners)
+    (owner, chain) = next((o, c) for o, c, *_rest, label in walk.saved if label == "variable")
+    assert owner is loss
+    assert chain == (
+        "grad_fn SumBackward0 → MulBackward0 → ReluBackward0 → MmBackward0 → AccumulateGrad"
+    )
+    relu_result = [c for o, c, *_rest, label in walk.saved if label == "saved result"]
+    assert relu_result == ["grad_fn SumBackward0 → MulBackward0 → ReluBackward0"]
+    assert walk.nodes == 5
