@@ -491,8 +491,10 @@ class Search:
                 continue
         else:
             return out
+        module_type = types.ModuleType
         for name, mod in items:
-            if type(name) is not str or not is_sub(type(mod), types.ModuleType):
+            tp = type(mod)
+            if type(name) is not str or (tp is not module_type and not is_sub(tp, module_type)):
                 continue
             try:
                 d = _MODULE_DICT.__get__(mod)
