@@ -459,6 +459,25 @@ static int edges_test(const Edges *e, const PtrSet *wanted, Py_ssize_t i) {
     return 0;
 }
 
+/* The objects of batch [start, end) whose recorded referents include a wanted address,
+ * into `tested`: one sequential read of the batch's recording (contiguous, in index order)
+ * that tests each address against the set's filter and, past it, the set. */
+static void edges_batch(const Edges *e, const PtrSet *wanted, Py_ssize_t start, Py_ssize_t end,
+                        char *tested) {
+    memset(tested, 0, (size_t)(end - start));
+    const uintptr_t *p = e->edges;
+    const uint64_t *bits = wanted->bits;
+    const size_t hi = e->beg[end - 1] + e->cnt[end - 1];
+    Py_ssize_t obj = start;
+    for (size_t j = e->beg[start]; j < hi; j++) {
+        const size_t b = filter_bit(p[j]);
+        if (!((bits[b >> 6] >> (b & 63)) & 1) || !set_has(wanted, p[j])) continue;
+        while (e->beg[obj] + e->cnt[obj] <= j) obj++;
+        tested[obj - start] = 1;
+        j = e->beg[obj] + e->cnt[obj] - 1; /* on to the next object's referents */
+    }
+}
+
 /* Array mode on a freshly recorded batch: the wanted test and the array search read the
  * recording (its addresses are alive: nothing ran since it was made). */
 static void edges_fresh_arrays(const Edges *e, Visit *v, Py_ssize_t start, Py_ssize_t end,
@@ -625,6 +644,12 @@ static PyObject *scan(PyObject *self, PyObject *args) {
                 failed = 1;
                 break;
             }
+        }
+        if (cached && !fresh && set.bits) {
+            /* the whole batch at once, against the ids wanted now (after a callback adds
+             * some, the rest of the batch is tested object by object) */
+            edges_batch(cache, &set, start, end, tested);
+            fresh = 1;
         }
         PyTypeObject *saved = v.array_type;
         v.array_type = NULL; /* the test proper stops at the first wanted referent */
@@ -829,6 +854,13 @@ static int visit_look(PyObject *o, void *arg) {
  * would find below it. Containers below which there is none are remembered. */
 static int look_below(PyObject *c, Rec *r, int depth, int *cut) {
     if (set_has(&r->dead, (uintptr_t)c)) return 0;
+#if defined(__GNUC__) || defined(__clang__)
+    /* the items' headers, all at once: the checks below then wait for one of them */
+    if (PyTuple_CheckExact(c)) {
+        for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(c); k++)
+            __builtin_prefetch((const void *)PyTuple_GET_ITEM(c, k));
+    }
+#endif
     traverseproc trav = Py_TYPE(c)->tp_traverse;
     Look l = {r, depth, 0, 0};
     if (trav) trav(c, visit_look, &l);
@@ -854,17 +886,19 @@ static int side_add(Edges *e, Py_ssize_t idx, PyObject *o) {
     return 0;
 }
 
-/* In array mode, keeps a recorded referent when it is an array or a non-empty untracked
- * dict or tuple that may lead to one. Pointer compares, type checks and a reference count. */
-static void side_visit(PyObject *o, Rec *r) {
-    int keep = Py_TYPE(o) == r->array_type;
-    if (!keep && is_untracked_container(o)) {
-        int cut = 0;
-        /* kept unless nothing below it is an array: descend would find nothing there */
-        keep = look_below(o, r, 0, &cut) || cut;
-    }
-    if (keep && side_add(r->e, r->idx, o) < 0) r->side_failed = 1;
+/* In array mode, whether to keep a recorded referent: an array, or a non-empty untracked
+ * dict or tuple that may lead to one. Pointer compares and type checks. */
+static int side_keep(PyObject *o, Rec *r) {
+    if (Py_TYPE(o) == r->array_type) return 1;
+    if (!is_untracked_container(o)) return 0;
+    int cut = 0;
+    /* kept unless nothing below it is an array: descend would find nothing there */
+    return look_below(o, r, 0, &cut) || cut;
 }
+
+#ifndef SIDE_PREFETCH
+#define SIDE_PREFETCH 48
+#endif
 
 /* After the recording, before anything else runs (every recorded address is alive: the
  * snapshot holds its objects and they hold their referents): the array-mode keeps, object
@@ -873,15 +907,28 @@ static void side_visit(PyObject *o, Rec *r) {
 static void side_pass(Rec *r, Py_ssize_t n) {
     Edges *e = r->e;
     const size_t total = e->len;
+    PyObject *last = NULL;
+    int keep = 0;
     for (Py_ssize_t i = 0; i < n && !r->side_failed; i++) {
         r->idx = i;
         size_t at = e->beg[i];
         const size_t end = at + e->cnt[i];
         for (; at < end && !r->side_failed; at++) {
 #if defined(__GNUC__) || defined(__clang__)
-            if (at + PREFETCH < total) __builtin_prefetch((const void *)e->edges[at + PREFETCH]);
+            if (at + SIDE_PREFETCH < total)
+                __builtin_prefetch((const void *)e->edges[at + SIDE_PREFETCH]);
 #endif
-            side_visit((PyObject *)e->edges[at], r);
+            PyObject *o = (PyObject *)e->edges[at];
+#ifdef SIDE_SAME
+            if (o != last) {
+                last = o;
+                keep = side_keep(o, r);
+            }
+#else
+            keep = side_keep(o, r);
+            (void)last;
+#endif
+            if (keep && side_add(e, i, o) < 0) r->side_failed = 1;
         }
     }
 }
