@@ -1083,6 +1083,37 @@ static PyObject *walk(PyObject *self, PyObject *args) {
 }
 #endif
 
+/* module_dicts(modules) -> {id(module.__dict__): name} for the modules of the dict
+ * `modules` (sys.modules) whose name is a str, the first name of each (in the dict's
+ * order). Reads fields only: no Python code runs. */
+static PyObject *module_dicts(PyObject *self, PyObject *modules) {
+    (void)self;
+    if (!PyDict_CheckExact(modules)) {
+        PyErr_SetString(PyExc_TypeError, "module_dicts: modules must be a dict");
+        return NULL;
+    }
+    PyObject *out = PyDict_New();
+    if (!out) return NULL;
+    Py_ssize_t pos = 0;
+    PyObject *name, *mod;
+    while (PyDict_Next(modules, &pos, &name, &mod)) {
+        if (!PyUnicode_CheckExact(name) || !PyModule_Check(mod)) continue;
+        PyObject *d = PyModule_GetDict(mod);
+        if (d == NULL) {
+            PyErr_Clear();
+            continue;
+        }
+        PyObject *key = PyLong_FromVoidPtr(d);
+        if (!key || PyDict_SetDefault(out, key, name) == NULL) {
+            Py_XDECREF(key);
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_DECREF(key);
+    }
+    return out;
+}
+
 static PyMethodDef methods[] = {
 #ifdef CUDAMEM_HAVE_WALK
     {"walk", walk, METH_VARARGS,
@@ -1091,6 +1122,7 @@ static PyMethodDef methods[] = {
     {"scan", scan, METH_VARARGS, "One pass over a heap snapshot (see the file's comment)."},
     {"instances", instances, METH_VARARGS, "The objects whose exact type is in a tuple."},
     {"gc_instances", gc_instances, METH_O, "The gc-tracked objects whose exact type is in a tuple."},
+    {"module_dicts", module_dicts, METH_O, "{id(module.__dict__): name} of sys.modules."},
     {"edges", edges_new, METH_VARARGS, "A new edge cache for repeated scans of one snapshot."},
     {"edges_info", edges_info, METH_VARARGS, "(batches, edges, full) of an edge cache."},
     {NULL, NULL, 0, NULL},

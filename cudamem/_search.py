@@ -481,7 +481,13 @@ class Search:
             out.values[id(value)] = value
 
     def _module_dicts(self) -> dict[int, str]:
-        """``id(module.__dict__) → module name`` for all of ``sys.modules``."""
+        """``id(module.__dict__) → module name`` for all of ``sys.modules`` (one C call
+        with the compiled heap pass)."""
+        module = _heapscan.native()
+        if module is not None and hasattr(module, "module_dicts"):
+            with contextlib.suppress(RuntimeError):  # another thread imported meanwhile
+                found: dict[int, str] = module.module_dicts(sys.modules)
+                return found
         out: dict[int, str] = {}
         for _ in range(3):
             try:

@@ -116,6 +116,61 @@ def test_a_pass_climbs_through_ids_added_by_its_callback(compiled: Any) -> None:
     assert [id(o) for o in fast] == [id(o) for o in slow] == [id(inner), id(outer)]
 
 
+def test_a_recorded_batch_climbs_through_ids_added_by_its_callback(compiled: Any) -> None:
+    # One batch of a snapshot whose referents are recorded: the batch is tested at once
+    # against the ids wanted at its start, and after each callback that adds ids the rest
+    # of it object by object; the same hits, in the same order, as a pass that traverses.
+    target = object()
+    chain: list[Any] = [target]
+    for _ in range(10):
+        chain.append([chain[-1]])
+    holders = chain[:0:-1]  # the outermost oldest: each holder is tested after its child
+    heap = [[i] for i in range(300)] + holders + [[target]] + [{"i": i} for i in range(300)]
+    grow = {id(h): id(h) for h in holders}
+    grow[id(heap[310])] = id(heap[310])
+    expected = [heap[310], *chain[1:]]
+    cache = compiled.edges(1 << 20)
+    runs = []
+    for edges in (None, cache, cache):  # traversed; recorded now; read off the recording
+        wanted = {id(target)}
+        added: list[int] = []
+        hits: list[Any] = []
+
+        def on_hit(
+            o: Any, wanted: set[int] = wanted, added: list[int] = added, hits: list[Any] = hits
+        ) -> bool:
+            hits.append(o)
+            new = grow.get(id(o))
+            if new is not None and new not in wanted:
+                wanted.add(new)
+                added.append(new)
+                return True
+            return False
+
+        compiled.scan(heap, set(wanted), added, on_hit, None, None, None, None, edges)
+        runs.append([id(o) for o in hits])
+    assert compiled.edges_info(cache)[0] == 1
+    assert runs[0] == runs[1] == runs[2] == [id(o) for o in expected]
+
+
+def test_module_dicts_names_each_module_dict_once(compiled: Any) -> None:
+    import types
+
+    class Sub(types.ModuleType):
+        pass
+
+    plain, sub = types.ModuleType("cm_plain"), Sub("cm_sub")
+    modules = {"cm_plain": plain, "cm_again": plain, "cm_sub": sub, 3: plain, "cm_x": object()}
+    assert compiled.module_dicts(modules) == {id(vars(plain)): "cm_plain", id(vars(sub)): "cm_sub"}
+    with pytest.raises(TypeError, match="must be a dict"):
+        compiled.module_dicts([plain])
+    search = cudamem._search.Search.__new__(cudamem._search.Search)
+    fast = search._module_dicts()
+    with _heapscan.python_pass():
+        assert search._module_dicts() == fast
+    assert fast[id(vars(sys))] == "sys"
+
+
 def test_arrays_inside_untracked_containers_are_handed_over_with_their_edges(
     compiled: Any,
 ) -> None:
