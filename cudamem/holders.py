@@ -278,9 +278,13 @@ def _search_once(
         queried = {id(o): i for i, o in enumerate(objs)}
         key_names: dict[str, str] = {}
         unnamed: list[Any] = []
+        by_target: dict[int, list[RawHolder]] = {}
+        if search.odd_keys:
+            for r in raws:
+                by_target.setdefault(r.target, []).append(r)
         for kid, key_obj in search.odd_keys.items():
             if kid in queried:
-                name = _key_name([r for r in raws if r.target == queried[kid]])
+                name = _key_name(by_target.get(queried[kid], []))
                 if name is not None:
                     key_names[str(kid)] = name
             elif len(unnamed) < _MAX_KEY_SEARCH and is_sub(type(key_obj), torch.Tensor):
