@@ -9,10 +9,15 @@
  * span of another thread open, a closed parent, a failing hook or read, a full queue) call
  * the same Python helpers the Python path calls, so each rule keeps one home in span.py.
  *
- * Module state is read at each call from span.py's and _backend.py's globals (hooks,
- * queues and constants may be rebound), so the C path sees what the Python path would.
- * RawSpan's fields are stored by their slot offsets, checked at ``init`` to be object
- * slots of that exact type; the objects read that way are checked to be RawSpans first.
+ * ``init`` makes a state (``Core``) for one span module: its globals, _backend.py's, its
+ * types and the containers it never rebinds. Nothing of a span module is process-wide, so
+ * a second ``cudamem.span`` in the process (a reload) gets a state of its own and each
+ * serves its own spans. The state's ``open``/``close``/``make``/``columns`` are its
+ * methods, and its ``enter``/``exit`` (MemorySpan's ``__enter__``/``__exit__``) hold it.
+ * Module state is read at each call from the globals (hooks, queues and constants may be
+ * rebound), so the C path sees what the Python path would. RawSpan's fields are stored by
+ * their slot offsets, checked at ``init`` to be object slots of that exact type; the
+ * objects read that way are checked to be RawSpans (MemorySpans) of the state first.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -45,10 +50,29 @@ static const char *FIELD_NAMES[N_FIELDS] = {
     "end_ns", "exit_devs", "after", "level", "alloc_delta", "res_delta", "peak_total",
     "peak_delta", "exception", "thread", "top_level", "dropped"};
 
-static Py_ssize_t off[N_FIELDS];
-static PyTypeObject *raw_type = NULL; /* span.RawSpan */
-static PyObject *g_span = NULL;       /* span.py's globals */
-static PyObject *g_backend = NULL;    /* _backend.py's globals */
+/* MemorySpan's fields, read by its ``__enter__``/``__exit__`` and stored by ``make``. */
+enum { M_DETACHED, M_DEVICE, M_EXTRAS, M_LEAKS, M_NAME, M_PEAK, M_RAW, M_SYNC, M_FIELDS };
+static const char *MFIELD_NAMES[M_FIELDS] = {"_detached", "_device", "_extras", "_leaks",
+                                             "_name",     "_peak",   "_raw",    "_sync"};
+
+/* One span module's state: what ``init`` was given for it and what it kept, so that two
+ * span modules in one process (a reload) each open and close their own spans. Its
+ * ``open``/``close``/``make``/``columns`` are its methods, and its ``enter``/``exit``
+ * (MemorySpan's methods through the core) hold it: nothing of it is process-wide. */
+typedef struct {
+    PyObject_HEAD
+    PyTypeObject *raw_type;  /* span.RawSpan; NULL once cleared (everything then refuses) */
+    PyTypeObject *span_type; /* span.MemorySpan */
+    PyObject *g_span;        /* span.py's globals */
+    PyObject *g_backend;     /* _backend.py's globals */
+    /* span.py's containers that are mutated in place and never rebound, kept at init. */
+    PyObject *open_peak, *process_peak, *inbox_append, *top, *tls, *finished, *finished_append;
+    PyObject *enter, *exit; /* MemorySpan.__enter__/__exit__ through this state */
+    /* Whether span._now_ns is time.perf_counter_ns, read here as that function does. */
+    int monotonic;
+    Py_ssize_t off[N_FIELDS];  /* RawSpan's slot offsets */
+    Py_ssize_t moff[M_FIELDS]; /* MemorySpan's */
+} Core;
 
 /* Interned names. */
 enum {
@@ -71,38 +95,43 @@ static const char *NAMES[N_NAMES] = {
     "_exit_hook_failed", "_close_failed", "append", "hooks", "_extras", "name"};
 static PyObject *S[N_NAMES];
 
-#define SLOT(o, f) (*(PyObject **)((char *)(o) + off[f]))
+/* Field ``f`` of a RawSpan of the state ``st``. */
+#define SLOT(st, o, f) (*(PyObject **)((char *)(o) + (st)->off[f]))
 
 /* Store ``v`` (a new reference, stolen) in field ``f`` of a RawSpan. */
-static void put(PyObject *o, int f, PyObject *v) {
-    PyObject *old = SLOT(o, f);
-    SLOT(o, f) = v;
+static void put(Core *st, PyObject *o, int f, PyObject *v) {
+    PyObject *old = SLOT(st, o, f);
+    SLOT(st, o, f) = v;
     Py_XDECREF(old);
 }
 
 /* Store ``v`` (borrowed) in field ``f``. */
-static void set(PyObject *o, int f, PyObject *v) { put(o, f, Py_NewRef(v)); }
+static void set(Core *st, PyObject *o, int f, PyObject *v) { put(st, o, f, Py_NewRef(v)); }
 
 /* A global of span.py (borrowed), or NULL with an exception set. */
-static PyObject *G(int name) {
-    PyObject *v = PyDict_GetItemWithError(g_span, S[name]);
+static PyObject *G(Core *st, int name) {
+    if (st->g_span == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "this span core state was cleared");
+        return NULL;
+    }
+    PyObject *v = PyDict_GetItemWithError(st->g_span, S[name]);
     if (v == NULL && !PyErr_Occurred())
         PyErr_Format(PyExc_RuntimeError, "cudamem.span has no %s", NAMES[name]);
     return v;
 }
 
-static PyObject *call0(int name) {
-    PyObject *f = G(name);
+static PyObject *call0(Core *st, int name) {
+    PyObject *f = G(st, name);
     return f == NULL ? NULL : PyObject_CallNoArgs(f);
 }
 
-static PyObject *call1(int name, PyObject *a) {
-    PyObject *f = G(name);
+static PyObject *call1(Core *st, int name, PyObject *a) {
+    PyObject *f = G(st, name);
     return f == NULL ? NULL : PyObject_CallOneArg(f, a);
 }
 
-static PyObject *callv(int name, PyObject *const *args, size_t n) {
-    PyObject *f = G(name);
+static PyObject *callv(Core *st, int name, PyObject *const *args, size_t n) {
+    PyObject *f = G(st, name);
     return f == NULL ? NULL : PyObject_Vectorcall(f, args, n, NULL);
 }
 
@@ -126,20 +155,14 @@ static PyObject *take_exception(void) {
  * ``BaseException`` that is not (KeyboardInterrupt, SystemExit) propagates. */
 static int catchable(void) { return PyErr_ExceptionMatches(PyExc_Exception); }
 
-/* span.py's containers that are mutated in place and never rebound, kept at init. */
-static PyObject *c_open_peak = NULL, *c_process_peak = NULL, *c_inbox_append = NULL;
-static PyObject *c_top = NULL, *c_tls = NULL, *c_finished = NULL, *c_finished_append = NULL;
-/* Whether span._now_ns is time.perf_counter_ns, read here as that function does. */
-static int c_monotonic = 0;
-
 /* ``_now_ns()``: CLOCK_MONOTONIC, what time.perf_counter_ns reads on Linux. */
-static PyObject *now_ns(void) {
+static PyObject *now_ns(Core *st) {
 #if defined(__linux__)
     struct timespec ts;
-    if (c_monotonic && clock_gettime(CLOCK_MONOTONIC, &ts) == 0)
+    if (st->monotonic && clock_gettime(CLOCK_MONOTONIC, &ts) == 0)
         return PyLong_FromLongLong((long long)ts.tv_sec * 1000000000LL + ts.tv_nsec);
 #endif
-    return call0(S_NOW_NS);
+    return call0(st, S_NOW_NS);
 }
 
 /* threading.get_ident(), the same object while the thread is the same. */
@@ -231,12 +254,12 @@ static int flag(PyObject *v) { return v == Py_True ? 1 : v == Py_False ? 0 : -1;
 /* ---------------------------------------------------------------------------- open */
 
 /* The entry measurement raised: span._entry_failed(span, err), as the Python except. */
-static int entry_failed(PyObject *span) {
+static int entry_failed(Core *st, PyObject *span) {
     if (!catchable())
         return -1;
     PyObject *err = take_exception();
     PyObject *args[2] = {span, err};
-    PyObject *r = callv(S_ENTRY_FAILED, args, 2);
+    PyObject *r = callv(st, S_ENTRY_FAILED, args, 2);
     Py_XDECREF(err);
     if (r == NULL)
         return -1;
@@ -246,8 +269,8 @@ static int entry_failed(PyObject *span) {
 
 /* A lone or same-thread peak span on one device: read and reset, fold, queue the
  * discarded peak (span._py_open's one-device branch). */
-static int enter_peak_one(PyObject *span, PyObject *backend, PyObject *d, PyObject *open_peak,
-                          PyObject *me, int alone) {
+static int enter_peak_one(Core *st, PyObject *span, PyObject *backend, PyObject *d,
+                          PyObject *open_peak, PyObject *me, int alone) {
     PyObject *values = read_counters(backend, d, S_FAST_RESET, S_COUNTERS_RESET_PEAK);
     if (values == NULL)
         return -1;
@@ -256,8 +279,8 @@ static int enter_peak_one(PyObject *span, PyObject *backend, PyObject *d, PyObje
         Py_DECREF(values);
         return -1;
     }
-    put(span, F_BEFORE, before);
-    set(span, F_ARMED, Py_True);
+    put(st, span, F_BEFORE, before);
+    set(st, span, F_ARMED, Py_True);
     PyObject *discarded = PySequence_GetItem(values, 2);
     Py_DECREF(values);
     if (discarded == NULL)
@@ -267,21 +290,21 @@ static int enter_peak_one(PyObject *span, PyObject *backend, PyObject *d, PyObje
         Py_ssize_t pos = 0;
         PyObject *other, *owner;
         while (PyDict_Next(open_peak, &pos, &other, &owner)) {
-            if (other == span || Py_TYPE(other) != raw_type || SLOT(other, F_OWNER) == NULL)
+            if (other == span || Py_TYPE(other) != st->raw_type || SLOT(st, other, F_OWNER) == NULL)
                 continue;
-            int mine = PyObject_RichCompareBool(SLOT(other, F_OWNER), me, Py_EQ);
+            int mine = PyObject_RichCompareBool(SLOT(st, other, F_OWNER), me, Py_EQ);
             if (mine < 0)
                 goto done;
             if (!mine)
                 continue;
-            PyObject *fold = SLOT(other, F_FOLD);
+            PyObject *fold = SLOT(st, other, F_FOLD);
             if (fold == NULL || fold == Py_None) {
                 PyObject *fresh = PyDict_New();
                 if (fresh == NULL || PyDict_SetItem(fresh, d, discarded) < 0) {
                     Py_XDECREF(fresh);
                     goto done;
                 }
-                put(other, F_FOLD, fresh);
+                put(st, other, F_FOLD, fresh);
             } else if (PyDict_CheckExact(fold)) {
                 PyObject *cur = PyDict_GetItemWithError(fold, d);
                 int higher = cur == NULL ? (PyErr_Occurred() ? -1 : 1)
@@ -295,20 +318,20 @@ static int enter_peak_one(PyObject *span, PyObject *backend, PyObject *d, PyObje
         }
     }
     { /* ``if discarded > _process_peak.get(d, -1)``: queue it */
-        PyObject *process_peak = c_process_peak;
+        PyObject *process_peak = st->process_peak;
         PyObject *cur = PyDict_GetItemWithError(process_peak, d);
         int higher = cur == NULL ? (PyErr_Occurred() ? -1 : 1)
                                  : PyObject_RichCompareBool(discarded, cur, Py_GT);
         if (higher < 0)
             goto done;
         if (higher) {
-            PyObject *inbox = G(S_PEAK_INBOX), *limit = G(S_PEAK_INBOX_MAX);
+            PyObject *inbox = G(st, S_PEAK_INBOX), *limit = G(st, S_PEAK_INBOX_MAX);
             if (inbox == NULL || limit == NULL)
                 goto done;
             PyObject *item = PyTuple_Pack(2, d, discarded);
             if (item == NULL)
                 goto done;
-            PyObject *r = PyObject_CallOneArg(c_inbox_append, item);
+            PyObject *r = PyObject_CallOneArg(st->inbox_append, item);
             Py_DECREF(item);
             if (r == NULL)
                 goto done;
@@ -318,7 +341,7 @@ static int enter_peak_one(PyObject *span, PyObject *backend, PyObject *d, PyObje
             if (n < 0 || (most == -1 && PyErr_Occurred()))
                 goto done;
             if (n > most) {
-                r = call0(S_MERGE_SOON);
+                r = call0(st, S_MERGE_SOON);
                 if (r == NULL)
                     goto done;
                 Py_DECREF(r);
@@ -332,7 +355,7 @@ done:
 }
 
 /* The measurement part of an open (the Python ``try`` block); -1 with an error set. */
-static int enter_measure(PyObject *span, PyObject *backend, PyObject *devs, int peak) {
+static int enter_measure(Core *st, PyObject *span, PyObject *backend, PyObject *devs, int peak) {
     PyObject *d = PyTuple_GET_ITEM(devs, 0);
     if (!peak) {
         PyObject *values = read_counters(backend, d, S_FAST_COUNTERS, S_COUNTERS);
@@ -342,17 +365,17 @@ static int enter_measure(PyObject *span, PyObject *backend, PyObject *devs, int 
         Py_DECREF(values);
         if (before == NULL)
             return -1;
-        put(span, F_BEFORE, before);
+        put(st, span, F_BEFORE, before);
         return 0;
     }
     PyObject *me = thread_ident();
     if (me == NULL)
         return -1;
-    set(span, F_OWNER, me);
-    set(span, F_SOLO, Py_True);
-    set(span, F_ARMED, Py_False);
+    set(st, span, F_OWNER, me);
+    set(st, span, F_SOLO, Py_True);
+    set(st, span, F_ARMED, Py_False);
     int rc = -1;
-    PyObject *open_peak = c_open_peak;
+    PyObject *open_peak = st->open_peak;
     if (PyDict_SetItem(open_peak, span, me) < 0) /* announce (see span._enter_peak) */
         goto done;
     int alone = PyDict_GET_SIZE(open_peak) == 1;
@@ -360,10 +383,10 @@ static int enter_measure(PyObject *span, PyObject *backend, PyObject *devs, int 
     if (only < 0)
         goto done;
     if (only) {
-        rc = enter_peak_one(span, backend, d, open_peak, me, alone);
+        rc = enter_peak_one(st, span, backend, d, open_peak, me, alone);
     } else {
         PyObject *args[3] = {span, backend, devs};
-        PyObject *r = callv(S_ENTER_PEAK, args, 3);
+        PyObject *r = callv(st, S_ENTER_PEAK, args, 3);
         if (r != NULL) {
             Py_DECREF(r);
             rc = 0;
@@ -379,8 +402,8 @@ done:
  * entry hooks) or to span._exit_hook_failed(hook, err, exc, pending), whose answer
  * becomes *pending (the error to raise after them: a new reference, or NULL). -1 for an
  * error the Python loop would not catch. */
-static int call_hooks(int name, PyObject *span, PyObject *exc, PyObject **pending) {
-    PyObject *hooks = G(name);
+static int call_hooks(Core *st, int name, PyObject *span, PyObject *exc, PyObject **pending) {
+    PyObject *hooks = G(st, name);
     if (hooks == NULL)
         return -1;
     if (!PyTuple_CheckExact(hooks)) {
@@ -403,10 +426,10 @@ static int call_hooks(int name, PyObject *span, PyObject *exc, PyObject **pendin
         PyObject *err = take_exception();
         if (pending == NULL) {
             PyObject *args[2] = {hook, err};
-            r = callv(S_ENTRY_HOOK_FAILED, args, 2);
+            r = callv(st, S_ENTRY_HOOK_FAILED, args, 2);
         } else {
             PyObject *args[4] = {hook, err, exc, *pending ? *pending : Py_None};
-            r = callv(S_EXIT_HOOK_FAILED, args, 4);
+            r = callv(st, S_EXIT_HOOK_FAILED, args, 4);
         }
         Py_XDECREF(err);
         if (r == NULL) {
@@ -424,28 +447,30 @@ static int call_hooks(int name, PyObject *span, PyObject *exc, PyObject **pendin
     return rc;
 }
 
-static PyObject *fallback(int name, PyObject *const *args, Py_ssize_t nargs,
+static PyObject *fallback(Core *st, int name, PyObject *const *args, Py_ssize_t nargs,
                           PyObject *kwnames) {
-    PyObject *f = G(name);
+    PyObject *f = G(st, name);
     return f == NULL ? NULL : PyObject_Vectorcall(f, args, nargs, kwnames);
 }
 
 /* open(name, device, sync, peak, leaks, nest=True, push=True, *, hooks=True) */
 static PyObject *core_open(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
                            PyObject *kwnames) {
+    Core *st = (Core *)self;
     int hooks;
-    if (raw_type == NULL || nargs < 5 || nargs > 7 || !keyword_hooks(args, nargs, kwnames, &hooks))
-        return fallback(S_PY_OPEN, args, nargs, kwnames);
+    if (st->raw_type == NULL || nargs < 5 || nargs > 7 ||
+        !keyword_hooks(args, nargs, kwnames, &hooks))
+        return fallback(st, S_PY_OPEN, args, nargs, kwnames);
     PyObject *name = args[0], *device = args[1];
     int sync = flag(args[2]), peak = flag(args[3]), leaks = flag(args[4]);
     int nest = nargs > 5 ? flag(args[5]) : 1, push = nargs > 6 ? flag(args[6]) : 1;
     if (sync != 0 || peak < 0 || leaks < 0 || nest < 0 || push < 0)
-        return fallback(S_PY_OPEN, args, nargs, kwnames);
-    PyObject *backend = PyDict_GetItemWithError(g_backend, S[S_ACTIVE]);
+        return fallback(st, S_PY_OPEN, args, nargs, kwnames);
+    PyObject *backend = PyDict_GetItemWithError(st->g_backend, S[S_ACTIVE]);
     if (backend == NULL) {
         if (PyErr_Occurred())
             return NULL;
-        return fallback(S_PY_OPEN, args, nargs, kwnames);
+        return fallback(st, S_PY_OPEN, args, nargs, kwnames);
     }
     Py_INCREF(backend);
     PyObject *devs;
@@ -464,48 +489,48 @@ static PyObject *core_open(PyObject *self, PyObject *const *args, Py_ssize_t nar
     }
     if (devs == NULL) { /* several devices, none settled yet, or an odd device */
         Py_DECREF(backend);
-        return fallback(S_PY_OPEN, args, nargs, kwnames);
+        return fallback(st, S_PY_OPEN, args, nargs, kwnames);
     }
-    PyObject *span = raw_type->tp_alloc(raw_type, 0);
+    PyObject *span = st->raw_type->tp_alloc(st->raw_type, 0);
     if (span == NULL) {
         Py_DECREF(backend);
         Py_DECREF(devs);
         return NULL;
     }
-    set(span, F_NAME, name);
-    set(span, F_DEVICE, device);
-    set(span, F_SYNC, Py_False);
-    set(span, F_PEAK, peak ? Py_True : Py_False);
-    set(span, F_LEAKS, leaks ? Py_True : Py_False);
-    set(span, F_PARENT, Py_None);
-    set(span, F_CHILDREN, Py_None);
-    set(span, F_EXTRAS, Py_None);
-    set(span, F_FOLD, Py_None);
-    set(span, F_XFOLD, Py_None);
-    set(span, F_RECORD, Py_None);
-    set(span, F_CLOSED, Py_False);
-    put(span, F_DEVS, devs); /* the reference moves into the span */
-    int rc = enter_measure(span, backend, devs, peak);
+    set(st, span, F_NAME, name);
+    set(st, span, F_DEVICE, device);
+    set(st, span, F_SYNC, Py_False);
+    set(st, span, F_PEAK, peak ? Py_True : Py_False);
+    set(st, span, F_LEAKS, leaks ? Py_True : Py_False);
+    set(st, span, F_PARENT, Py_None);
+    set(st, span, F_CHILDREN, Py_None);
+    set(st, span, F_EXTRAS, Py_None);
+    set(st, span, F_FOLD, Py_None);
+    set(st, span, F_XFOLD, Py_None);
+    set(st, span, F_RECORD, Py_None);
+    set(st, span, F_CLOSED, Py_False);
+    put(st, span, F_DEVS, devs); /* the reference moves into the span */
+    int rc = enter_measure(st, span, backend, devs, peak);
     Py_DECREF(backend);
-    if (rc < 0 && entry_failed(span) < 0)
+    if (rc < 0 && entry_failed(st, span) < 0)
         goto error;
     if (nest) {
-        PyObject *top = c_top, *parent = NULL;
+        PyObject *top = st->top, *parent = NULL;
         if (PyContextVar_Get(top, NULL, &parent) < 0)
             goto error;
         if (parent == NULL)
             parent = Py_NewRef(Py_None);
         if (parent != Py_None) {
-            PyObject *closed = Py_TYPE(parent) == raw_type ? SLOT(parent, F_CLOSED) : NULL;
+            PyObject *closed = Py_TYPE(parent) == st->raw_type ? SLOT(st, parent, F_CLOSED) : NULL;
             if (closed != Py_False) { /* closed, or not a RawSpan: the Python rule */
-                PyObject *live = call1(S_LIVE, parent);
+                PyObject *live = call1(st, S_LIVE, parent);
                 Py_DECREF(parent);
                 if (live == NULL)
                     goto error;
                 parent = live;
             }
         }
-        put(span, F_PARENT, parent);
+        put(st, span, F_PARENT, parent);
         if (push) {
             PyObject *token = PyContextVar_Set(top, span);
             if (token == NULL)
@@ -513,12 +538,12 @@ static PyObject *core_open(PyObject *self, PyObject *const *args, Py_ssize_t nar
             Py_DECREF(token);
         }
     }
-    if (hooks && call_hooks(leaks ? S_ENTRY_HOOKS_LEAKS : S_ENTRY_HOOKS, span, NULL, NULL) < 0)
+    if (hooks && call_hooks(st, leaks ? S_ENTRY_HOOKS_LEAKS : S_ENTRY_HOOKS, span, NULL, NULL) < 0)
         goto error;
-    PyObject *start = now_ns();
+    PyObject *start = now_ns(st);
     if (start == NULL)
         goto error;
-    put(span, F_START_NS, start);
+    put(st, span, F_START_NS, start);
     return span;
 error:
     Py_DECREF(span);
@@ -528,12 +553,12 @@ error:
 /* --------------------------------------------------------------------------- close */
 
 /* The last line of defence (span._close_failed), as the Python outer except. */
-static int close_failed(PyObject *span) {
+static int close_failed(Core *st, PyObject *span) {
     if (!catchable())
         return -1;
     PyObject *err = take_exception();
     PyObject *args[2] = {span, err};
-    PyObject *r = callv(S_CLOSE_FAILED, args, 2);
+    PyObject *r = callv(st, S_CLOSE_FAILED, args, 2);
     Py_XDECREF(err);
     if (r == NULL)
         return -1;
@@ -562,11 +587,11 @@ static int fold_max(PyObject *fold, PyObject *d, long long *top) {
 
 /* Everything of a close after the counters are read, up to the exit hooks (the Python
  * ``try`` block past the measurement); -1 with an error set. */
-static int close_body(PyObject *span, PyObject *backend, PyObject *exc, long long b[3],
+static int close_body(Core *st, PyObject *span, PyObject *backend, PyObject *exc, long long b[3],
                       long long a[3], PyObject *devs, int hooks) {
-    int peak = SLOT(span, F_PEAK) == Py_True;
+    int peak = SLOT(st, span, F_PEAK) == Py_True;
     if (peak) {
-        PyObject *open_peak = c_open_peak;
+        PyObject *open_peak = st->open_peak;
         if (PyDict_DelItem(open_peak, span) < 0) {
             if (!PyErr_ExceptionMatches(PyExc_KeyError))
                 return -1;
@@ -581,7 +606,7 @@ static int close_body(PyObject *span, PyObject *backend, PyObject *exc, long lon
             if (only < 0)
                 return -1;
             if (!only) { /* a fold of another thread may still be writing into this span */
-                PyObject *r = call0(S_WAIT_FOLDS);
+                PyObject *r = call0(st, S_WAIT_FOLDS);
                 if (r == NULL)
                     return -1;
                 Py_DECREF(r);
@@ -591,57 +616,57 @@ static int close_body(PyObject *span, PyObject *backend, PyObject *exc, long lon
     PyObject *v;
     if ((v = PyLong_FromLongLong(a[0])) == NULL)
         return -1;
-    put(span, F_LEVEL, v);
+    put(st, span, F_LEVEL, v);
     if ((v = PyLong_FromLongLong(a[0] - b[0])) == NULL)
         return -1;
-    put(span, F_ALLOC_DELTA, v);
+    put(st, span, F_ALLOC_DELTA, v);
     if ((v = PyLong_FromLongLong(a[1] - b[1])) == NULL)
         return -1;
-    put(span, F_RES_DELTA, v);
+    put(st, span, F_RES_DELTA, v);
     if (peak) {
         long long top = a[2] > b[0] ? a[2] : b[0];
-        PyObject *fold = SLOT(span, F_FOLD), *xfold = SLOT(span, F_XFOLD);
+        PyObject *fold = SLOT(st, span, F_FOLD), *xfold = SLOT(st, span, F_XFOLD);
         if ((fold != NULL && fold != Py_None) || (xfold != NULL && xfold != Py_None)) {
             PyObject *d = PyTuple_GET_ITEM(devs, 0);
             if (fold_max(fold, d, &top) < 0 || fold_max(xfold, d, &top) < 0)
                 return -1;
-            set(span, F_FOLD, Py_None);
-            set(span, F_XFOLD, Py_None);
+            set(st, span, F_FOLD, Py_None);
+            set(st, span, F_XFOLD, Py_None);
         }
         if ((v = PyLong_FromLongLong(top)) == NULL)
             return -1;
-        put(span, F_PEAK_TOTAL, v);
+        put(st, span, F_PEAK_TOTAL, v);
         if ((v = PyLong_FromLongLong(top - b[0])) == NULL)
             return -1;
-        put(span, F_PEAK_DELTA, v);
+        put(st, span, F_PEAK_DELTA, v);
     } else {
-        set(span, F_PEAK_TOTAL, Py_None);
-        set(span, F_PEAK_DELTA, Py_None);
+        set(st, span, F_PEAK_TOTAL, Py_None);
+        set(st, span, F_PEAK_DELTA, Py_None);
     }
     if (exc == Py_None) {
-        set(span, F_EXCEPTION, Py_None);
+        set(st, span, F_EXCEPTION, Py_None);
     } else {
         PyObject *args[2] = {exc, backend};
-        if ((v = callv(S_EXCEPTION_INFO, args, 2)) == NULL)
+        if ((v = callv(st, S_EXCEPTION_INFO, args, 2)) == NULL)
             return -1;
-        put(span, F_EXCEPTION, v);
+        put(st, span, F_EXCEPTION, v);
     }
-    v = PyObject_GetAttr(c_tls, S[S_NAME_ATTR]);
+    v = PyObject_GetAttr(st->tls, S[S_NAME_ATTR]);
     if (v == NULL) {
         if (!PyErr_ExceptionMatches(PyExc_AttributeError))
             return -1;
         PyErr_Clear();
-        if ((v = call0(S_THREAD_NAME)) == NULL)
+        if ((v = call0(st, S_THREAD_NAME)) == NULL)
             return -1;
     }
-    put(span, F_THREAD, v);
-    set(span, F_CLOSED, Py_True);
+    put(st, span, F_THREAD, v);
+    set(st, span, F_CLOSED, Py_True);
 
-    PyObject *parent = Py_NewRef(SLOT(span, F_PARENT) ? SLOT(span, F_PARENT) : Py_None);
+    PyObject *parent = Py_NewRef(SLOT(st, span, F_PARENT) ? SLOT(st, span, F_PARENT) : Py_None);
     if (parent != Py_None) {
-        PyObject *closed = Py_TYPE(parent) == raw_type ? SLOT(parent, F_CLOSED) : NULL;
+        PyObject *closed = Py_TYPE(parent) == st->raw_type ? SLOT(st, parent, F_CLOSED) : NULL;
         if (closed != Py_False) {
-            PyObject *live = call1(S_LIVE, parent);
+            PyObject *live = call1(st, S_LIVE, parent);
             Py_DECREF(parent);
             if (live == NULL)
                 return -1;
@@ -649,7 +674,7 @@ static int close_body(PyObject *span, PyObject *backend, PyObject *exc, long lon
         }
     }
     int rc = -1;
-    PyObject *top = c_top, *current = NULL;
+    PyObject *top = st->top, *current = NULL;
     if (PyContextVar_Get(top, NULL, &current) < 0)
         goto done;
     Py_XDECREF(current); /* only its identity is compared */
@@ -660,13 +685,13 @@ static int close_body(PyObject *span, PyObject *backend, PyObject *exc, long lon
         Py_DECREF(token);
     }
     if (parent != Py_None) {
-        if (Py_TYPE(parent) != raw_type) {
+        if (Py_TYPE(parent) != st->raw_type) {
             PyErr_SetString(PyExc_TypeError, "a span's parent is not a RawSpan");
             goto done;
         }
-        set(span, F_TOP_LEVEL, Py_False);
-        PyObject *children = SLOT(parent, F_CHILDREN);
-        PyObject *most_obj = G(S_MAX_CHILDREN);
+        set(st, span, F_TOP_LEVEL, Py_False);
+        PyObject *children = SLOT(st, parent, F_CHILDREN);
+        PyObject *most_obj = G(st, S_MAX_CHILDREN);
         if (most_obj == NULL)
             goto done;
         if (children == NULL || children == Py_None) {
@@ -674,7 +699,7 @@ static int close_body(PyObject *span, PyObject *backend, PyObject *exc, long lon
             if (fresh == NULL)
                 goto done;
             PyList_SET_ITEM(fresh, 0, Py_NewRef(span));
-            put(parent, F_CHILDREN, fresh);
+            put(st, parent, F_CHILDREN, fresh);
         } else {
             long long most = PyLong_AsLongLong(most_obj);
             if (most == -1 && PyErr_Occurred())
@@ -687,7 +712,7 @@ static int close_body(PyObject *span, PyObject *backend, PyObject *exc, long lon
                 if (PyList_Append(children, span) < 0)
                     goto done;
             } else {
-                PyObject *dropped = SLOT(parent, F_DROPPED);
+                PyObject *dropped = SLOT(st, parent, F_DROPPED);
                 PyObject *one = PyLong_FromLong(1), *more = NULL;
                 if (one != NULL) {
                     more = dropped == NULL ? Py_NewRef(one) : PyNumber_Add(dropped, one);
@@ -695,12 +720,12 @@ static int close_body(PyObject *span, PyObject *backend, PyObject *exc, long lon
                 }
                 if (more == NULL)
                     goto done;
-                put(parent, F_DROPPED, more);
+                put(st, parent, F_DROPPED, more);
             }
         }
     } else {
-        set(span, F_TOP_LEVEL, Py_True);
-        PyObject *own = SLOT(span, F_PARENT), *children = SLOT(span, F_CHILDREN);
+        set(st, span, F_TOP_LEVEL, Py_True);
+        PyObject *own = SLOT(st, span, F_PARENT), *children = SLOT(st, span, F_CHILDREN);
         int linked = own != NULL && own != Py_None;
         if (!linked && children != NULL && children != Py_None) {
             linked = PyObject_IsTrue(children);
@@ -708,19 +733,19 @@ static int close_body(PyObject *span, PyObject *backend, PyObject *exc, long lon
                 goto done;
         }
         if (linked) {
-            PyObject *r = call1(S_UNLINK, span);
+            PyObject *r = call1(st, S_UNLINK, span);
             if (r == NULL)
                 goto done;
             Py_DECREF(r);
         }
-        PyObject *sink = G(S_FINISHED_SINK);
+        PyObject *sink = G(st, S_FINISHED_SINK);
         if (sink == NULL)
             goto done;
         if (hooks && sink != Py_None) {
-            PyObject *queue = c_finished, *at = G(S_FINISHED_AT);
+            PyObject *queue = st->finished, *at = G(st, S_FINISHED_AT);
             if (at == NULL)
                 goto done;
-            PyObject *r = PyObject_CallOneArg(c_finished_append, span);
+            PyObject *r = PyObject_CallOneArg(st->finished_append, span);
             if (r == NULL)
                 goto done;
             Py_DECREF(r);
@@ -729,7 +754,7 @@ static int close_body(PyObject *span, PyObject *backend, PyObject *exc, long lon
             if (n < 0 || (most == -1 && PyErr_Occurred()))
                 goto done;
             if (n >= most) {
-                r = call0(S_DRAIN_FINISHED);
+                r = call0(st, S_DRAIN_FINISHED);
                 if (r == NULL)
                     goto done;
                 Py_DECREF(r);
@@ -745,30 +770,32 @@ done:
 /* close(span, exc, keeper=None, *, hooks=True) */
 static PyObject *core_close(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
                             PyObject *kwnames) {
+    Core *st = (Core *)self;
     int hooks;
-    if (raw_type == NULL || nargs < 2 || nargs > 3 || !keyword_hooks(args, nargs, kwnames, &hooks))
-        return fallback(S_PY_CLOSE, args, nargs, kwnames);
+    if (st->raw_type == NULL || nargs < 2 || nargs > 3 ||
+        !keyword_hooks(args, nargs, kwnames, &hooks))
+        return fallback(st, S_PY_CLOSE, args, nargs, kwnames);
     PyObject *span = args[0], *exc = args[1], *keeper = nargs > 2 ? args[2] : Py_None;
-    if (Py_TYPE(span) != raw_type)
-        return fallback(S_PY_CLOSE, args, nargs, kwnames);
-    PyObject *closed = SLOT(span, F_CLOSED);
+    if (Py_TYPE(span) != st->raw_type)
+        return fallback(st, S_PY_CLOSE, args, nargs, kwnames);
+    PyObject *closed = SLOT(st, span, F_CLOSED);
     if (closed == Py_True)
         Py_RETURN_NONE;
-    PyObject *devs = SLOT(span, F_DEVS), *device = SLOT(span, F_DEVICE);
-    PyObject *before = SLOT(span, F_BEFORE);
+    PyObject *devs = SLOT(st, span, F_DEVS), *device = SLOT(st, span, F_DEVICE);
+    PyObject *before = SLOT(st, span, F_BEFORE);
     if (closed != Py_False || devs == NULL || device == NULL || before == NULL ||
-        SLOT(span, F_SYNC) != Py_False || !PyTuple_CheckExact(devs) ||
+        SLOT(st, span, F_SYNC) != Py_False || !PyTuple_CheckExact(devs) ||
         PyTuple_GET_SIZE(devs) != 1 || !PyTuple_CheckExact(before) ||
         PyTuple_GET_SIZE(before) != 1)
-        return fallback(S_PY_CLOSE, args, nargs, kwnames);
+        return fallback(st, S_PY_CLOSE, args, nargs, kwnames);
     long long b[3], a[3];
     if (!triple(PyTuple_GET_ITEM(before, 0), b))
-        return fallback(S_PY_CLOSE, args, nargs, kwnames);
-    PyObject *backend = PyDict_GetItemWithError(g_backend, S[S_ACTIVE]);
+        return fallback(st, S_PY_CLOSE, args, nargs, kwnames);
+    PyObject *backend = PyDict_GetItemWithError(st->g_backend, S[S_ACTIVE]);
     if (backend == NULL) {
         if (PyErr_Occurred())
             return NULL;
-        return fallback(S_PY_CLOSE, args, nargs, kwnames);
+        return fallback(st, S_PY_CLOSE, args, nargs, kwnames);
     }
     Py_INCREF(backend);
     Py_INCREF(span);
@@ -782,10 +809,10 @@ static PyObject *core_close(PyObject *self, PyObject *const *args, Py_ssize_t na
         if (settled != devs)
             goto python;
     }
-    PyObject *end = now_ns();
+    PyObject *end = now_ns(st);
     if (end == NULL)
         goto python_clear;
-    put(span, F_END_NS, end);
+    put(st, span, F_END_NS, end);
     PyObject *values = read_counters(backend, PyTuple_GET_ITEM(devs, 0), S_FAST_COUNTERS,
                                      S_COUNTERS);
     if (values == NULL)
@@ -798,23 +825,23 @@ static PyObject *core_close(PyObject *self, PyObject *const *args, Py_ssize_t na
     Py_DECREF(values);
     if (after == NULL)
         goto python_clear;
-    set(span, F_EXIT_DEVS, devs);
-    put(span, F_AFTER, after);
+    set(st, span, F_EXIT_DEVS, devs);
+    put(st, span, F_AFTER, after);
     /* As the Python try block: a failure before the hooks skips them. */
-    if (close_body(span, backend, exc, b, a, devs, hooks) < 0) {
-        if (close_failed(span) < 0)
+    if (close_body(st, span, backend, exc, b, a, devs, hooks) < 0) {
+        if (close_failed(st, span) < 0)
             goto out;
     } else if (hooks &&
-               call_hooks(exc == Py_None ? S_EXIT_CALLS_OK : S_EXIT_CALLS, span, exc, &pending) <
-                   0 &&
-               close_failed(span) < 0) {
+               call_hooks(st, exc == Py_None ? S_EXIT_CALLS_OK : S_EXIT_CALLS, span, exc,
+                          &pending) < 0 &&
+               close_failed(st, span) < 0) {
         goto out;
     }
-    PyObject *extras = SLOT(span, F_EXTRAS);
+    PyObject *extras = SLOT(st, span, F_EXTRAS);
     if (extras != NULL && extras != Py_None) {
         if (keeper != Py_None && PyObject_SetAttr(keeper, S[S_EXTRAS_ATTR], extras) < 0)
             goto out;
-        set(span, F_EXTRAS, Py_None);
+        set(st, span, F_EXTRAS, Py_None);
     }
     if (pending != NULL) {
         PyErr_SetObject((PyObject *)Py_TYPE(pending), pending);
@@ -827,7 +854,7 @@ python_clear:
         goto out;
     PyErr_Clear();
 python:
-    result = fallback(S_PY_CLOSE, args, nargs, kwnames);
+    result = fallback(st, S_PY_CLOSE, args, nargs, kwnames);
 out:
     Py_XDECREF(pending);
     Py_DECREF(devs);
@@ -838,68 +865,270 @@ out:
 
 /* ---------------------------------------------------------- MemorySpan's with block */
 
-enum { M_DETACHED, M_DEVICE, M_EXTRAS, M_LEAKS, M_NAME, M_PEAK, M_RAW, M_SYNC, M_FIELDS };
-static const char *MFIELD_NAMES[M_FIELDS] = {"_detached", "_device", "_extras", "_leaks",
-                                             "_name",     "_peak",   "_raw",    "_sync"};
-static Py_ssize_t moff[M_FIELDS];
-static PyTypeObject *span_type = NULL; /* span.MemorySpan */
-static PyObject *s_span_default = NULL;  /* "span" */
+static PyObject *s_span_default = NULL; /* "span" */
 static PyObject *s_py_enter = NULL, *s_py_exit = NULL;
 
-#define MSLOT(o, f) (*(PyObject **)((char *)(o) + moff[f]))
+/* Field ``f`` of a MemorySpan of the state ``st``. */
+#define MSLOT(st, o, f) (*(PyObject **)((char *)(o) + (st)->moff[f]))
 
-/* MemorySpan.__enter__: the span on the stack, opened by ``core_open``; a span entered
- * before or detached goes to the Python method (``span._py_span_enter``). */
-static PyObject *span_enter(PyObject *self, PyObject *unused) {
-    PyObject *raw = MSLOT(self, M_RAW), *detached = MSLOT(self, M_DETACHED);
-    PyObject *name = MSLOT(self, M_NAME);
+/* MemorySpan's ``__enter__`` or ``__exit__`` through one state: a method descriptor of its
+ * own kind that holds its state, so that a call finds the state through its own object.
+ * Called unbound with the span first (``MemorySpan.__enter__(span)``; CPython calls so
+ * where it can, Py_TPFLAGS_METHOD_DESCRIPTOR) or bound to a span (a SpanBound, what a
+ * ``with`` block looks up). */
+typedef struct {
+    PyObject_HEAD
+    Core *core;
+    PyObject *name, *qualname; /* "__enter__", "MemorySpan.__enter__" */
+    vectorcallfunc vectorcall; /* called unbound */
+    vectorcallfunc bound;      /* its SpanBound's call */
+} SpanMethod;
+
+/* A SpanMethod bound to a span, as a bound method, called straight into the core. */
+typedef struct {
+    PyObject_HEAD
+    SpanMethod *method;
+    PyObject *self;
+    vectorcallfunc vectorcall;
+} SpanBound;
+
+/* Whether ``o`` is a MemorySpan of the state (its fields lie at the offsets read here). */
+static int own_span(Core *st, PyObject *o) {
+    return st->span_type != NULL &&
+           (Py_IS_TYPE(o, st->span_type) || PyObject_TypeCheck(o, st->span_type));
+}
+
+/* The Python method (``span._py_span_enter`` or ``_py_span_exit``) with the same call. */
+static PyObject *py_method(Core *st, PyObject *name, PyObject *const *args, size_t nargsf,
+                           PyObject *kwnames) {
+    if (st->g_span == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "this span core state was cleared");
+        return NULL;
+    }
+    PyObject *f = PyDict_GetItemWithError(st->g_span, name);
+    if (f == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_RuntimeError, "cudamem.span has no %U", name);
+        return NULL;
+    }
+    return PyObject_Vectorcall(f, args, nargsf, kwnames);
+}
+
+/* ``self.__enter__()`` for a MemorySpan of ``st``: the span on the stack, opened by
+ * ``core_open``; a span entered before or detached goes to the Python method. */
+static PyObject *enter_own(Core *st, PyObject *self) {
+    PyObject *raw = MSLOT(st, self, M_RAW), *detached = MSLOT(st, self, M_DETACHED);
+    PyObject *name = MSLOT(st, self, M_NAME);
     if (raw != Py_None || detached == NULL || !PyLong_CheckExact(detached) ||
-        PyLong_AsLong(detached) != 0 || name == NULL || MSLOT(self, M_DEVICE) == NULL ||
-        MSLOT(self, M_SYNC) == NULL || MSLOT(self, M_PEAK) == NULL ||
-        MSLOT(self, M_LEAKS) == NULL) {
+        PyLong_AsLong(detached) != 0 || name == NULL || MSLOT(st, self, M_DEVICE) == NULL ||
+        MSLOT(st, self, M_SYNC) == NULL || MSLOT(st, self, M_PEAK) == NULL ||
+        MSLOT(st, self, M_LEAKS) == NULL) {
         if (PyErr_Occurred())
             return NULL;
-        PyObject *f = PyDict_GetItemWithError(g_span, s_py_enter);
-        return f == NULL ? NULL : PyObject_CallOneArg(f, self);
+        return py_method(st, s_py_enter, &self, 1, NULL);
     }
     if (name == Py_None || (PyUnicode_Check(name) && PyUnicode_GET_LENGTH(name) == 0))
         name = s_span_default; /* ``self._name or "span"`` */
-    PyObject *args[5] = {name, MSLOT(self, M_DEVICE), MSLOT(self, M_SYNC), MSLOT(self, M_PEAK),
-                         MSLOT(self, M_LEAKS)};
-    PyObject *span = core_open(NULL, args, 5, NULL);
+    PyObject *call[5] = {name, MSLOT(st, self, M_DEVICE), MSLOT(st, self, M_SYNC),
+                         MSLOT(st, self, M_PEAK), MSLOT(st, self, M_LEAKS)};
+    PyObject *span = core_open((PyObject *)st, call, 5, NULL);
     if (span == NULL)
         return NULL;
-    PyObject *old = MSLOT(self, M_RAW);
-    MSLOT(self, M_RAW) = span;
+    PyObject *old = MSLOT(st, self, M_RAW);
+    MSLOT(st, self, M_RAW) = span;
     Py_XDECREF(old);
     return Py_NewRef(self);
 }
 
-/* MemorySpan.__exit__(exc_type, exc, tb): ``core_close(self._raw, exc, self)``. */
-static PyObject *span_exit(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3) {
-        PyObject *f = PyDict_GetItemWithError(g_span, s_py_exit);
-        if (f == NULL)
-            return NULL;
-        PyObject *call[4] = {self, nargs > 0 ? args[0] : Py_None, nargs > 1 ? args[1] : Py_None,
-                             nargs > 2 ? args[2] : Py_None};
-        return PyObject_Vectorcall(f, call, 4, NULL);
-    }
-    PyObject *raw = MSLOT(self, M_RAW);
+/* ``self.__exit__(exc_type, exc, tb)`` for a MemorySpan of ``st``:
+ * ``core_close(self._raw, exc, self)``. */
+static PyObject *exit_own(Core *st, PyObject *self, PyObject *exc) {
+    PyObject *raw = MSLOT(st, self, M_RAW);
     if (raw == NULL || raw == Py_None)
         Py_RETURN_NONE;
     Py_INCREF(raw);
-    PyObject *call[3] = {raw, args[1], self};
-    PyObject *r = core_close(NULL, call, 3, NULL);
+    PyObject *call[3] = {raw, exc, self};
+    PyObject *r = core_close((PyObject *)st, call, 3, NULL);
     Py_DECREF(raw);
     return r;
+}
+
+/* MemorySpan.__enter__(self), unbound; any other call goes to the Python method. */
+static PyObject *span_enter(PyObject *method, PyObject *const *args, size_t nargsf,
+                            PyObject *kwnames) {
+    Core *st = ((SpanMethod *)method)->core;
+    if (PyVectorcall_NARGS(nargsf) != 1 || kwnames != NULL || !own_span(st, args[0]))
+        return py_method(st, s_py_enter, args, nargsf, kwnames);
+    return enter_own(st, args[0]);
+}
+
+/* MemorySpan.__exit__(self, exc_type, exc, tb), unbound; any other call goes to the Python
+ * method. */
+static PyObject *span_exit(PyObject *method, PyObject *const *args, size_t nargsf,
+                           PyObject *kwnames) {
+    Core *st = ((SpanMethod *)method)->core;
+    if (PyVectorcall_NARGS(nargsf) != 4 || kwnames != NULL || !own_span(st, args[0]))
+        return py_method(st, s_py_exit, args, nargsf, kwnames);
+    return exit_own(st, args[0], args[2]);
+}
+
+/* A bound call other than the ``with`` block's: as a bound method calls (the span first). */
+static PyObject *bound_other(SpanBound *b, PyObject *const *args, size_t nargsf,
+                             PyObject *kwnames) {
+    PyObject *m = PyMethod_New((PyObject *)b->method, b->self);
+    if (m == NULL)
+        return NULL;
+    PyObject *r = PyObject_Vectorcall(m, args, nargsf, kwnames);
+    Py_DECREF(m);
+    return r;
+}
+
+static PyObject *bound_enter(PyObject *self, PyObject *const *args, size_t nargsf,
+                             PyObject *kwnames) {
+    SpanBound *b = (SpanBound *)self;
+    Core *st = b->method->core;
+    if (PyVectorcall_NARGS(nargsf) != 0 || kwnames != NULL || !own_span(st, b->self))
+        return bound_other(b, args, nargsf, kwnames);
+    return enter_own(st, b->self);
+}
+
+static PyObject *bound_exit(PyObject *self, PyObject *const *args, size_t nargsf,
+                            PyObject *kwnames) {
+    SpanBound *b = (SpanBound *)self;
+    Core *st = b->method->core;
+    if (PyVectorcall_NARGS(nargsf) != 3 || kwnames != NULL || !own_span(st, b->self))
+        return bound_other(b, args, nargsf, kwnames);
+    return exit_own(st, b->self, args[1]);
+}
+
+static int bound_traverse(PyObject *self, visitproc visit, void *arg) {
+    Py_VISIT(((SpanBound *)self)->method);
+    Py_VISIT(((SpanBound *)self)->self);
+    return 0;
+}
+
+static void bound_dealloc(PyObject *self) {
+    SpanBound *b = (SpanBound *)self;
+    PyObject_GC_UnTrack(self);
+    Py_XDECREF(b->method);
+    Py_XDECREF(b->self);
+    PyObject_GC_Del(self);
+}
+
+static PyObject *bound_repr(PyObject *self) {
+    SpanBound *b = (SpanBound *)self;
+    return PyUnicode_FromFormat("<bound %U of %R>", b->method->qualname, b->self);
+}
+
+static PyMemberDef bound_members[] = {
+    {"__self__", T_OBJECT, offsetof(SpanBound, self), READONLY, NULL},
+    {"__func__", T_OBJECT, offsetof(SpanBound, method), READONLY, NULL},
+    {NULL, 0, 0, 0, NULL}};
+
+static PyTypeObject SpanBoundType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = CM_STR(CUDAMEM_MODULE_NAME) ".SpanBound",
+    .tp_basicsize = sizeof(SpanBound),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_vectorcall_offset = offsetof(SpanBound, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_repr = bound_repr,
+    .tp_traverse = bound_traverse,
+    .tp_dealloc = bound_dealloc,
+    .tp_members = bound_members,
+};
+
+/* Bound to a span: a SpanBound (one that is not the state's goes to the Python method, as
+ * a bound method); on the class: itself. */
+static PyObject *method_get(PyObject *self, PyObject *obj, PyObject *type) {
+    SpanMethod *m = (SpanMethod *)self;
+    if (obj == NULL || obj == Py_None)
+        return Py_NewRef(self);
+    if (!own_span(m->core, obj))
+        return PyMethod_New(self, obj);
+    SpanBound *b = PyObject_GC_New(SpanBound, &SpanBoundType);
+    if (b == NULL)
+        return NULL;
+    b->method = (SpanMethod *)Py_NewRef(self);
+    b->self = Py_NewRef(obj);
+    b->vectorcall = m->bound;
+    PyObject_GC_Track(b);
+    return (PyObject *)b;
+}
+
+static PyObject *method_repr(PyObject *self) {
+    return PyUnicode_FromFormat("<%U of the compiled span core>", ((SpanMethod *)self)->qualname);
+}
+
+static PyObject *method_doc(PyObject *self, void *closure) {
+    return PyUnicode_FromFormat("MemorySpan.%U through the compiled span core.",
+                                ((SpanMethod *)self)->name);
+}
+
+static int method_traverse(PyObject *self, visitproc visit, void *arg) {
+    Py_VISIT(((SpanMethod *)self)->core);
+    return 0;
+}
+
+static void method_dealloc(PyObject *self) {
+    SpanMethod *m = (SpanMethod *)self;
+    PyObject_GC_UnTrack(self);
+    Py_XDECREF(m->core);
+    Py_XDECREF(m->name);
+    Py_XDECREF(m->qualname);
+    Py_TYPE(self)->tp_free(self);
+}
+
+static PyMemberDef method_members[] = {
+    {"__name__", T_OBJECT, offsetof(SpanMethod, name), READONLY, NULL},
+    {"__qualname__", T_OBJECT, offsetof(SpanMethod, qualname), READONLY, NULL},
+    {NULL, 0, 0, 0, NULL}};
+
+static PyGetSetDef method_getset[] = {{"__doc__", method_doc, NULL, NULL, NULL},
+                                      {NULL, NULL, NULL, NULL, NULL}};
+
+static PyTypeObject SpanMethodType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = CM_STR(CUDAMEM_MODULE_NAME) ".SpanMethod",
+    .tp_basicsize = sizeof(SpanMethod),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL |
+                Py_TPFLAGS_METHOD_DESCRIPTOR,
+    .tp_vectorcall_offset = offsetof(SpanMethod, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_descr_get = method_get,
+    .tp_repr = method_repr,
+    .tp_traverse = method_traverse,
+    .tp_dealloc = method_dealloc,
+    .tp_members = method_members,
+    .tp_getset = method_getset,
+};
+
+/* A SpanMethod of ``st`` named ``name`` (a new reference, or NULL with an error). */
+static PyObject *new_method(Core *st, PyObject *type_qualname, const char *name,
+                            vectorcallfunc call, vectorcallfunc bound) {
+    SpanMethod *m = (SpanMethod *)SpanMethodType.tp_alloc(&SpanMethodType, 0);
+    if (m == NULL)
+        return NULL;
+    m->core = (Core *)Py_NewRef((PyObject *)st);
+    m->vectorcall = call;
+    m->bound = bound;
+    m->name = PyUnicode_InternFromString(name);
+    m->qualname = PyUnicode_FromFormat("%U.%s", type_qualname, name);
+    if (m->name == NULL || m->qualname == NULL) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return (PyObject *)m;
 }
 
 /* make(name, sync, peak, leaks): ``track(name, ...)``'s MemorySpan (no device), its fields
  * stored as span._py_make_span stores them. */
 static PyObject *core_make(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (span_type == NULL || nargs != 4) {
+    Core *st = (Core *)self;
+    if (nargs != 4) {
         PyErr_SetString(PyExc_TypeError, "make(name, sync, peak, leaks)");
+        return NULL;
+    }
+    if (st->span_type == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "this span core state was cleared");
         return NULL;
     }
     int flags[3];
@@ -909,18 +1138,18 @@ static PyObject *core_make(PyObject *self, PyObject *const *args, Py_ssize_t nar
         if (flags[i] < 0)
             return NULL;
     }
-    PyObject *span = span_type->tp_alloc(span_type, 0);
+    PyObject *span = st->span_type->tp_alloc(st->span_type, 0);
     if (span == NULL)
         return NULL;
-    MSLOT(span, M_NAME) = Py_NewRef(args[0]);
-    MSLOT(span, M_DEVICE) = Py_NewRef(Py_None);
-    MSLOT(span, M_RAW) = Py_NewRef(Py_None);
-    MSLOT(span, M_EXTRAS) = Py_NewRef(Py_None);
-    MSLOT(span, M_DETACHED) = PyLong_FromLong(0);
-    MSLOT(span, M_SYNC) = Py_NewRef(flags[0] ? Py_True : Py_False);
-    MSLOT(span, M_PEAK) = Py_NewRef(flags[1] ? Py_True : Py_False);
-    MSLOT(span, M_LEAKS) = Py_NewRef(flags[2] ? Py_True : Py_False);
-    if (MSLOT(span, M_DETACHED) == NULL) {
+    MSLOT(st, span, M_NAME) = Py_NewRef(args[0]);
+    MSLOT(st, span, M_DEVICE) = Py_NewRef(Py_None);
+    MSLOT(st, span, M_RAW) = Py_NewRef(Py_None);
+    MSLOT(st, span, M_EXTRAS) = Py_NewRef(Py_None);
+    MSLOT(st, span, M_DETACHED) = PyLong_FromLong(0);
+    MSLOT(st, span, M_SYNC) = Py_NewRef(flags[0] ? Py_True : Py_False);
+    MSLOT(st, span, M_PEAK) = Py_NewRef(flags[1] ? Py_True : Py_False);
+    MSLOT(st, span, M_LEAKS) = Py_NewRef(flags[2] ? Py_True : Py_False);
+    if (MSLOT(st, span, M_DETACHED) == NULL) {
         Py_DECREF(span);
         return NULL;
     }
@@ -931,8 +1160,8 @@ static PyObject *core_make(PyObject *self, PyObject *const *args, Py_ssize_t nar
 
 /* An int slot of a RawSpan as a long long; 0 when it is not one (the fold then goes to
  * Python). */
-static int int_slot(PyObject *r, int f, long long *out) {
-    PyObject *v = SLOT(r, f);
+static int int_slot(Core *st, PyObject *r, int f, long long *out) {
+    PyObject *v = SLOT(st, r, f);
     int overflow = 0;
     if (v == NULL || !PyLong_CheckExact(v))
         return 0;
@@ -953,7 +1182,8 @@ static int int_slot(PyObject *r, int f, long long *out) {
  * peak_calls, peak_sum, peakd_sum, peak_max, peakd_max), or None when a span is not what
  * this fold reads (then _history folds the batch in Python, to the same figures). */
 static PyObject *core_columns(PyObject *self, PyObject *spans) {
-    if (raw_type == NULL || !PyList_CheckExact(spans) || PyList_GET_SIZE(spans) == 0)
+    Core *st = (Core *)self;
+    if (st->raw_type == NULL || !PyList_CheckExact(spans) || PyList_GET_SIZE(spans) == 0)
         Py_RETURN_NONE;
     Py_ssize_t errors = 0, measured = 0, peaks = 0;
     long long alloc_sum = 0, res_sum = 0, dur_sum = 0, peak_sum = 0, peakd_sum = 0;
@@ -962,12 +1192,12 @@ static PyObject *core_columns(PyObject *self, PyObject *spans) {
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(spans); i++) {
         PyObject *r = PyList_GET_ITEM(spans, i);
         long long a, res, end, start, peak, peakd;
-        if (Py_TYPE(r) != raw_type || !int_slot(r, F_ALLOC_DELTA, &a) ||
-            !int_slot(r, F_RES_DELTA, &res) || !int_slot(r, F_END_NS, &end) ||
-            !int_slot(r, F_START_NS, &start))
+        if (Py_TYPE(r) != st->raw_type || !int_slot(st, r, F_ALLOC_DELTA, &a) ||
+            !int_slot(st, r, F_RES_DELTA, &res) || !int_slot(st, r, F_END_NS, &end) ||
+            !int_slot(st, r, F_START_NS, &start))
             Py_RETURN_NONE;
-        PyObject *exc = SLOT(r, F_EXCEPTION), *after = SLOT(r, F_AFTER);
-        PyObject *top = SLOT(r, F_PEAK_TOTAL), *topd = SLOT(r, F_PEAK_DELTA);
+        PyObject *exc = SLOT(st, r, F_EXCEPTION), *after = SLOT(st, r, F_AFTER);
+        PyObject *top = SLOT(st, r, F_PEAK_TOTAL), *topd = SLOT(st, r, F_PEAK_DELTA);
         if (exc == NULL || after == NULL || !PyTuple_CheckExact(after) || top == NULL ||
             topd == NULL)
             Py_RETURN_NONE;
@@ -984,7 +1214,7 @@ static PyObject *core_columns(PyObject *self, PyObject *spans) {
         dur_max = dur > dur_max ? dur : dur_max;
         if (top == Py_None || topd == Py_None)
             continue;
-        if (!int_slot(r, F_PEAK_TOTAL, &peak) || !int_slot(r, F_PEAK_DELTA, &peakd))
+        if (!int_slot(st, r, F_PEAK_TOTAL, &peak) || !int_slot(st, r, F_PEAK_DELTA, &peakd))
             Py_RETURN_NONE;
         peaks++;
         ADD(peak_sum, peak);
@@ -997,10 +1227,79 @@ static PyObject *core_columns(PyObject *self, PyObject *spans) {
                          peakd_max);
 }
 
-static PyMethodDef enter_def = {"__enter__", span_enter, METH_NOARGS,
-                                "Open the span (the compiled span core)."};
-static PyMethodDef exit_def = {"__exit__", (PyCFunction)(void (*)(void))span_exit,
-                               METH_FASTCALL, "Close the span (the compiled span core)."};
+/* ------------------------------------------------------------------- the state */
+
+static int core_traverse(PyObject *self, visitproc visit, void *arg) {
+    Core *st = (Core *)self;
+    Py_VISIT(st->raw_type);
+    Py_VISIT(st->span_type);
+    Py_VISIT(st->g_span);
+    Py_VISIT(st->g_backend);
+    Py_VISIT(st->open_peak);
+    Py_VISIT(st->process_peak);
+    Py_VISIT(st->inbox_append);
+    Py_VISIT(st->top);
+    Py_VISIT(st->tls);
+    Py_VISIT(st->finished);
+    Py_VISIT(st->finished_append);
+    Py_VISIT(st->enter);
+    Py_VISIT(st->exit);
+    return 0;
+}
+
+/* The types first: a call that comes while the rest is cleared finds them NULL and goes no
+ * further (open and close hand the call on, and a cleared ``g_span`` refuses it). */
+static int core_clear(PyObject *self) {
+    Core *st = (Core *)self;
+    Py_CLEAR(st->raw_type);
+    Py_CLEAR(st->span_type);
+    Py_CLEAR(st->enter);
+    Py_CLEAR(st->exit);
+    Py_CLEAR(st->open_peak);
+    Py_CLEAR(st->process_peak);
+    Py_CLEAR(st->inbox_append);
+    Py_CLEAR(st->top);
+    Py_CLEAR(st->tls);
+    Py_CLEAR(st->finished);
+    Py_CLEAR(st->finished_append);
+    Py_CLEAR(st->g_backend);
+    Py_CLEAR(st->g_span);
+    return 0;
+}
+
+static void core_dealloc(PyObject *self) {
+    PyObject_GC_UnTrack(self);
+    core_clear(self);
+    Py_TYPE(self)->tp_free(self);
+}
+
+static PyMethodDef core_methods[] = {
+    {"open", (PyCFunction)(void (*)(void))core_open, METH_FASTCALL | METH_KEYWORDS,
+     "open(name, device, sync, peak, leaks, nest=True, push=True, *, hooks=True)"},
+    {"close", (PyCFunction)(void (*)(void))core_close, METH_FASTCALL | METH_KEYWORDS,
+     "close(span, exc, keeper=None, *, hooks=True)"},
+    {"columns", core_columns, METH_O,
+     "columns(spans): a batch of closed spans' sums and maxima for the history"},
+    {"make", (PyCFunction)(void (*)(void))core_make, METH_FASTCALL,
+     "make(name, sync, peak, leaks): track()'s MemorySpan"},
+    {NULL, NULL, 0, NULL}};
+
+static PyMemberDef core_members[] = {
+    {"enter", T_OBJECT, offsetof(Core, enter), READONLY, "MemorySpan.__enter__ through it"},
+    {"exit", T_OBJECT, offsetof(Core, exit), READONLY, "MemorySpan.__exit__ through it"},
+    {NULL, 0, 0, 0, NULL}};
+
+static PyTypeObject CoreType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = CM_STR(CUDAMEM_MODULE_NAME) ".Core",
+    .tp_doc = "One span module's state in the compiled span core (made by init).",
+    .tp_basicsize = sizeof(Core),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_traverse = core_traverse,
+    .tp_clear = core_clear,
+    .tp_dealloc = core_dealloc,
+    .tp_methods = core_methods,
+    .tp_members = core_members,
+};
 
 /* The offsets of ``names`` (object slots of ``type``) into ``out``; -1 with an error. */
 static int slot_offsets(PyTypeObject *type, const char **names, int n, Py_ssize_t *out) {
@@ -1024,8 +1323,8 @@ static int slot_offsets(PyTypeObject *type, const char **names, int n, Py_ssize_
 
 /* ---------------------------------------------------------------------------- init */
 
-/* init(span_globals, backend_globals, RawSpan, MemorySpan): check the slots, keep what
- * the calls read; returns (__enter__, __exit__), MemorySpan's methods through the core. */
+/* init(span_globals, backend_globals, RawSpan, MemorySpan) -> Core: check the slots, keep
+ * what the calls read, in a state of that span module's own. */
 static PyObject *core_init(PyObject *self, PyObject *args) {
     PyObject *span_globals, *backend_globals;
     PyTypeObject *type, *mtype;
@@ -1036,20 +1335,6 @@ static PyObject *core_init(PyObject *self, PyObject *args) {
     if (slot_offsets(type, FIELD_NAMES, N_FIELDS, offsets) < 0 ||
         slot_offsets(mtype, MFIELD_NAMES, M_FIELDS, moffsets) < 0)
         return NULL;
-    for (int i = 0; i < N_NAMES; i++) {
-        if (S[i] == NULL && (S[i] = PyUnicode_InternFromString(NAMES[i])) == NULL)
-            return NULL;
-    }
-    if ((s_span_default == NULL && (s_span_default = PyUnicode_InternFromString("span")) == NULL) ||
-        (s_py_enter == NULL && (s_py_enter = PyUnicode_InternFromString("_py_span_enter")) == NULL) ||
-        (s_py_exit == NULL && (s_py_exit = PyUnicode_InternFromString("_py_span_exit")) == NULL))
-        return NULL;
-    PyObject *enter = PyDescr_NewMethod(mtype, &enter_def);
-    PyObject *exit = enter == NULL ? NULL : PyDescr_NewMethod(mtype, &exit_def);
-    if (exit == NULL) {
-        Py_XDECREF(enter);
-        return NULL;
-    }
     /* The containers span.py mutates in place and never rebinds. */
     PyObject *kept[4] = {NULL, NULL, NULL, NULL};
     const int kept_names[4] = {S_OPEN_PEAK, S_PROCESS_PEAK, S_TOP, S_TLS};
@@ -1058,8 +1343,6 @@ static PyObject *core_init(PyObject *self, PyObject *args) {
         if (kept[i] == NULL) {
             if (!PyErr_Occurred())
                 PyErr_Format(PyExc_RuntimeError, "cudamem.span has no %s", NAMES[kept_names[i]]);
-            Py_DECREF(enter);
-            Py_DECREF(exit);
             return NULL;
         }
     }
@@ -1067,62 +1350,81 @@ static PyObject *core_init(PyObject *self, PyObject *args) {
         !PyContextVar_CheckExact(kept[2])) {
         PyErr_SetString(PyExc_TypeError, "cudamem.span's peak registries or stack are not "
                                          "what the span core reads");
-        Py_DECREF(enter);
-        Py_DECREF(exit);
         return NULL;
     }
     PyObject *inbox = PyDict_GetItemWithError(span_globals, S[S_PEAK_INBOX]);
-    PyObject *queue = PyDict_GetItemWithError(span_globals, S[S_FINISHED]);
-    PyObject *inbox_append = inbox == NULL ? NULL : PyObject_GetAttr(inbox, S[S_APPEND]);
-    PyObject *queue_append = queue == NULL ? NULL : PyObject_GetAttr(queue, S[S_APPEND]);
+    PyObject *queue = inbox == NULL ? NULL : PyDict_GetItemWithError(span_globals, S[S_FINISHED]);
+    if (queue == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_RuntimeError, "cudamem.span has no _peak_inbox or finished");
+        return NULL;
+    }
+    Core *st = (Core *)CoreType.tp_alloc(&CoreType, 0);
+    if (st == NULL)
+        return NULL;
+    memcpy(st->off, offsets, sizeof offsets);
+    memcpy(st->moff, moffsets, sizeof moffsets);
+    st->open_peak = Py_NewRef(kept[0]);
+    st->process_peak = Py_NewRef(kept[1]);
+    st->top = Py_NewRef(kept[2]);
+    st->tls = Py_NewRef(kept[3]);
+    st->finished = Py_NewRef(queue);
+    st->g_span = Py_NewRef(span_globals);
+    st->g_backend = Py_NewRef(backend_globals);
+    if ((st->inbox_append = PyObject_GetAttr(inbox, S[S_APPEND])) == NULL ||
+        (st->finished_append = PyObject_GetAttr(queue, S[S_APPEND])) == NULL)
+        goto error;
     PyObject *time = PyImport_ImportModule("time");
     PyObject *perf = time == NULL ? NULL : PyObject_GetAttrString(time, "perf_counter_ns");
     Py_XDECREF(time);
-    if (inbox_append == NULL || queue_append == NULL || perf == NULL) {
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_RuntimeError, "cudamem.span has no _peak_inbox or finished");
-        Py_XDECREF(inbox_append);
-        Py_XDECREF(queue_append);
-        Py_XDECREF(perf);
-        Py_DECREF(enter);
-        Py_DECREF(exit);
-        return NULL;
-    }
-    c_monotonic = PyDict_GetItemWithError(span_globals, S[S_NOW_NS]) == perf;
+    if (perf == NULL)
+        goto error;
+    st->monotonic = PyDict_GetItemWithError(span_globals, S[S_NOW_NS]) == perf;
     Py_DECREF(perf);
-    Py_XSETREF(c_open_peak, Py_NewRef(kept[0]));
-    Py_XSETREF(c_process_peak, Py_NewRef(kept[1]));
-    Py_XSETREF(c_top, Py_NewRef(kept[2]));
-    Py_XSETREF(c_tls, Py_NewRef(kept[3]));
-    Py_XSETREF(c_finished, Py_NewRef(queue));
-    Py_XSETREF(c_inbox_append, inbox_append);
-    Py_XSETREF(c_finished_append, queue_append);
-    memcpy(off, offsets, sizeof off);
-    memcpy(moff, moffsets, sizeof moff);
-    Py_XSETREF(g_span, Py_NewRef(span_globals));
-    Py_XSETREF(g_backend, Py_NewRef(backend_globals));
-    Py_XSETREF(raw_type, (PyTypeObject *)Py_NewRef((PyObject *)type));
-    Py_XSETREF(span_type, (PyTypeObject *)Py_NewRef((PyObject *)mtype));
-    PyObject *pair = PyTuple_Pack(2, enter, exit);
-    Py_DECREF(enter);
-    Py_DECREF(exit);
-    return pair;
+    if (PyErr_Occurred())
+        goto error;
+    PyObject *qualname = PyObject_GetAttrString((PyObject *)mtype, "__qualname__");
+    if (qualname == NULL)
+        goto error;
+    st->enter = new_method(st, qualname, "__enter__", span_enter, bound_enter);
+    if (st->enter != NULL)
+        st->exit = new_method(st, qualname, "__exit__", span_exit, bound_exit);
+    Py_DECREF(qualname);
+    if (st->exit == NULL)
+        goto error;
+    /* Last: a state with its types set is one that serves. */
+    st->raw_type = (PyTypeObject *)Py_NewRef((PyObject *)type);
+    st->span_type = (PyTypeObject *)Py_NewRef((PyObject *)mtype);
+    return (PyObject *)st;
+error:
+    Py_DECREF(st);
+    return NULL;
 }
 
 static PyMethodDef methods[] = {
     {"init", core_init, METH_VARARGS,
-     "init(span_globals, backend_globals, RawSpan, MemorySpan) -> (__enter__, __exit__)"},
-    {"open", (PyCFunction)(void (*)(void))core_open, METH_FASTCALL | METH_KEYWORDS,
-     "open(name, device, sync, peak, leaks, nest=True, push=True, *, hooks=True)"},
-    {"close", (PyCFunction)(void (*)(void))core_close, METH_FASTCALL | METH_KEYWORDS,
-     "close(span, exc, keeper=None, *, hooks=True)"},
-    {"columns", core_columns, METH_O,
-     "columns(spans): a batch of closed spans' sums and maxima for the history"},
-    {"make", (PyCFunction)(void (*)(void))core_make, METH_FASTCALL,
-     "make(name, sync, peak, leaks): track()'s MemorySpan"},
+     "init(span_globals, backend_globals, RawSpan, MemorySpan) -> Core: a span module's "
+     "state, whose open, close, make and columns serve that module, and whose enter and "
+     "exit are its MemorySpan's __enter__ and __exit__"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, CM_STR(CUDAMEM_MODULE_NAME),
                                     "cudamem's span core (see span.py)", -1, methods};
 
-PyMODINIT_FUNC CM_CAT(PyInit_, CUDAMEM_MODULE_NAME)(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC CM_CAT(PyInit_, CUDAMEM_MODULE_NAME)(void) {
+    for (int i = 0; i < N_NAMES; i++) {
+        if (S[i] == NULL && (S[i] = PyUnicode_InternFromString(NAMES[i])) == NULL)
+            return NULL;
+    }
+    if (s_span_default == NULL && (s_span_default = PyUnicode_InternFromString("span")) == NULL)
+        return NULL;
+    if (s_py_enter == NULL &&
+        (s_py_enter = PyUnicode_InternFromString("_py_span_enter")) == NULL)
+        return NULL;
+    if (s_py_exit == NULL && (s_py_exit = PyUnicode_InternFromString("_py_span_exit")) == NULL)
+        return NULL;
+    if (PyType_Ready(&CoreType) < 0 || PyType_Ready(&SpanMethodType) < 0 ||
+        PyType_Ready(&SpanBoundType) < 0)
+        return NULL;
+    return PyModule_Create(&module);
+}

@@ -4,8 +4,10 @@ Python path; everything else is handed to the Python functions it replaces.
 
 Built, cached and loaded like the heap pass (``cudamem._cext``): nothing at import, a
 background build at the first span, ``CUDAMEM_FAST_SPAN=0`` turns it off. This module owns
-the build; ``span.py`` owns the switch: it hands the module its state (``init``), checks a
-span through each path field by field, and only then replaces its ``_open``/``_close``.
+the build; ``span.py`` owns the switch: ``init`` gives it a state of its own (the module's
+globals and types it serves; another copy of ``span.py`` in the process gets another), it
+checks a span through each path field by field, and only then replaces its
+``_open``/``_close`` with the state's.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ SOURCE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_spancor
 
 
 def _validate(module: Any) -> str | None:
-    """The build's own check: the functions span.py calls are there."""
-    missing = [n for n in ("init", "open", "close") if not callable(getattr(module, n, None))]
+    """The build's own check: the function span.py calls is there (``init``, which makes
+    the state whose functions serve; ``span._core_check`` checks those)."""
+    missing = [n for n in ("init",) if not callable(getattr(module, n, None))]
     return f"the compiled span core lacks {', '.join(missing)}" if missing else None
 
 

@@ -1013,8 +1013,9 @@ class _CloseFn(Protocol):
 
 
 #: What every span opens and closes with: the Python functions above, until the compiled
-#: span core (``_spancore.c``) is active; then its ``open``/``close``, which do the common
-#: case (one device, no synchronize) in C and hand every other to ``_py_open``/``_py_close``.
+#: span core (``_spancore.c``) is active; then the ``open``/``close`` of its state for this
+#: module (``_core_check``), which do the common case (one device, no synchronize) in C and
+#: hand every other to ``_py_open``/``_py_close``.
 _open: _OpenFn = _py_open
 _close: _CloseFn = _py_close
 #: Whether the next Python open asks the span core's build again (until it is settled).
@@ -1062,18 +1063,20 @@ def _core_poll() -> None:
 
 def _use_core(module: Any) -> str | None:
     """Open and close every span through ``module`` (the compiled core; ``None``: the
-    Python functions), or say why it cannot serve (then nothing changes)."""
+    Python functions), or say why it cannot serve (then nothing changes). The core serves
+    through a state of this module's own (``_core_check``), which the functions installed
+    here hold: another ``cudamem.span`` in the process (a reload) has its own."""
     global _open, _close, _make_span, _columns
     if module is None:
         _open, _close, _make_span, _columns = _py_open, _py_close, _py_make_span, None
         MemorySpan.__enter__ = _py_span_enter  # type: ignore[method-assign]
         MemorySpan.__exit__ = _py_span_exit  # type: ignore[method-assign]
         return None
-    checked = _core_check(module)
-    if isinstance(checked, str):
-        return checked
-    _open, _close, _make_span, _columns = module.open, module.close, module.make, module.columns
-    MemorySpan.__enter__, MemorySpan.__exit__ = checked  # type: ignore[method-assign]
+    core = _core_check(module)
+    if isinstance(core, str):
+        return core
+    _open, _close, _make_span, _columns = core.open, core.close, core.make, core.columns
+    MemorySpan.__enter__, MemorySpan.__exit__ = core.enter, core.exit  # type: ignore[method-assign]
     return None
 
 
@@ -1115,16 +1118,29 @@ def _serving(module: Any) -> Iterator[None]:
         MemorySpan.__enter__, MemorySpan.__exit__ = enter, exit_  # type: ignore[method-assign]
 
 
-def _core_check(module: Any) -> tuple[Any, Any] | str:
-    """The compiled core's ``MemorySpan.__enter__``/``__exit__``, or why it cannot serve: it
-    takes this module's state, and a quiet span (no peak, no stack, no hooks) through it has
-    the fields and arithmetic a span through the Python path has."""
+class _Core(Protocol):
+    """The compiled core's state for one span module (``init``'s answer): its functions
+    read that module's globals and make its types' spans."""
+
+    open: _OpenFn
+    close: _CloseFn
+    make: Callable[[str | None, bool, bool, bool], MemorySpan]
+    columns: Callable[[list[RawSpan]], tuple[int, ...] | None]
+    #: ``MemorySpan.__enter__``/``__exit__`` through the core (method descriptors).
+    enter: Any
+    exit: Any
+
+
+def _core_check(module: Any) -> _Core | str:
+    """The compiled core's state for this module, or why it cannot serve: ``module.init``
+    takes this module's globals and types, and a quiet span (no peak, no stack, no hooks)
+    through the state has the fields and arithmetic a span through the Python path has."""
     try:
-        methods = module.init(globals(), vars(_backend), RawSpan, MemorySpan)
+        core: _Core = module.init(globals(), vars(_backend), RawSpan, MemorySpan)
         backend = _backend._active
         device = 0 if backend.device_count() > 0 else None
         spans = []
-        for opener, closer in ((_py_open, _py_close), (module.open, module.close)):
+        for opener, closer in ((_py_open, _py_close), (core.open, core.close)):
             raw = opener("cudamem-check", device, False, False, False, False, False, hooks=False)
             closer(raw, None, hooks=False)
             spans.append(raw)
@@ -1135,8 +1151,7 @@ def _core_check(module: Any) -> tuple[Any, Any] | str:
         for raw in spans:
             if raw.after and raw.alloc_delta != raw.after[0][0] - raw.before[0][0]:
                 return "the compiled span core's allocated delta is not after - before"
-        enter, exit_ = methods
-        return enter, exit_
+        return core
     except Exception as exc:
         return f"the compiled span core failed its check: {type(exc).__name__}: {exc}"
 

@@ -5,11 +5,15 @@ every case it hands back to Python."""
 from __future__ import annotations
 
 import contextlib
+import gc
+import importlib.util
 import os
 import subprocess
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterator
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -29,21 +33,20 @@ needs_cc = pytest.mark.skipif(_cext.compiler() is None, reason="no C compiler he
 
 @pytest.fixture
 def core() -> Any:
-    """The compiled core, initialised for this ``cudamem.span``: the C module keeps one
-    span module's state, and a test that imported ``cudamem`` afresh (pytester's in-process
-    runs, when a ``-k`` run collects them here) may have initialised it for its own."""
-    module = compiled_span_core()
-    assert not isinstance(_span._core_check(module), str)
-    return module
+    """The compiled core's state for this ``cudamem.span`` (checked as the switch checks it)."""
+    core = _span._core_check(compiled_span_core())
+    assert not isinstance(core, str), core
+    return core
 
 
 @pytest.fixture
-def paths(core: Any) -> Iterator[Callable[[bool], None]]:
+def paths() -> Iterator[Callable[[bool], None]]:
     """``use(True)``: spans through the core from now on; ``use(False)``: through Python."""
+    module = compiled_span_core()
     with contextlib.ExitStack() as stack:
 
         def use(compiled: bool) -> None:
-            stack.enter_context(_span._serving(core if compiled else None))
+            stack.enter_context(_span._serving(module if compiled else None))
 
         yield use
 
@@ -58,24 +61,27 @@ def test_the_build_entry_compiles_a_module_with_the_calls_span_py_makes(tmp_path
     _spancore.EXTENSION.build(path, name)
     module = _fastread.load_library(path, name)
     assert _spancore._validate(module) is None
-    assert {"init", "open", "close"} <= set(dir(module))
+    assert "init" in dir(module)
+    # A span module's functions are its state's, not the module's.
+    assert not {"open", "close", "make", "columns"} & set(dir(module))
 
 
 def test_a_module_without_the_calls_is_refused() -> None:
     class Empty:
         open = None
 
-    assert _spancore._validate(Empty()) == "the compiled span core lacks init, open, close"
+    assert _spancore._validate(Empty()) == "the compiled span core lacks init"
 
 
-def test_init_refuses_a_type_whose_fields_are_not_slots(core: Any) -> None:
+def test_init_refuses_a_type_whose_fields_are_not_slots() -> None:
     class NoSlots:
         pass
 
+    module = compiled_span_core()
     with pytest.raises(TypeError, match=r"NoSlots\.name is not a slot"):
-        core.init(vars(_span), vars(_backend), NoSlots, _span.MemorySpan)
+        module.init(vars(_span), vars(_backend), NoSlots, _span.MemorySpan)
     # The real types still pass (the refusal changed nothing).
-    assert not isinstance(_span._core_check(core), str)
+    assert not isinstance(_span._core_check(module), str)
 
 
 def _run(code: str, **env: str) -> str:
@@ -117,7 +123,145 @@ def test_switched_off_by_its_variable_every_span_stays_python() -> None:
 @needs_cc
 def test_the_spans_after_the_build_open_and_close_through_the_core() -> None:
     out = _run(SWITCH)
-    assert out == "active False method_descriptor 0"
+    assert out == "active False SpanMethod 0"
+
+
+# -- one core state per span module ----------------------------------------------------
+
+
+@pytest.fixture
+def second_span(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """A second ``cudamem.span`` in this process, as ``importlib.reload``, an autoreload or
+    an in-process pytester run makes one: span.py executed again into a module of its own
+    (registered under another name for the test, then forgotten)."""
+    name = "cudamem._span_second"
+    spec = importlib.util.spec_from_file_location(name, _span.__file__)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _spy(calls: list[str], edge: str, real: Callable[..., Any]) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        calls.append(edge)
+        return real(*args, **kwargs)
+
+    return call
+
+
+def test_two_span_modules_in_one_process_each_keep_their_own_core(
+    second_span: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each span module's spans open and close in C with that module's types, stack, hooks
+    and finished queue, and the first module's spans keep all of them after the core is
+    initialised for the second."""
+    module = compiled_span_core()
+    first = _span
+    seen: dict[str, list[Any]] = {"first": [], "second": []}
+    for span_module, key in ((first, "first"), (second_span, "second")):
+        monkeypatch.setattr(span_module, "_finished_sink", lambda: None)
+        monkeypatch.setattr(span_module, "FINISHED_AT", 10**6)
+        span_module.add_exit_hook(seen[key].append)
+    queued = len(first.finished)
+    calls: list[str] = []
+    fake = FakeAllocator(devices=1)
+    try:
+        with _backend.use(fake), first._serving(module):
+            with first.track("first-before"):
+                fake.alloc(MiB)
+            with second_span._serving(module):
+                for span_module, key in ((first, "first"), (second_span, "second")):
+                    for edge in ("_py_open", "_py_close"):
+                        real = getattr(span_module, edge)
+                        monkeypatch.setattr(span_module, edge, _spy(calls, f"{key}{edge}", real))
+                with first.track("first") as a, second_span.track("second") as b:
+                    fake.alloc(2 * MiB)
+                with second_span.MemorySpan("second-class") as c:
+                    fake.free(MiB)
+                with first.MemorySpan("first-class") as d:
+                    fake.free(MiB)
+            with first.track("first-after") as e:
+                fake.alloc(MiB)
+    finally:
+        first.remove_exit_hook(seen["first"].append)
+        second_span.remove_exit_hook(seen["second"].append)
+    assert calls == []  # every span opened and closed in C
+    for span_module, spans in ((first, (a, d, e)), (second_span, (b, c))):
+        for span in spans:
+            assert type(span) is span_module.MemorySpan
+            assert type(span._raw) is span_module.RawSpan
+            assert span._raw.top_level and span._raw.parent is None
+    names = ["first-before", "first", "first-class", "first-after"]
+    assert [r.name for r in seen["first"]] == names
+    assert [r.name for r in seen["second"]] == ["second", "second-class"]
+    assert [r.name for r in list(first.finished)[queued:]] == names
+    assert [r.name for r in second_span.finished] == ["second", "second-class"]
+    assert (a.allocated_delta, b.allocated_delta, c.allocated_delta, d.allocated_delta) == (
+        2 * MiB,
+        2 * MiB,
+        -MiB,
+        -MiB,
+    )
+    assert not a._raw.children and not b._raw.children
+    assert first._top.get() is None and second_span._top.get() is None
+
+
+def test_a_state_outlives_its_owner_and_is_collected_in_a_cycle() -> None:
+    """The functions span.py installs hold their state; a state that only a cycle keeps (it
+    holds the globals that hold it) is collected."""
+    module = compiled_span_core()
+    core = _span._core_check(module)
+    assert not isinstance(core, str)
+    open_, close = core.open, core.close
+    del core
+    gc.collect()
+    with _backend.use(FakeAllocator()):
+        raw = open_("kept", None, False, False, False, False, False, hooks=False)
+        close(raw, None, hooks=False)
+    assert type(raw) is _span.RawSpan and raw.closed and raw.alloc_delta == 0
+
+    class Marker:
+        pass
+
+    span_globals = dict(vars(_span))
+    span_globals["marker"] = marker = Marker()
+    gone = weakref.ref(marker)
+    types = _span.RawSpan, _span.MemorySpan
+    span_globals["state"] = module.init(span_globals, vars(_backend), *types)
+    del span_globals, marker
+    gc.collect()
+    assert gone() is None
+
+
+def test_the_state_s_span_methods_hand_any_other_call_to_python(
+    core: Any, paths: Callable[[bool], None]
+) -> None:
+    assert core.enter.__get__(None, _span.MemorySpan) is core.enter
+    assert (core.enter.__name__, core.exit.__qualname__) == ("__enter__", "MemorySpan.__exit__")
+    assert "MemorySpan.__enter__" in repr(core.enter) and core.exit.__doc__
+    for args in [(), (object(),)]:  # no span, or not a MemorySpan: what Python answers
+        errors = []
+        for method in (core.enter, _span._py_span_enter):
+            with pytest.raises(Exception) as info:
+                method(*args)
+            errors.append((type(info.value), str(info.value)))
+        assert errors[0] == errors[1]
+    paths(True)
+    with _backend.use(FakeAllocator()) as fake:
+        span = cudamem.MemorySpan("called")
+        assert span.__enter__() is span  # an explicit call: unbound, the span first
+        fake.alloc(MiB)
+        span.__exit__(None, None, tb=None)  # a keyword: the Python method closes it
+        with pytest.raises(TypeError):
+            cudamem.MemorySpan("odd").__exit__(None)  # as the Python method refuses it
+        other = cudamem.MemorySpan("bound")
+        enter, exit_ = other.__enter__, other.__exit__  # bound methods, called later
+        assert enter() is other and not other.closed
+        exit_(None, None, None)
+    assert span.closed and span.allocated_delta == MiB
+    assert other.closed and _span._top.get() is None
 
 
 # -- the same spans ------------------------------------------------------------------
