@@ -894,8 +894,7 @@ typedef struct {
 
 /* Whether ``o`` is a MemorySpan of the state (its fields lie at the offsets read here). */
 static int own_span(Core *st, PyObject *o) {
-    return st->span_type != NULL &&
-           (Py_IS_TYPE(o, st->span_type) || PyObject_TypeCheck(o, st->span_type));
+    return st->span_type != NULL && PyObject_TypeCheck(o, st->span_type);
 }
 
 /* The Python method (``span._py_span_enter`` or ``_py_span_exit``) with the same call. */
@@ -1012,7 +1011,7 @@ static void bound_dealloc(PyObject *self) {
     PyObject_GC_UnTrack(self);
     Py_XDECREF(b->method);
     Py_XDECREF(b->self);
-    PyObject_GC_Del(self);
+    Py_TYPE(self)->tp_free(self);
 }
 
 static PyObject *bound_repr(PyObject *self) {

@@ -257,8 +257,14 @@ def test_the_state_s_span_methods_hand_any_other_call_to_python(
         with pytest.raises(TypeError):
             cudamem.MemorySpan("odd").__exit__(None)  # as the Python method refuses it
         other = cudamem.MemorySpan("bound")
-        enter, exit_ = other.__enter__, other.__exit__  # bound methods, called later
+        enter, exit_ = other.__enter__, other.__exit__  # bound, as a with block binds them
+        assert enter.__self__ is other and exit_.__func__ is _span.MemorySpan.__exit__
+        assert "bound MemorySpan.__enter__ of" in repr(enter)
+        with pytest.raises(TypeError):
+            enter(1)  # as the Python method refuses it
         assert enter() is other and not other.closed
+        with pytest.raises(TypeError):
+            exit_(None)
         exit_(None, None, None)
     assert span.closed and span.allocated_delta == MiB
     assert other.closed and _span._top.get() is None
