@@ -130,25 +130,8 @@ def test_a_recorded_batch_climbs_through_ids_added_by_its_callback(compiled: Any
     grow[id(heap[310])] = id(heap[310])
     expected = [heap[310], *chain[1:]]
     cache = compiled.edges(1 << 20)
-    runs = []
-    for edges in (None, cache, cache):  # traversed; recorded now; read off the recording
-        wanted = {id(target)}
-        added: list[int] = []
-        hits: list[Any] = []
-
-        def on_hit(
-            o: Any, wanted: set[int] = wanted, added: list[int] = added, hits: list[Any] = hits
-        ) -> bool:
-            hits.append(o)
-            new = grow.get(id(o))
-            if new is not None and new not in wanted:
-                wanted.add(new)
-                added.append(new)
-                return True
-            return False
-
-        compiled.scan(heap, set(wanted), added, on_hit, None, None, None, None, edges)
-        runs.append([id(o) for o in hits])
+    # traversed; recorded now; read off the recording
+    runs = [_climbing_pass(heap, {id(target)}, grow, e)[0] for e in (None, cache, cache)]
     assert compiled.edges_info(cache)[0] == 1
     assert runs[0] == runs[1] == runs[2] == [id(o) for o in expected]
 
