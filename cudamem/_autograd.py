@@ -464,26 +464,24 @@ def walk_graphs(
     such owners as it goes; only when there are some does it walk again in that order.
     ``refs``: also keep a ``cudamem._storages.StorageRef`` per storage found.
     """
-    owners = list(owners)
+    # (owner, its grad_fn): node wrappers are cached only while a Python reference lives,
+    # so the list keeps them, or ids lie.
+    pairs = [(owner, _grad_fn(owner)) for owner in owners]
     fns: dict[int, int] = {}  # id(grad_fn) -> the first owner with it
-    # Node wrappers are cached only while a Python reference lives: keep them, or ids lie.
-    keep: list[Any] = []
-    for i, owner in enumerate(owners):
-        fn = _grad_fn(owner)
+    for i, (_owner, fn) in enumerate(pairs):
         if fn is not None:
-            keep.append(fn)
             fns.setdefault(id(fn), i)
     inner: set[int] = set()
     found = GraphWalk(known=known, refs={} if refs else None)
-    _walk_groups(found, (owners,), fns if len(fns) > 1 else {}, inner, max_nodes, deadline)
+    _walk_groups(found, (pairs,), fns if len(fns) > 1 else {}, inner, max_nodes, deadline)
     if inner:
         found = GraphWalk(known=known, refs={} if refs else None)
         outer_first = (
-            [o for i, o in enumerate(owners) if i not in inner],
-            [o for i, o in enumerate(owners) if i in inner],
+            [p for i, p in enumerate(pairs) if i not in inner],
+            [p for i, p in enumerate(pairs) if i in inner],
         )
         _walk_groups(found, outer_first, {}, set(), max_nodes, deadline)
-    keep.clear()
+    pairs.clear()
     return found
 
 
@@ -497,20 +495,20 @@ def _grad_fn(owner: Any) -> Any:
 
 def _walk_groups(
     walk: GraphWalk,
-    groups: tuple[list[Any], ...],
+    groups: tuple[list[tuple[Any, Any]], ...],
     fns: dict[int, int],
     inner: set[int],
     max_nodes: int,
     deadline: float | None,
 ) -> None:
-    """One BFS per group in turn (each group's graphs to the end before the next starts);
-    the owners (by ``fns``) whose ``grad_fn`` a walked node leads to go into ``inner``."""
+    """One BFS per group of ``(owner, grad_fn)`` in turn (each group's graphs to the end
+    before the next starts); the owners (by ``fns``) whose ``grad_fn`` a walked node leads
+    to go into ``inner``."""
     queue: deque[tuple[Any, Any, str]] = deque()
     seen: set[int] = set()
     keep: list[Any] = []  # nodes stay alive while their ids are in ``seen``
     for group in groups:
-        for owner in group:
-            fn = _grad_fn(owner)
+        for owner, fn in group:
             grad = grad_of(owner)
             if grad is not None:
                 info = storage_of(grad)

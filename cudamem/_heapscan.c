@@ -58,6 +58,7 @@
 #define CHUNK 1024
 #define MAX_DEPTH 64
 #define PREFETCH 16
+#define SIDE_PREFETCH 48 /* the array keeps' referents: read further ahead */
 
 typedef struct {
     uintptr_t *slots;
@@ -818,7 +819,6 @@ static PyObject *gc_instances(PyObject *self, PyObject *types) {
 typedef struct {
     Edges *e;
     PyTypeObject *array_type; /* NULL: no arrays kept */
-    Py_ssize_t idx;           /* the snapshot index of the object traversed */
     int side_failed;
     PtrSet dead; /* untracked containers that lead to no array (they stay alive: no code runs) */
 } Rec;
@@ -896,10 +896,6 @@ static int side_keep(PyObject *o, Rec *r) {
     return look_below(o, r, 0, &cut) || cut;
 }
 
-#ifndef SIDE_PREFETCH
-#define SIDE_PREFETCH 48
-#endif
-
 /* After the recording, before anything else runs (every recorded address is alive: the
  * snapshot holds its objects and they hold their referents): the array-mode keeps, object
  * by object in snapshot order, each object's referents in its traversal's order. A
@@ -907,28 +903,15 @@ static int side_keep(PyObject *o, Rec *r) {
 static void side_pass(Rec *r, Py_ssize_t n) {
     Edges *e = r->e;
     const size_t total = e->len;
-    PyObject *last = NULL;
-    int keep = 0;
     for (Py_ssize_t i = 0; i < n && !r->side_failed; i++) {
-        r->idx = i;
-        size_t at = e->beg[i];
-        const size_t end = at + e->cnt[i];
-        for (; at < end && !r->side_failed; at++) {
+        const size_t end = e->beg[i] + e->cnt[i];
+        for (size_t at = e->beg[i]; at < end && !r->side_failed; at++) {
 #if defined(__GNUC__) || defined(__clang__)
             if (at + SIDE_PREFETCH < total)
                 __builtin_prefetch((const void *)e->edges[at + SIDE_PREFETCH]);
 #endif
             PyObject *o = (PyObject *)e->edges[at];
-#ifdef SIDE_SAME
-            if (o != last) {
-                last = o;
-                keep = side_keep(o, r);
-            }
-#else
-            keep = side_keep(o, r);
-            (void)last;
-#endif
-            if (keep && side_add(e, i, o) < 0) r->side_failed = 1;
+            if (side_keep(o, r) && side_add(e, i, o) < 0) r->side_failed = 1;
         }
     }
 }
@@ -995,7 +978,7 @@ static PyObject *walk(PyObject *self, PyObject *args) {
     for (int i = 0; i < NUM_GENERATIONS && !failed; i++)
         if (!(found[i] = PyList_New(0))) failed = 1;
     Py_ssize_t sizes[NUM_GENERATIONS] = {0};
-    Rec rec = {e, e ? array_type : NULL, 0, 0, {NULL, 0, 0, NULL}};
+    Rec rec = {e, e ? array_type : NULL, 0, {NULL, 0, 0, NULL}};
     if (!failed && rec.array_type && set_init(&rec.dead, 4096) < 0) failed = 1;
     int recording = e != NULL && !failed;
     if (recording && array_type) {

@@ -485,9 +485,8 @@ class Search:
         with the compiled heap pass)."""
         module = _heapscan.native()
         if module is not None and hasattr(module, "module_dicts"):
-            with contextlib.suppress(RuntimeError):  # another thread imported meanwhile
-                found: dict[int, str] = module.module_dicts(sys.modules)
-                return found
+            found: dict[int, str] = module.module_dicts(sys.modules)  # runs no Python code
+            return found
         out: dict[int, str] = {}
         for _ in range(3):
             try:
