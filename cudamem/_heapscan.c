@@ -179,10 +179,20 @@ typedef struct {
     int error;
 } Visit;
 
-static int is_untracked_container(PyObject *o) {
+/* Whether the exact dict or tuple `o` is tracked by gc: its gc header, read in place where
+ * the internal headers are included (a call per referent otherwise). */
+static inline int container_tracked(PyObject *o) {
+#ifdef CUDAMEM_HAVE_WALK
+    return _PyObject_GC_IS_TRACKED(o);
+#else
+    return PyObject_GC_IsTracked(o);
+#endif
+}
+
+static inline int is_untracked_container(PyObject *o) {
     PyTypeObject *tp = Py_TYPE(o);
-    if (tp == &PyDict_Type) return PyDict_GET_SIZE(o) > 0 && !PyObject_GC_IsTracked(o);
-    if (tp == &PyTuple_Type) return PyTuple_GET_SIZE(o) > 0 && !PyObject_GC_IsTracked(o);
+    if (tp == &PyDict_Type) return PyDict_GET_SIZE(o) > 0 && !container_tracked(o);
+    if (tp == &PyTuple_Type) return PyTuple_GET_SIZE(o) > 0 && !container_tracked(o);
     return 0;
 }
 
@@ -931,6 +941,27 @@ static void edges_reset(Edges *e) {
     e->full = e->oom = 0;
 }
 
+/* The last walk's sizes: the next one allocates about that much up front, where growing
+ * by doubling copied the recording and the listing several times. A hint only. */
+static Py_ssize_t last_objects = 0;
+static size_t last_edges = 0;
+static size_t last_dead = 0; /* array mode: containers with no array below */
+
+static size_t with_slack(size_t n) { return n + n / 8 + 4096; }
+
+/* Append `o` to the list `out` (a reference for it); its items are allocated ahead. */
+static inline int list_push(PyObject *out, PyObject *o) {
+    PyListObject *l = (PyListObject *)out;
+    Py_ssize_t size = Py_SIZE(l);
+    if (size < l->allocated) {
+        Py_INCREF(o);
+        l->ob_item[size] = o;
+        Py_SET_SIZE(l, size + 1);
+        return 0;
+    }
+    return PyList_Append(out, o);
+}
+
 /* walk(types, edges, array_type) -> (objs, (n2, n1, n0), found)
  *
  * objs: every gc-tracked object, oldest first: generation 2, then 1, then 0, each in its
@@ -972,14 +1003,17 @@ static PyObject *walk(PyObject *self, PyObject *args) {
     }
     PtrSet tset;
     if (type_set(types, &tset) < 0) return NULL;
-    PyObject *out = PyList_New(0);
+    /* the listing, with room for about the last walk's objects (size 0: nothing to visit) */
+    PyObject *out = last_objects ? PyList_New((Py_ssize_t)with_slack((size_t)last_objects))
+                                 : PyList_New(0);
+    if (out) Py_SET_SIZE(out, 0);
     PyObject *found[NUM_GENERATIONS] = {NULL};
     int failed = out == NULL;
     for (int i = 0; i < NUM_GENERATIONS && !failed; i++)
         if (!(found[i] = PyList_New(0))) failed = 1;
     Py_ssize_t sizes[NUM_GENERATIONS] = {0};
     Rec rec = {e, e ? array_type : NULL, 0, {NULL, 0, 0, NULL}};
-    if (!failed && rec.array_type && set_init(&rec.dead, 4096) < 0) failed = 1;
+    if (!failed && rec.array_type && set_init(&rec.dead, last_dead ? with_slack(last_dead) : 4096) < 0) failed = 1;
     int recording = e != NULL && !failed;
     if (recording && array_type) {
         e->side_on = 1;
@@ -989,6 +1023,16 @@ static PyObject *walk(PyObject *self, PyObject *args) {
     int enabled = gc->enabled;
     gc->enabled = 0;
     size_t room = 0; /* entries allocated in e->beg and e->cnt */
+    if (recording && last_objects) {
+        size_t want = with_slack((size_t)last_objects);
+        e->beg = (size_t *)malloc(want * sizeof(size_t));
+        e->cnt = (uint32_t *)malloc(want * sizeof(uint32_t));
+        if (e->beg && e->cnt) room = want; /* else: grown below, as without a hint */
+        size_t edges = with_slack(last_edges);
+        if (edges > e->max) edges = e->max;
+        if (edges > 0 && (e->edges = (uintptr_t *)malloc(edges * sizeof(uintptr_t))))
+            e->cap = edges;
+    }
     /* 1. The listing and the recording, object by object along gc's lists (the traversal
      * of one object overlaps the wait for the next one's header). */
     for (int gen = NUM_GENERATIONS - 1; gen >= 0 && !failed; gen--) {
@@ -1002,7 +1046,7 @@ static PyObject *walk(PyObject *self, PyObject *args) {
             PyObject *o = (PyObject *)(g + 1);
             if (o == out || o == found[0] || o == found[1] || o == found[2]) continue;
             Py_ssize_t i = PyList_GET_SIZE(out);
-            if (PyList_Append(out, o) < 0 ||
+            if (list_push(out, o) < 0 ||
                 (set_has(&tset, (uintptr_t)Py_TYPE(o)) && PyList_Append(found[gen], o) < 0)) {
                 failed = 1;
                 break;
@@ -1032,9 +1076,14 @@ static PyObject *walk(PyObject *self, PyObject *args) {
         sizes[gen] = PyList_GET_SIZE(out) - before;
     }
     Py_ssize_t n = failed ? 0 : PyList_GET_SIZE(out);
+    if (!failed) {
+        last_objects = n;
+        if (recording) last_edges = e->len;
+    }
     /* 3. Array mode: the keeps, from the recording. */
     if (recording && rec.array_type) {
         side_pass(&rec, n);
+        last_dead = rec.dead.used;
         if (rec.side_failed) recording = 0;
     }
     gc->enabled = enabled;
