@@ -132,6 +132,8 @@ class Extension:
             "-o",
             tmp,
         ]
+        if sys.platform.startswith("linux"):  # the heap walk's side thread (older glibc)
+            argv.insert(1, "-pthread")
         if sys.platform == "darwin":  # Python's symbols resolve when the interpreter loads it
             argv[1:1] = ["-undefined", "dynamic_lookup"]
         try:

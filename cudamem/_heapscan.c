@@ -54,6 +54,16 @@
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
+#if defined(CUDAMEM_HAVE_WALK) && !defined(_WIN32)
+/* walk's array keeps on a second thread, beside the walk (see side_run) */
+#define CUDAMEM_SIDE_THREAD 1
+#include <pthread.h>
+#include <signal.h>
+#include <unistd.h>
+#ifdef __linux__
+#include <sched.h>
+#endif
+#endif
 
 #define CHUNK 1024
 #define MAX_DEPTH 64
@@ -879,6 +889,9 @@ static int look_below(PyObject *c, Rec *r, int depth, int *cut) {
     return l.found;
 }
 
+/* Keep `o` for object `idx`, without a reference yet: the keeps may be made on the side
+ * thread, which must not touch a reference count; the walk takes them all once it is the
+ * only thread left (walk, step 3). */
 static int side_add(Edges *e, Py_ssize_t idx, PyObject *o) {
     if (e->side_len == e->side_cap) {
         size_t cap = e->side_cap ? e->side_cap * 2 : 1024;
@@ -890,7 +903,6 @@ static int side_add(Edges *e, Py_ssize_t idx, PyObject *o) {
         e->side_obj = no;
         e->side_cap = cap;
     }
-    Py_INCREF(o);
     e->side_idx[e->side_len] = idx;
     e->side_obj[e->side_len++] = o;
     return 0;
@@ -906,18 +918,27 @@ static int side_keep(PyObject *o, Rec *r) {
     return look_below(o, r, 0, &cut) || cut;
 }
 
-/* After the recording, before anything else runs (every recorded address is alive: the
- * snapshot holds its objects and they hold their referents): the array-mode keeps, object
- * by object in snapshot order, each object's referents in its traversal's order. A
- * sequential read of the recording that asks for the referents' headers ahead of use. */
-static void side_pass(Rec *r, Py_ssize_t n) {
+/* The last walk's sizes: the next one allocates about that much up front, where growing
+ * by doubling copied the recording and the listing several times. A hint only. */
+static Py_ssize_t last_objects = 0;
+static size_t last_edges = 0;
+static size_t last_dead = 0; /* array mode: containers with no array below */
+
+/* The array-mode keeps of objects [from, to), object by object in snapshot order, each
+ * object's referents in its traversal's order: a sequential read of their recording that
+ * asks for the referents' headers ahead of use. Reads only (pointer compares, type checks,
+ * the traversal of untracked dicts and tuples) and writes only `r`'s own memory, so it may
+ * run on the side thread while the walk records further on: every recorded address is alive
+ * (the snapshot holds its objects, they hold their referents, and no Python code runs). */
+static void side_range(Rec *r, Py_ssize_t from, Py_ssize_t to) {
     Edges *e = r->e;
-    const size_t total = e->len;
-    for (Py_ssize_t i = 0; i < n && !r->side_failed; i++) {
+    if (from >= to) return;
+    const size_t limit = e->beg[to - 1] + e->cnt[to - 1]; /* this range's last edge, + 1 */
+    for (Py_ssize_t i = from; i < to && !r->side_failed; i++) {
         const size_t end = e->beg[i] + e->cnt[i];
         for (size_t at = e->beg[i]; at < end && !r->side_failed; at++) {
 #if defined(__GNUC__) || defined(__clang__)
-            if (at + SIDE_PREFETCH < total)
+            if (at + SIDE_PREFETCH < limit)
                 __builtin_prefetch((const void *)e->edges[at + SIDE_PREFETCH]);
 #endif
             PyObject *o = (PyObject *)e->edges[at];
@@ -925,6 +946,168 @@ static void side_pass(Rec *r, Py_ssize_t n) {
         }
     }
 }
+
+#ifdef CUDAMEM_SIDE_THREAD
+/* The side thread: side_range over the objects the walk has recorded so far, while the walk
+ * goes on (the walk waits on memory for gc's next list entry; this thread waits on memory
+ * for the referents' headers: on two cores the waits overlap). The walk publishes its
+ * progress every SIDE_STEP objects; the thread works in steps of at most that many, so a
+ * halt is answered soon. The recording's arrays are never moved while the thread runs: the
+ * walk halts it (side_halt) before it grows one, and does the rest itself. The thread holds
+ * no thread state, runs no Python code and touches no reference count; every signal is
+ * blocked in it. */
+#define SIDE_STEP 1024
+
+/* side_thread(mode): 1 on (where two CPUs are usable), 0 off, 2 in lockstep (tests: the
+ * walk waits at each publication until the thread has caught up, so the thread's share is
+ * known: every published object) */
+static int side_mode = 1;
+static Py_ssize_t last_side_objects = 0; /* the last walk: keeps made on the side thread */
+
+typedef struct {
+    Rec *r;
+    pthread_t thread;
+    pthread_mutex_t lock;
+    pthread_cond_t more, caught;
+    Py_ssize_t published; /* objects recorded */
+    int done, stop;       /* the walk's requests */
+    Py_ssize_t next;      /* objects whose keeps the thread has made */
+    int exited;           /* the thread's loop has ended */
+    int running;          /* the walk's own: started and not joined */
+} Side;
+
+static void *side_run(void *arg) {
+    Side *s = (Side *)arg;
+    for (;;) {
+        pthread_mutex_lock(&s->lock);
+        while (s->published <= s->next && !s->done && !s->stop)
+            pthread_cond_wait(&s->more, &s->lock);
+        Py_ssize_t pub = s->published;
+        int stop = s->stop;
+        pthread_mutex_unlock(&s->lock);
+        if (stop || s->next >= pub) break;
+        Py_ssize_t to = pub - s->next > SIDE_STEP ? s->next + SIDE_STEP : pub;
+        side_range(s->r, s->next, to);
+        pthread_mutex_lock(&s->lock);
+        s->next = to;
+        pthread_cond_signal(&s->caught);
+        pthread_mutex_unlock(&s->lock);
+        if (s->r->side_failed) break;
+    }
+    pthread_mutex_lock(&s->lock);
+    s->exited = 1;
+    pthread_cond_signal(&s->caught);
+    pthread_mutex_unlock(&s->lock);
+    return NULL;
+}
+
+static int cpus_usable(void) {
+#ifdef __linux__
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof(set), &set) == 0) return CPU_COUNT(&set);
+#endif
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n > 0 ? (int)n : 1;
+}
+
+/* Start the side thread for `r` (0), or leave the keeps to the walk (-1). */
+static int side_start(Side *s, Rec *r) {
+    memset(s, 0, sizeof(*s));
+    s->r = r;
+    if (side_mode == 0 || (side_mode == 1 && cpus_usable() < 2)) return -1;
+    if (pthread_mutex_init(&s->lock, NULL) != 0) return -1;
+    if (pthread_cond_init(&s->more, NULL) != 0) {
+        pthread_mutex_destroy(&s->lock);
+        return -1;
+    }
+    if (pthread_cond_init(&s->caught, NULL) != 0) {
+        pthread_cond_destroy(&s->more);
+        pthread_mutex_destroy(&s->lock);
+        return -1;
+    }
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old); /* inherited by the thread */
+    int rc = pthread_create(&s->thread, NULL, side_run, s);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (rc != 0) {
+        pthread_cond_destroy(&s->caught);
+        pthread_cond_destroy(&s->more);
+        pthread_mutex_destroy(&s->lock);
+        return -1;
+    }
+    s->running = 1;
+    return 0;
+}
+
+static void side_publish(Side *s, Py_ssize_t recorded) {
+    pthread_mutex_lock(&s->lock);
+    s->published = recorded;
+    pthread_cond_signal(&s->more);
+    if (side_mode == 2)
+        while (s->next < recorded && !s->exited) pthread_cond_wait(&s->caught, &s->lock);
+    pthread_mutex_unlock(&s->lock);
+}
+
+/* Join the thread: `finish` (the walk recorded `recorded` objects in all) lets it work to
+ * the end; otherwise it stops after its current step. Its progress is then s->next. */
+static void side_join(Side *s, int finish, Py_ssize_t recorded) {
+    if (!s->running) return;
+    pthread_mutex_lock(&s->lock);
+    if (finish) s->published = recorded;
+    s->done = 1;
+    s->stop = !finish;
+    pthread_cond_signal(&s->more);
+    pthread_mutex_unlock(&s->lock);
+    pthread_join(s->thread, NULL);
+    pthread_cond_destroy(&s->caught);
+    pthread_cond_destroy(&s->more);
+    pthread_mutex_destroy(&s->lock);
+    s->running = 0;
+}
+
+/* The walk's visitor while the side thread may run: a full buffer is grown only after the
+ * thread is halted (it reads the buffer). */
+typedef struct {
+    Edges *e;
+    Side *side;
+} WalkVisit;
+
+static int visit_walk(PyObject *o, void *arg) {
+    WalkVisit *w = (WalkVisit *)arg;
+    if (w->e->len == w->e->cap) side_join(w->side, 0, 0);
+    return visit_record(o, w->e);
+}
+
+/* side_thread(mode) -> the previous mode (see side_mode) */
+static PyObject *side_thread(PyObject *self, PyObject *arg) {
+    (void)self;
+    long mode = PyLong_AsLong(arg);
+    if (mode == -1 && PyErr_Occurred()) return NULL;
+    if (mode < 0 || mode > 2) {
+        PyErr_SetString(PyExc_ValueError, "side_thread: mode must be 0, 1 or 2");
+        return NULL;
+    }
+    int was = side_mode;
+    side_mode = (int)mode;
+    return PyLong_FromLong(was);
+}
+#endif
+
+#ifdef CUDAMEM_HAVE_WALK
+/* walk_stats() -> (objects, edges, side) of the last walk: what it listed and recorded, and
+ * the objects whose array keeps the side thread made */
+static PyObject *walk_stats(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+#ifdef CUDAMEM_SIDE_THREAD
+    Py_ssize_t side = last_side_objects;
+#else
+    Py_ssize_t side = 0;
+#endif
+    return Py_BuildValue("(nnn)", last_objects, (Py_ssize_t)last_edges, side);
+}
+#endif
 
 /* Let go of a recording `walk` could not finish: the cache is as new (scans record). */
 static void edges_reset(Edges *e) {
@@ -940,12 +1123,6 @@ static void edges_reset(Edges *e) {
     e->len = e->cap = 0;
     e->full = e->oom = 0;
 }
-
-/* The last walk's sizes: the next one allocates about that much up front, where growing
- * by doubling copied the recording and the listing several times. A hint only. */
-static Py_ssize_t last_objects = 0;
-static size_t last_edges = 0;
-static size_t last_dead = 0; /* array mode: containers with no array below */
 
 static size_t with_slack(size_t n) { return n + n / 8 + 4096; }
 
@@ -974,8 +1151,9 @@ static inline int list_push(PyObject *out, PyObject *o) {
  * (scans record as before). array_type (a type, or None): the cache also keeps, with a
  * reference each, the referents of exactly that type and the non-empty untracked dicts and
  * tuples, which the first array-mode scan reads instead of traversing (and then releases);
- * they are read off the finished recording (side_pass), whose sequential order lets the
- * referents' headers be asked for ahead, where a check during the walk waited for each.
+ * they are read off the recording (side_range), whose sequential order lets the referents'
+ * headers be asked for ahead, where a check during the walk waited for each: on a second
+ * thread while the walk goes on where there are two CPUs (side_run), else after it.
  *
  * No Python code runs and no gc-tracked object is made during the walk (appending to a list
  * reallocates its item array only); gc is off meanwhile and as it was afterwards. */
@@ -1023,6 +1201,11 @@ static PyObject *walk(PyObject *self, PyObject *args) {
     int enabled = gc->enabled;
     gc->enabled = 0;
     size_t room = 0; /* entries allocated in e->beg and e->cnt */
+#ifdef CUDAMEM_SIDE_THREAD
+    Side side;
+    memset(&side, 0, sizeof(side));
+    WalkVisit wv = {e, &side};
+#endif
     if (recording && last_objects) {
         size_t want = with_slack((size_t)last_objects);
         e->beg = (size_t *)malloc(want * sizeof(size_t));
@@ -1033,8 +1216,12 @@ static PyObject *walk(PyObject *self, PyObject *args) {
         if (edges > 0 && (e->edges = (uintptr_t *)malloc(edges * sizeof(uintptr_t))))
             e->cap = edges;
     }
+#ifdef CUDAMEM_SIDE_THREAD
+    if (recording && rec.array_type) side_start(&side, &rec);
+#endif
     /* 1. The listing and the recording, object by object along gc's lists (the traversal
-     * of one object overlaps the wait for the next one's header). */
+     * of one object overlaps the wait for the next one's header); in array mode, the keeps
+     * of the objects recorded so far on the side thread, where there is one. */
     for (int gen = NUM_GENERATIONS - 1; gen >= 0 && !failed; gen--) {
         Py_ssize_t before = PyList_GET_SIZE(out);
         PyGC_Head *head = &gc->generations[gen].head;
@@ -1053,6 +1240,9 @@ static PyObject *walk(PyObject *self, PyObject *args) {
             }
             if (!recording) continue;
             if ((size_t)i >= room) {
+#ifdef CUDAMEM_SIDE_THREAD
+                side_join(&side, 0, 0); /* it reads e->beg and e->cnt */
+#endif
                 size_t more = room ? room * 2 : (size_t)1 << 16;
                 size_t *beg = (size_t *)realloc(e->beg, more * sizeof(size_t));
                 if (beg) e->beg = beg;
@@ -1066,12 +1256,22 @@ static PyObject *walk(PyObject *self, PyObject *args) {
             }
             traverseproc trav = Py_TYPE(o)->tp_traverse;
             e->beg[i] = e->len;
+#ifdef CUDAMEM_SIDE_THREAD
+            if (trav) {
+                if (side.running) trav(o, visit_walk, &wv);
+                else trav(o, visit_record, e);
+            }
+#else
             if (trav) trav(o, visit_record, e);
+#endif
             if (e->full || e->len - e->beg[i] > UINT32_MAX) {
                 recording = 0;
                 continue;
             }
             e->cnt[i] = (uint32_t)(e->len - e->beg[i]);
+#ifdef CUDAMEM_SIDE_THREAD
+            if (side.running && ((i + 1) % SIDE_STEP) == 0) side_publish(&side, i + 1);
+#endif
         }
         sizes[gen] = PyList_GET_SIZE(out) - before;
     }
@@ -1080,11 +1280,25 @@ static PyObject *walk(PyObject *self, PyObject *args) {
         last_objects = n;
         if (recording) last_edges = e->len;
     }
-    /* 3. Array mode: the keeps, from the recording. */
-    if (recording && rec.array_type) {
-        side_pass(&rec, n);
-        last_dead = rec.dead.used;
-        if (rec.side_failed) recording = 0;
+    /* 2. Array mode: the keeps the side thread has not made, then a reference to each
+     * (the walk is the only thread again). */
+    Py_ssize_t kept_to = 0;
+#ifdef CUDAMEM_SIDE_THREAD
+    side_join(&side, recording && !failed, n);
+    kept_to = side.next;
+    last_side_objects = kept_to;
+#endif
+    if (rec.array_type) { /* (set only with a cache) */
+        if (recording && !failed) {
+            side_range(&rec, kept_to, n);
+            last_dead = rec.dead.used;
+            if (rec.side_failed) recording = 0;
+        }
+        if (recording && !failed) {
+            for (size_t k = 0; k < e->side_len; k++) Py_INCREF(e->side_obj[k]);
+        } else {
+            e->side_len = 0; /* not kept: none of them has its reference yet */
+        }
     }
     gc->enabled = enabled;
     free(tset.slots);
@@ -1157,6 +1371,12 @@ static PyMethodDef methods[] = {
     {"module_dicts", module_dicts, METH_O, "{id(module.__dict__): name} of sys.modules."},
     {"edges", edges_new, METH_VARARGS, "A new edge cache for repeated scans of one snapshot."},
     {"edges_info", edges_info, METH_VARARGS, "(batches, edges, full) of an edge cache."},
+#ifdef CUDAMEM_SIDE_THREAD
+    {"side_thread", side_thread, METH_O, "Walks' array keeps on a second thread: 0, 1, 2."},
+#endif
+#ifdef CUDAMEM_HAVE_WALK
+    {"walk_stats", walk_stats, METH_NOARGS, "(objects, edges, side) of the last walk."},
+#endif
     {NULL, NULL, 0, NULL},
 };
 

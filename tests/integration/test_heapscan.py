@@ -620,6 +620,70 @@ def test_the_walk_keeps_arrays_for_the_first_array_pass_only(compiled: Any) -> N
         holder.clear()
 
 
+@pytest.mark.parametrize("mode", ["side thread", "side thread halted", "one thread"])
+def test_the_walk_keeps_the_same_arrays_on_a_side_thread_or_without(
+    compiled: Any, mode: str
+) -> None:
+    """The array keeps made on the side thread while the walk records (in lockstep here,
+    so that its share is known), on a side thread halted part way because the walk had to
+    grow its recording, or by the walk alone: each hands the first array pass what a
+    traversal of the same snapshot finds, with the same hits and references as before."""
+    if not hasattr(compiled, "side_thread"):
+        pytest.skip("no side thread on this platform")
+    t = torch.ones(20_000)
+    # 20,000 holders in a row, each with its own array two untracked containers down: a
+    # keep lost at any step of the thread's loses an array
+    spread = [{"a": (t[i : i + 1].numpy(), "x"), "n": i} for i in range(20_000)]
+    holders = [[d] for d in spread] + [[(i, "y")] for i in range(20_000)]
+    gc.collect()
+    assert not gc.is_tracked(spread[0]) and not gc.is_tracked(spread[0]["a"])
+    _walk(compiled, (), None)[0].clear()  # the next walk is sized from this one
+    grown: list[Any] = []
+    if mode == "side thread halted":  # past the walk's slack: it grows, halting the thread
+        grown = [[i] for i in range(len(gc.get_objects()) // 4 + 20_000)]
+    counts = [sys.getrefcount(d["a"][0]) for d in spread]
+    was = compiled.side_thread(0 if mode == "one thread" else 2)
+    try:
+        objs, _sizes, found, cache = _walk(compiled, (), np.ndarray)
+    finally:
+        compiled.side_thread(was)
+    found.clear()
+    n, _edges, side = compiled.walk_stats()
+    try:
+        assert n == len(objs)
+        if mode == "side thread":
+            assert side == n  # every object: at the end it is let finish
+        elif mode == "side thread halted":
+            assert 0 < side < n - 20_000
+        else:
+            assert side == 0
+
+        def arrays_seen(edges: Any) -> tuple[list[int], set[tuple[int, int]], list[int]]:
+            got: list[int] = []
+            pairs_seen: set[tuple[int, int]] = set()
+
+            def on_arrays(arrays: list[Any], pairs: list[tuple[Any, Any]]) -> bool:
+                got.extend(id(a) for a in arrays)
+                pairs_seen.update((id(c), id(k)) for c, k in pairs)
+                return False
+
+            hits = _climbing_pass(
+                objs, {id(t)}, {}, edges, array_type=np.ndarray, on_arrays=on_arrays
+            )[0]
+            return got, pairs_seen, hits
+
+        fast = arrays_seen(cache)
+        slow = arrays_seen(None)
+        assert fast[0] == slow[0] and fast[2] == slow[2]  # the same arrays, in order
+        assert {id(d["a"][0]) for d in spread} <= set(fast[0])
+        assert {(id(d["a"]), id(d["a"][0])) for d in spread} <= fast[1] <= slow[1]
+        assert [sys.getrefcount(d["a"][0]) for d in spread] == counts
+    finally:
+        objs.clear()
+        holders.clear()
+        grown.clear()
+
+
 def test_the_walk_over_budget_leaves_the_cache_unused(compiled: Any) -> None:
     if not hasattr(compiled, "walk"):
         pytest.skip("no in-place walk on this Python")
