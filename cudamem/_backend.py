@@ -741,15 +741,24 @@ _Hook = TypeVar("_Hook", bound="InstalledHook")
 
 class InstalledHook:
     """What an installed hook (OOM post-mortems, automatic snapshot dumps) shares: ``installed``
-    until ``uninstall()``, which runs once under the kind's ``_install_lock``; a
-    ``HistoryLease`` given back there; a context manager that uninstalls at the end of the
-    block. A subclass undoes its own hooks in ``_unhook``."""
+    until ``uninstall()``, which runs once under the kind's ``_install_lock``; the history
+    settings and a ``HistoryLease`` (taken by ``_take_history``, given back there); a context
+    manager that uninstalls at the end of the block. A subclass undoes its own hooks in
+    ``_unhook``."""
 
     _install_lock: ClassVar[threading.Lock]
 
-    def __init__(self) -> None:
+    def __init__(self, *, record_history: bool, max_entries: int) -> None:
+        #: Whether installing turns allocation-history recording on, and its ring's bound.
+        self.record_history = record_history
+        self.max_entries = max_entries
         self.installed = False
         self._history = HistoryLease()
+
+    def _take_history(self) -> bool:
+        """Turn history recording on if this hook was asked to; ``True`` when it already was
+        (left as it is)."""
+        return self.record_history and self._history.take(self.max_entries, self._wanted)
 
     def _wanted(self) -> bool:
         """Checked by a history request queued until CUDA initialises."""

@@ -342,16 +342,14 @@ class AutoDump(_backend.InstalledHook):
         record_history: bool,
         max_entries: int,
     ) -> None:
+        super().__init__(record_history=record_history, max_entries=max_entries)
         self.directory = directory
         self.oom = oom
         self.leaks = leaks
         self.max_dumps = max_dumps
         self.holders = holders
-        self.record_history = record_history
-        self.max_entries = max_entries
         self.dumps: list[SnapshotDump] = []
         self.errors: list[str] = []
-        super().__init__()
         self._busy = threading.Lock()
 
     @property
@@ -464,6 +462,5 @@ def auto_dump(
             _observed.add(backend)
         if leaks:
             add_growth_hook(guard._on_growth)
-    if record_history:
-        guard._history.take(max_entries, guard._wanted)
+    guard._take_history()
     return guard

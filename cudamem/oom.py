@@ -624,14 +624,12 @@ class OomGuard(_backend.InstalledHook):
         record_history: bool,
         max_entries: int,
     ) -> None:
+        super().__init__(record_history=record_history, max_entries=max_entries)
         self.file = file
         self.stderr = stderr
         self.top = top
-        self.record_history = record_history
-        self.max_entries = max_entries
         self.last_report: OomReport | None = None
         self.notes: list[str] = []
-        super().__init__()
         self._prev_sys: Callable[..., Any] | None = None
         self._prev_thread: Callable[..., Any] | None = None
         self._sys_hook_ref = self._sys_hook
@@ -687,7 +685,7 @@ class OomGuard(_backend.InstalledHook):
         # Installed before asking for history: with CUDA already initialised the request
         # runs at once and checks _wanted(), which reads this flag.
         self.installed = True
-        if self.record_history and self._history.take(self.max_entries, self._wanted):
+        if self._take_history():
             self.notes.append("allocation history was already on: left as it is")
 
     def _install_ipython(self) -> None:

@@ -30,13 +30,14 @@ from typing import Any, ClassVar, NamedTuple
 from . import _backend, _history
 from ._args import check_bool, check_int
 from ._frames import own_frame
+from ._history import History
 from ._present import Presented
 from .census import Census, listing_order, live_storages, live_tensors
 from .culprits import group_culprits
 from .leaks import LeakWarning
-from .ledger import explain
+from .ledger import Explanation, explain
 from .modules import track_modules
-from .oom import oom_report
+from .oom import OomReport, oom_report
 from .span import ExceptionInfo, StepSpan, max_allocated
 
 __all__ = ["RunReport", "ScriptError", "StepWatcher", "Unlisted", "run_script"]
@@ -51,11 +52,12 @@ class ScriptError(Exception):
 class Unlisted(NamedTuple):
     """Live storages at exit smaller than the listed ones: how many, and their bytes."""
 
-    storages: int
-    nbytes: int
+    storages: int = 0
+    nbytes: int = 0
 
 
-_NONE_UNLISTED = Unlisted(0, 0)
+#: Nothing unlisted: no census ran, or it listed every live storage.
+_NONE_UNLISTED = Unlisted()
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,14 +81,14 @@ class RunReport(Presented):
     leak_warnings: tuple[str, ...]
     #: Span names those warnings were about.
     leak_names: tuple[str, ...]
-    #: The largest storages still alive at exit, with holders (a ``Census``), or None.
-    live: Any
+    #: The largest storages still alive at exit, with holders, or None.
+    live: Census | None
     #: The ``explain()`` ledger at exit, or None without a GPU.
-    ledger: Any
+    ledger: Explanation | None
     #: The OOM post-mortem, when the script died of one.
-    oom: Any
+    oom: OomReport | None
     #: Finished top-level spans (the script's own and the training steps).
-    history: Any
+    history: History | None
     notes: tuple[str, ...] = field(default=())
     #: The module run with ``-m``, or None for a script.
     module: str | None = None
@@ -201,8 +203,8 @@ def _by_container(storages: Sequence[Any]) -> tuple[Any, ...]:
 
 @dataclass(frozen=True, slots=True)
 class _Collected:
-    live: Any = None
-    ledger: Any = None
+    live: Census | None = None
+    ledger: Explanation | None = None
     peaks: tuple[tuple[int, int], ...] = ()
     groups: tuple[Any, ...] = ()
     unlisted: Unlisted = _NONE_UNLISTED
@@ -212,7 +214,7 @@ def _collect(top: int, with_ledger: bool, notes: list[str]) -> _Collected:
 
     live = ledger = None
     groups: tuple[Any, ...] = ()
-    unlisted = Unlisted(0, 0)
+    unlisted = _NONE_UNLISTED
     try:
         # Holders only for the storages listed: the search is the expensive part. The second
         # pass asks for the same storages (by identity), not for whatever is at their address.

@@ -534,15 +534,9 @@ def _starts_in(blocks: Sequence[Block], addresses: Sequence[int]) -> list[bool]:
 
 
 @dataclass
-class _PoolAcc:
-    segments: int = 0
-    reserved: int = 0
-    allocated: int = 0
-    in_tensors: int = 0
-
-
-@dataclass
 class _Totals:
+    """The free bytes of the streams' segments (outside held pools), by where they sit."""
+
     stranded: int = 0
     stranded_live_seg: int = 0
     stranded_ret: int = 0
@@ -586,7 +580,7 @@ def split_cache(
         return pool_owners.graphs.get(pool, 0) > 0 or pool in pool_owners.mempools
 
     parsed = [(seg, blocks_of(seg), segment_pool_id(seg)) for seg in segs]
-    pools: dict[tuple[int, int], _PoolAcc] = {}
+    per_pool: dict[tuple[int, int], list[tuple[list[Block], int, int]]] = {}
     per_stream: dict[int, list[tuple[Mapping[str, Any], list[Block]]]] = {}
     reserved = live = 0
     expandable = False
@@ -598,15 +592,7 @@ def split_cache(
         live += seg_live
         expandable = expandable or seg.get("is_expandable") is True
         if pool != NO_POOL:
-            acc = pools.setdefault(pool, _PoolAcc())
-            acc.segments += 1
-            acc.reserved += size
-            acc.allocated += seg_live
-            if addresses is not None:
-                inside = _starts_in(blocks, addresses)
-                acc.in_tensors += sum(
-                    b.size for b, hit in zip(blocks, inside, strict=True) if hit and b.allocated
-                )
+            per_pool.setdefault(pool, []).append((blocks, size, seg_live))
             if held(pool):
                 t.pools_free += size - seg_live
                 continue
@@ -616,17 +602,8 @@ def split_cache(
         _split_stream(stream, members, current, addresses, t)
 
     private = tuple(
-        PrivatePool(
-            pool_id=pid,
-            kind=_pool_kind(pid, pool_owners),
-            graphs=None if pool_owners is None else pool_owners.graphs.get(pid, 0),
-            held=held(pid),
-            segments=acc.segments,
-            reserved=acc.reserved,
-            allocated=acc.allocated,
-            in_tensors=None if addresses is None else acc.in_tensors,
-        )
-        for pid, acc in sorted(pools.items())
+        _private_pool(pid, members, held(pid), pool_owners, addresses)
+        for pid, members in sorted(per_pool.items())
     )
     return CacheSplit(
         reserved=reserved,
@@ -644,6 +621,34 @@ def split_cache(
         expandable=expandable,
         partial_pages=t.partial_pages,
         in_live_segments=t.in_live_segments,
+    )
+
+
+def _private_pool(
+    pool_id: tuple[int, int],
+    members: Sequence[tuple[list[Block], int, int]],
+    held: bool,
+    owners: PoolOwners | None,
+    addresses: Sequence[int] | None,
+) -> PrivatePool:
+    """One private pool from its segments' ``(blocks, size, allocated bytes)``."""
+    in_tensors = None
+    if addresses is not None:
+        in_tensors = sum(
+            b.size
+            for blocks, _, _ in members
+            for b, hit in zip(blocks, _starts_in(blocks, addresses), strict=True)
+            if hit and b.allocated
+        )
+    return PrivatePool(
+        pool_id=pool_id,
+        kind=_pool_kind(pool_id, owners),
+        graphs=None if owners is None else owners.graphs.get(pool_id, 0),
+        held=held,
+        segments=len(members),
+        reserved=sum(size for _, size, _ in members),
+        allocated=sum(live for _, _, live in members),
+        in_tensors=in_tensors,
     )
 
 

@@ -72,7 +72,7 @@ def render_storage_groups(report: RunReport) -> str:
         lines.append(render_table(headers, _group_rows(report.groups), align="lrrrl"))
     listed = len(live) if live is not None else 0
     count, nbytes = report.unlisted
-    if listed:
+    if live is not None and listed:
         totals = ", ".join(f"{d} {format_bytes(n)}" for d, n in live.by_device().items())
         summary = f"{plural(listed, 'storage')} listed ({totals})"
     else:
