@@ -958,9 +958,10 @@ static void side_range(Rec *r, Py_ssize_t from, Py_ssize_t to) {
  * blocked in it. */
 #define SIDE_STEP 1024
 
-/* side_thread(mode): 1 on (where two CPUs are usable), 0 off, 2 in lockstep (tests: the
- * walk waits at each publication until the thread has caught up, so the thread's share is
- * known: every published object) */
+/* side_thread(mode), for the side thread and the chaser (below): 1 on where there are CPUs
+ * for them, 0 off, 2 in lockstep (tests: the walk waits at each publication until the side
+ * thread has caught up, so its share is known: every published object; the chaser reads
+ * all of gc's lists before the walk starts) */
 static int side_mode = 1;
 static Py_ssize_t last_side_objects = 0; /* the last walk: keeps made on the side thread */
 
@@ -1079,6 +1080,72 @@ static int visit_walk(PyObject *o, void *arg) {
     return visit_record(o, w->e);
 }
 
+/* Without array keeps the second CPU would idle: a chaser thread follows gc's lists ahead
+ * of the walk (at most CHASE_AHEAD entries), so that the walk finds each next entry in the
+ * shared cache instead of waiting on memory for it. It only reads the lists' links, which
+ * nothing changes during the walk (no gc-tracked object is made or freed, no code runs). */
+#define CHASE_AHEAD 8192
+
+typedef struct {
+    struct _gc_runtime_state *gc;
+    pthread_t thread;
+    Py_ssize_t walked; /* the walk's progress, published every 256 entries (atomic) */
+    int stop;          /* atomic */
+    int free;          /* lockstep (side_mode 2): reads every entry, then the walk starts */
+    Py_ssize_t read;   /* entries it read: the walk's once it is joined */
+    int running;
+} Chase;
+
+static Py_ssize_t last_chased = 0; /* the last walk: entries the chaser read */
+
+static void *chase_run(void *arg) {
+    Chase *c = (Chase *)arg;
+    Py_ssize_t at = 0;
+    uintptr_t sink = 0;
+    for (int gen = NUM_GENERATIONS - 1; gen >= 0; gen--) {
+        PyGC_Head *head = &c->gc->generations[gen].head;
+        for (PyGC_Head *g = (PyGC_Head *)head->_gc_next; g != head;
+             g = (PyGC_Head *)g->_gc_next) {
+            sink += (uintptr_t)Py_TYPE((PyObject *)(g + 1)); /* the header's line too */
+            if ((++at & 255) != 0 || c->free) continue;
+            while (at - __atomic_load_n(&c->walked, __ATOMIC_RELAXED) > CHASE_AHEAD) {
+                if (__atomic_load_n(&c->stop, __ATOMIC_RELAXED)) goto out;
+                sched_yield();
+            }
+            if (__atomic_load_n(&c->stop, __ATOMIC_RELAXED)) goto out;
+        }
+    }
+out:
+    c->read = at;
+    return (void *)sink;
+}
+
+/* Start the chaser where `cpus` CPUs are usable (it needs one of its own). */
+static void chase_start(Chase *c, struct _gc_runtime_state *gc, int cpus) {
+    memset(c, 0, sizeof(*c));
+    c->gc = gc;
+    c->free = side_mode == 2;
+    if (side_mode == 0 || (side_mode == 1 && cpus_usable() < cpus)) return;
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    c->running = pthread_create(&c->thread, NULL, chase_run, c) == 0;
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (c->running && c->free) { /* lockstep: its whole read first, then the walk */
+        pthread_join(c->thread, NULL);
+        c->running = 0;
+        last_chased = c->read;
+    }
+}
+
+static void chase_join(Chase *c) {
+    if (!c->running) return;
+    __atomic_store_n(&c->stop, 1, __ATOMIC_RELAXED);
+    pthread_join(c->thread, NULL);
+    c->running = 0;
+    last_chased = c->read;
+}
+
 /* side_thread(mode) -> the previous mode (see side_mode) */
 static PyObject *side_thread(PyObject *self, PyObject *arg) {
     (void)self;
@@ -1095,17 +1162,18 @@ static PyObject *side_thread(PyObject *self, PyObject *arg) {
 #endif
 
 #ifdef CUDAMEM_HAVE_WALK
-/* walk_stats() -> (objects, edges, side) of the last walk: what it listed and recorded, and
- * the objects whose array keeps the side thread made */
+/* walk_stats() -> (objects, edges, side, chased) of the last walk: what it listed and
+ * recorded, the objects whose array keeps the side thread made, and the entries of gc's
+ * lists the chaser read */
 static PyObject *walk_stats(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
 #ifdef CUDAMEM_SIDE_THREAD
-    Py_ssize_t side = last_side_objects;
+    Py_ssize_t side = last_side_objects, chased = last_chased;
 #else
-    Py_ssize_t side = 0;
+    Py_ssize_t side = 0, chased = 0;
 #endif
-    return Py_BuildValue("(nnn)", last_objects, (Py_ssize_t)last_edges, side);
+    return Py_BuildValue("(nnnn)", last_objects, (Py_ssize_t)last_edges, side, chased);
 }
 #endif
 
@@ -1217,7 +1285,12 @@ static PyObject *walk(PyObject *self, PyObject *args) {
             e->cap = edges;
     }
 #ifdef CUDAMEM_SIDE_THREAD
+    Chase chase;
+    memset(&chase, 0, sizeof(chase));
+    last_chased = 0;
     if (recording && rec.array_type) side_start(&side, &rec);
+    /* the chaser needs a CPU of its own: a third one beside the side thread */
+    chase_start(&chase, gc, side.running ? 3 : 2);
 #endif
     /* 1. The listing and the recording, object by object along gc's lists (the traversal
      * of one object overlaps the wait for the next one's header); in array mode, the keeps
@@ -1238,6 +1311,10 @@ static PyObject *walk(PyObject *self, PyObject *args) {
                 failed = 1;
                 break;
             }
+#ifdef CUDAMEM_SIDE_THREAD
+            if (chase.running && (i & 255) == 0)
+                __atomic_store_n(&chase.walked, i, __ATOMIC_RELAXED);
+#endif
             if (!recording) continue;
             if ((size_t)i >= room) {
 #ifdef CUDAMEM_SIDE_THREAD
@@ -1284,6 +1361,7 @@ static PyObject *walk(PyObject *self, PyObject *args) {
      * (the walk is the only thread again). */
     Py_ssize_t kept_to = 0;
 #ifdef CUDAMEM_SIDE_THREAD
+    chase_join(&chase);
     side_join(&side, recording && !failed, n);
     kept_to = side.next;
     last_side_objects = kept_to;
@@ -1375,7 +1453,7 @@ static PyMethodDef methods[] = {
     {"side_thread", side_thread, METH_O, "Walks' array keeps on a second thread: 0, 1, 2."},
 #endif
 #ifdef CUDAMEM_HAVE_WALK
-    {"walk_stats", walk_stats, METH_NOARGS, "(objects, edges, side) of the last walk."},
+    {"walk_stats", walk_stats, METH_NOARGS, "(objects, edges, side, chased): the last walk."},
 #endif
     {NULL, NULL, 0, NULL},
 };

@@ -620,6 +620,39 @@ def test_the_walk_keeps_arrays_for_the_first_array_pass_only(compiled: Any) -> N
         holder.clear()
 
 
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_the_walk_lists_the_same_with_or_without_its_chaser(compiled: Any, mode: int) -> None:
+    """The chaser thread that follows gc's lists ahead of the walk only reads them: the walk
+    lists what the snapshot lists with it off (0), on (1) or reading every entry first (2:
+    then it read each entry the walk did, and the walk's own four result lists)."""
+    if not hasattr(compiled, "side_thread"):
+        pytest.skip("no chaser on this platform")
+    keep = [[i] for i in range(30_000)]
+    was = compiled.side_thread(mode)
+    try:
+        with _heap.gc_paused():
+            listing = _heap.snapshot()
+            objs, (n2, n1, n0), found, cache = _walk(compiled, ())
+    finally:
+        compiled.side_thread(was)
+    n, _edges, side, chased = compiled.walk_stats()
+    try:
+        assert n == len(objs) == n2 + n1 + n0 and side == 0
+        assert all(a is b for a, b in zip(objs[: len(listing)], listing, strict=True))
+        assert compiled.edges_info(cache)[1] > n
+        if mode == 2:
+            assert chased == n + 4
+        elif mode == 0:
+            assert chased == 0
+        else:
+            assert 0 <= chased <= n + 4
+    finally:
+        listing.clear()
+        objs.clear()
+        found.clear()
+        keep.clear()
+
+
 @pytest.mark.parametrize("mode", ["side thread", "side thread halted", "one thread"])
 def test_the_walk_keeps_the_same_arrays_on_a_side_thread_or_without(
     compiled: Any, mode: str
@@ -648,7 +681,7 @@ def test_the_walk_keeps_the_same_arrays_on_a_side_thread_or_without(
     finally:
         compiled.side_thread(was)
     found.clear()
-    n, _edges, side = compiled.walk_stats()
+    n, _edges, side, _chased = compiled.walk_stats()
     try:
         assert n == len(objs)
         if mode == "side thread":
