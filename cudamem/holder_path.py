@@ -80,6 +80,16 @@ class HolderPath:
         """The path as Python-like text: ``__main__.loss_history[3] → grad_fn ...``."""
         return "".join(s.text for s in self.steps)
 
+    def text_in(self, module: str) -> str:
+        """The text as code in ``module`` writes it: a root in that module's globals without
+        the module's name (``losses[3]`` for ``__main__.losses[3]`` in ``__main__``)."""
+        if not self.steps or self.steps[0].kind != "root":
+            return self.text
+        root = self.steps[0].text
+        if not root.startswith(module + "."):
+            return self.text
+        return root[len(module) + 1 :] + "".join(s.text for s in self.steps[1:])
+
     @property
     def pattern(self) -> str:
         """The text with each step that differs across a group written as its range or

@@ -65,10 +65,6 @@ _IPYTHON_HOLDS = {
 }
 
 
-def _short(path: str) -> str:
-    return path[len("__main__.") :] if path.startswith("__main__.") else path
-
-
 def classify(holder: Holder) -> str:
     """``user``, ``output``, ``traceback``, ``ipython`` or ``caller`` for one holder, from its
     path's steps."""
@@ -139,9 +135,9 @@ def explain_holders(holders: Holders) -> NotebookHolders:
         if kind == "caller":
             continue
         if kind == "user":
-            user.append(_short(h.path))
+            user.append(h.route.text_in("__main__"))
         else:
-            kinds.setdefault(kind, []).append(_short(h.path))
+            kinds.setdefault(kind, []).append(h.route.text_in("__main__"))
             cell = _cell(h)
             if cell is not None:
                 cells.add(cell)

@@ -175,6 +175,20 @@ def test_first_step_and_through_graph() -> None:
     assert traceback.first_step == "__main__.e.__traceback__"
 
 
+def test_a_path_as_code_in_its_module_writes_it() -> None:
+    """``text_in``: the root's module left out where the root lies in that module (a
+    notebook's globals, IPython's output cache there), nowhere else, and never a step's."""
+    assert route("__main__.losses", "[3]", " → grad_fn MeanBackward0").text_in("__main__") == (
+        "losses[3] → grad_fn MeanBackward0"
+    )
+    assert route("__main__._oh", "[12]", root_kind="ipython").text_in("__main__") == "_oh[12]"
+    assert route("train.losses", "[3]").text_in("__main__") == "train.losses[3]"
+    assert route("__main___x.y").text_in("__main__") == "__main___x.y"  # not the module
+    frame = route("train_step() frame: local '__main__.x'", root_kind="frame")
+    assert frame.text_in("__main__") == frame.text
+    assert HolderPath("global", ()).text_in("__main__") == ""
+
+
 def test_deep_paths_stay_linear() -> None:
     deep = route("__main__.x", *["[0]"] * 20_000)
     assert deep.container == "__main__.x"
