@@ -891,7 +891,7 @@ static int look_below(PyObject *c, Rec *r, int depth, int *cut) {
 
 /* Keep `o` for object `idx`, without a reference yet: the keeps may be made on the side
  * thread, which must not touch a reference count; the walk takes them all once it is the
- * only thread left (walk, step 3). */
+ * only thread left (walk, step 2). */
 static int side_add(Edges *e, Py_ssize_t idx, PyObject *o) {
     if (e->side_len == e->side_cap) {
         size_t cap = e->side_cap ? e->side_cap * 2 : 1024;
@@ -953,7 +953,7 @@ static void side_range(Rec *r, Py_ssize_t from, Py_ssize_t to) {
  * for the referents' headers: on two cores the waits overlap). The walk publishes its
  * progress every SIDE_STEP objects; the thread works in steps of at most that many, so a
  * halt is answered soon. The recording's arrays are never moved while the thread runs: the
- * walk halts it (side_halt) before it grows one, and does the rest itself. The thread holds
+ * walk halts it (side_join) before it grows one, and does the rest itself. The thread holds
  * no thread state, runs no Python code and touches no reference count; every signal is
  * blocked in it. */
 #define SIDE_STEP 1024
@@ -1221,7 +1221,8 @@ static inline int list_push(PyObject *out, PyObject *o) {
  * tuples, which the first array-mode scan reads instead of traversing (and then releases);
  * they are read off the recording (side_range), whose sequential order lets the referents'
  * headers be asked for ahead, where a check during the walk waited for each: on a second
- * thread while the walk goes on where there are two CPUs (side_run), else after it.
+ * thread while the walk goes on where there are two CPUs (side_run), else after it. Where
+ * a CPU is left over, a chaser thread reads gc's lists ahead of the walk (chase_run).
  *
  * No Python code runs and no gc-tracked object is made during the walk (appending to a list
  * reallocates its item array only); gc is off meanwhile and as it was afterwards. */
