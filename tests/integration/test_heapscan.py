@@ -525,6 +525,26 @@ def _walk(compiled: Any, kinds: tuple[type, ...], array_type: Any = None) -> tup
     return objs, sizes, found, cache
 
 
+def _arrays_seen(
+    objs: list[Any], target: Any, edges: Any
+) -> tuple[list[int], set[tuple[int, int]], list[int]]:
+    """One array-mode climbing pass for ``target`` over ``objs`` (with the edge cache
+    ``edges``, or None): the arrays handed over, in order; the (container, child) steps to
+    them; the hits."""
+    got: list[int] = []
+    pairs_seen: set[tuple[int, int]] = set()
+
+    def on_arrays(arrays: list[Any], pairs: list[tuple[Any, Any]]) -> bool:
+        got.extend(id(a) for a in arrays)
+        pairs_seen.update((id(c), id(k)) for c, k in pairs)
+        return False
+
+    hits = _climbing_pass(
+        objs, {id(target)}, {}, edges, array_type=np.ndarray, on_arrays=on_arrays
+    )[0]
+    return got, pairs_seen, hits
+
+
 def test_the_walk_lists_what_the_snapshot_lists_and_records_every_batch(compiled: Any) -> None:
     """``walk``: the three generations oldest first (``_heap.snapshot``'s listing), the
     objects of a type in ``gc.get_objects()``'s order, the edge cache bound and complete;
@@ -592,29 +612,15 @@ def test_the_walk_keeps_arrays_for_the_first_array_pass_only(compiled: Any) -> N
             counts[2],
         ]
 
-        def arrays_seen(edges: Any) -> tuple[set[int], set[tuple[int, int]], list[int]]:
-            got: set[int] = set()
-            pairs_seen: set[tuple[int, int]] = set()
-
-            def on_arrays(arrays: list[Any], pairs: list[tuple[Any, Any]]) -> bool:
-                got.update(id(a) for a in arrays)
-                pairs_seen.update((id(c), id(k)) for c, k in pairs)
-                return False
-
-            hits = _climbing_pass(
-                objs, {id(t)}, {}, edges, array_type=np.ndarray, on_arrays=on_arrays
-            )[0]
-            return got, pairs_seen, hits
-
-        fast = arrays_seen(cache)
-        slow = arrays_seen(None)
+        fast = _arrays_seen(objs, t, cache)
+        slow = _arrays_seen(objs, t, None)
         assert fast[0] == slow[0] and fast[2] == slow[2]
-        assert {id(box["arr"]), id(nested["a"][0])} <= fast[0]
+        assert {id(box["arr"]), id(nested["a"][0])} <= set(fast[0])
         assert (id(box), id(box["arr"])) in fast[1]
         assert (id(nested["a"]), id(nested["a"][0])) in fast[1]
         assert fast[1] <= slow[1]  # the traversal also names steps that lead nowhere
         assert [sys.getrefcount(o) for o in (box["arr"], box, plain)] == counts
-        assert arrays_seen(cache)[:2] == slow[:2]  # read off the recording: a traversal
+        assert _arrays_seen(objs, t, cache)[:2] == slow[:2]  # read off the recording: a traversal
     finally:
         objs.clear()
         holder.clear()
@@ -691,22 +697,8 @@ def test_the_walk_keeps_the_same_arrays_on_a_side_thread_or_without(
         else:
             assert side == 0
 
-        def arrays_seen(edges: Any) -> tuple[list[int], set[tuple[int, int]], list[int]]:
-            got: list[int] = []
-            pairs_seen: set[tuple[int, int]] = set()
-
-            def on_arrays(arrays: list[Any], pairs: list[tuple[Any, Any]]) -> bool:
-                got.extend(id(a) for a in arrays)
-                pairs_seen.update((id(c), id(k)) for c, k in pairs)
-                return False
-
-            hits = _climbing_pass(
-                objs, {id(t)}, {}, edges, array_type=np.ndarray, on_arrays=on_arrays
-            )[0]
-            return got, pairs_seen, hits
-
-        fast = arrays_seen(cache)
-        slow = arrays_seen(None)
+        fast = _arrays_seen(objs, t, cache)
+        slow = _arrays_seen(objs, t, None)
         assert fast[0] == slow[0] and fast[2] == slow[2]  # the same arrays, in order
         assert {id(d["a"][0]) for d in spread} <= set(fast[0])
         assert {(id(d["a"]), id(d["a"][0])) for d in spread} <= fast[1] <= slow[1]
