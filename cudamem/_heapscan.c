@@ -1011,34 +1011,36 @@ static int cpus_usable(void) {
     return n > 0 ? (int)n : 1;
 }
 
-/* Start the side thread for `r` (0), or leave the keeps to the walk (-1). */
-static int side_start(Side *s, Rec *r) {
-    memset(s, 0, sizeof(*s));
-    s->r = r;
-    if (side_mode == 0 || (side_mode == 1 && cpus_usable() < 2)) return -1;
-    if (pthread_mutex_init(&s->lock, NULL) != 0) return -1;
-    if (pthread_cond_init(&s->more, NULL) != 0) {
-        pthread_mutex_destroy(&s->lock);
-        return -1;
-    }
-    if (pthread_cond_init(&s->caught, NULL) != 0) {
-        pthread_cond_destroy(&s->more);
-        pthread_mutex_destroy(&s->lock);
-        return -1;
-    }
+/* Whether side_mode lets a helper thread start where it would be the `nth` thread of the
+ * walk and `cpus` CPUs are usable (mode 2 starts it regardless). */
+static int helper_allowed(int nth, int cpus) {
+    return side_mode == 2 || (side_mode == 1 && cpus >= nth);
+}
+
+/* Start a helper thread with every signal blocked in it (the mask is inherited); whether
+ * it started. */
+static int spawn(pthread_t *thread, void *(*run)(void *), void *arg) {
     sigset_t all, old;
     sigfillset(&all);
-    pthread_sigmask(SIG_SETMASK, &all, &old); /* inherited by the thread */
-    int rc = pthread_create(&s->thread, NULL, side_run, s);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    int rc = pthread_create(thread, NULL, run, arg);
     pthread_sigmask(SIG_SETMASK, &old, NULL);
-    if (rc != 0) {
-        pthread_cond_destroy(&s->caught);
-        pthread_cond_destroy(&s->more);
-        pthread_mutex_destroy(&s->lock);
-        return -1;
-    }
-    s->running = 1;
-    return 0;
+    return rc == 0;
+}
+
+/* Start the side thread for `r` where `cpus` CPUs are usable; else the walk makes the
+ * keeps (s->running stays 0). */
+static void side_start(Side *s, Rec *r, int cpus) {
+    memset(s, 0, sizeof(*s));
+    s->r = r;
+    if (!helper_allowed(2, cpus) || pthread_mutex_init(&s->lock, NULL) != 0) return;
+    int more = pthread_cond_init(&s->more, NULL) == 0;
+    int caught = more && pthread_cond_init(&s->caught, NULL) == 0;
+    s->running = caught && spawn(&s->thread, side_run, s);
+    if (s->running) return;
+    if (caught) pthread_cond_destroy(&s->caught);
+    if (more) pthread_cond_destroy(&s->more);
+    pthread_mutex_destroy(&s->lock);
 }
 
 static void side_publish(Side *s, Py_ssize_t recorded) {
@@ -1120,17 +1122,14 @@ out:
     return (void *)sink;
 }
 
-/* Start the chaser where `cpus` CPUs are usable (it needs one of its own). */
-static void chase_start(Chase *c, struct _gc_runtime_state *gc, int cpus) {
+/* Start the chaser as the walk's `nth` thread where `cpus` CPUs are usable (it needs one
+ * of its own). */
+static void chase_start(Chase *c, struct _gc_runtime_state *gc, int nth, int cpus) {
     memset(c, 0, sizeof(*c));
     c->gc = gc;
     c->free = side_mode == 2;
-    if (side_mode == 0 || (side_mode == 1 && cpus_usable() < cpus)) return;
-    sigset_t all, old;
-    sigfillset(&all);
-    pthread_sigmask(SIG_SETMASK, &all, &old);
-    c->running = pthread_create(&c->thread, NULL, chase_run, c) == 0;
-    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (!helper_allowed(nth, cpus)) return;
+    c->running = spawn(&c->thread, chase_run, c);
     if (c->running && c->free) { /* lockstep: its whole read first, then the walk */
         pthread_join(c->thread, NULL);
         c->running = 0;
@@ -1289,9 +1288,10 @@ static PyObject *walk(PyObject *self, PyObject *args) {
     Chase chase;
     memset(&chase, 0, sizeof(chase));
     last_chased = 0;
-    if (recording && rec.array_type) side_start(&side, &rec);
+    int cpus = side_mode == 1 ? cpus_usable() : 0; /* asked once a walk */
+    if (recording && rec.array_type) side_start(&side, &rec, cpus);
     /* the chaser needs a CPU of its own: a third one beside the side thread */
-    chase_start(&chase, gc, side.running ? 3 : 2);
+    chase_start(&chase, gc, side.running ? 3 : 2, cpus);
 #endif
     /* 1. The listing and the recording, object by object along gc's lists (the traversal
      * of one object overlaps the wait for the next one's header); in array mode, the keeps
