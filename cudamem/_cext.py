@@ -10,7 +10,8 @@
 * The switch variable set to ``0``, no compiler, a failed build: ``disabled``/``failed``,
   and Python serves. ``status()`` says which and why.
 
-The source file's hash names the build, so a changed source builds anew. The module name
+An extension ``stem`` is the C file ``cudamem/_{stem}.c``. The source's hash and the
+compiler's flags name the build, so a changed source or flag builds anew. The module name
 reaches the C file as ``CUDAMEM_MODULE_NAME``.
 """
 
@@ -34,6 +35,8 @@ from typing import Any, cast
 from . import _fastread
 
 __all__ = ["Extension", "ExtensionStatus"]
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
 
 BUILD_TIMEOUT_S = 120.0
 
@@ -65,6 +68,16 @@ def compiler() -> str | None:
     return cc if shutil.which(cc.split()[0]) else None
 
 
+def _flags() -> list[str]:
+    """The compiler's flags for this platform (part of a build's name)."""
+    flags = ["-O2", "-shared", "-fPIC"]
+    if sys.platform.startswith("linux"):  # the heap walk's side thread (older glibc)
+        flags.insert(0, "-pthread")
+    if sys.platform == "darwin":  # Python's symbols resolve when the interpreter loads it
+        flags[:0] = ["-undefined", "dynamic_lookup"]
+    return flags
+
+
 class Extension:
     """One optional C extension: its source, its cache, its state."""
 
@@ -73,19 +86,22 @@ class Extension:
         *,
         stem: str,
         name: str,
-        source: str,
         switch_env: str,
-        what: str,
         idle_reason: str,
-        validate: Callable[[Any], str | None],
+        exports: tuple[str, ...],
+        validate: Callable[[Any], str | None] | None = None,
     ) -> None:
-        #: Cache folder and module-name prefix (``heapscan``, ``spancore``).
+        #: Cache folder and module-name prefix (``heapscan``, ``spancore``); the source is
+        #: ``cudamem/_{stem}.c``.
         self.stem = stem
+        #: What it does, as ``cudamem status`` names it: "heap pass", "span core".
         self.name = name
-        self.source = source
+        self.source = os.path.join(_HERE, f"_{stem}.c")
         self.switch_env = switch_env
-        #: What it is, in a reason: "compiled pass", "compiled span core".
-        self.what = what
+        #: What it is, in a reason: "compiled heap pass", "compiled span core".
+        self.what = f"compiled {name}"
+        #: The functions a build must have; ``validate`` is the extension's own check beyond.
+        self.exports = exports
         self.validate = validate
         self.lock = threading.Lock()
         self.state = IDLE
@@ -101,8 +117,9 @@ class Extension:
         with open(self.source, "rb") as fh:
             source = fh.read()
         suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+        flags = " ".join(_flags())
         key = hashlib.sha256(
-            source + (sys.implementation.cache_tag or "py").encode() + suffix.encode()
+            source + f"{sys.implementation.cache_tag or 'py'}{suffix}{flags}".encode()
         ).hexdigest()[:12]
         name = f"_cudamem_{self.stem}_{key}"
         root = os.path.join(os.path.dirname(_fastread.cache_root()), self.stem)
@@ -123,19 +140,13 @@ class Extension:
         os.close(fd)
         argv = [
             *cc.split(),
-            "-O2",
-            "-shared",
-            "-fPIC",
+            *_flags(),
             f"-I{include}",
             f"-DCUDAMEM_MODULE_NAME={name}",
             self.source,
             "-o",
             tmp,
         ]
-        if sys.platform.startswith("linux"):  # the heap walk's side thread (older glibc)
-            argv.insert(1, "-pthread")
-        if sys.platform == "darwin":  # Python's symbols resolve when the interpreter loads it
-            argv[1:1] = ["-undefined", "dynamic_lookup"]
         try:
             done = subprocess.run(
                 argv,
@@ -201,12 +212,20 @@ class Extension:
                 return None
             if self.state != READY or self.module is None:
                 return None
-            problem = self.validate(self.module)
+            problem = self.check(self.module)
             if problem is not None:
                 self.state, self.reason, self.module = DROPPED, problem, None
                 return None
             self.state, self.reason = ACTIVE, f"{self.what}, validated ({self.path})"
             return self.module
+
+    def check(self, module: Any) -> str | None:
+        """Why ``module`` cannot serve (an export missing, or the extension's own
+        ``validate`` says why), or ``None``."""
+        missing = [n for n in self.exports if not callable(getattr(module, n, None))]
+        if missing:
+            return f"the {self.what} lacks {', '.join(missing)}"
+        return None if self.validate is None else self.validate(module)
 
     def settled(self) -> bool:
         """Whether no later ``native()`` can change the answer (active, or never will be)."""

@@ -20,7 +20,6 @@ array-mode pass lets them go.
 from __future__ import annotations
 
 import gc
-import os
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -29,7 +28,6 @@ from ._cext import Extension, ExtensionStatus
 __all__ = ["EXTENSION", "SWITCH_ENV", "native", "python_pass", "status", "validate", "wait"]
 
 SWITCH_ENV = "CUDAMEM_FAST_HEAP"
-SOURCE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_heapscan.c")
 
 
 def native() -> Any:
@@ -164,9 +162,8 @@ def _wrong_walk(module: Any, kind: type, target: Any, expected: list[Any]) -> st
 EXTENSION = Extension(
     stem="heapscan",
     name="heap pass",
-    source=SOURCE_PATH,
     switch_env=SWITCH_ENV,
-    what="compiled pass",
     idle_reason="not needed yet (no holder search has run)",
+    exports=("scan", "edges", "edges_info", "instances", "gc_instances", "module_dicts"),
     validate=validate,
 )

@@ -12,32 +12,19 @@ checks a span through each path field by field, and only then replaces its
 
 from __future__ import annotations
 
-import os
-from typing import Any
-
 from ._cext import Extension, ExtensionStatus
 
 __all__ = ["EXTENSION", "SWITCH_ENV", "status"]
 
 SWITCH_ENV = "CUDAMEM_FAST_SPAN"
-SOURCE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_spancore.c")
-
-
-def _validate(module: Any) -> str | None:
-    """The build's own check: the function span.py calls is there (``init``, which makes
-    the state whose functions serve; ``span._core_check`` checks those)."""
-    missing = [n for n in ("init",) if not callable(getattr(module, n, None))]
-    return f"the compiled span core lacks {', '.join(missing)}" if missing else None
-
-
+#: The build's own check is that ``init`` is there: it makes the state whose functions
+#: serve (``span._core_check`` checks those).
 EXTENSION = Extension(
     stem="spancore",
     name="span core",
-    source=SOURCE_PATH,
     switch_env=SWITCH_ENV,
-    what="compiled span core",
     idle_reason="not needed yet (no span has opened)",
-    validate=_validate,
+    exports=("init",),
 )
 
 

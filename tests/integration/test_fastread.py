@@ -666,7 +666,7 @@ def test_status_command_names_the_reader(capsys: pytest.CaptureFixture[str]) -> 
     heap = _heapscan.status()
     assert heap_line == present(heap) and data["heap_pass"] == to_data(heap)
     if _cext.compiler() is not None and heap.state != "disabled":  # CUDAMEM_FAST_HEAP=0 runs
-        assert heap_line.startswith("heap pass: compiled [active]: compiled pass, validated")
+        assert heap_line.startswith("heap pass: compiled [active]: compiled heap pass, validated")
     assert data["devices"][0]["index"] == 0
 
 

@@ -10,6 +10,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import sysconfig
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -60,7 +61,7 @@ def test_the_build_entry_compiles_a_module_with_the_calls_span_py_makes(tmp_path
     path = str(tmp_path / f"{name}.so")
     _spancore.EXTENSION.build(path, name)
     module = _fastread.load_library(path, name)
-    assert _spancore._validate(module) is None
+    assert _spancore.EXTENSION.check(module) is None
     assert "init" in dir(module)
     # A span module's functions are its state's, not the module's.
     assert not {"open", "close", "make", "columns"} & set(dir(module))
@@ -70,7 +71,36 @@ def test_a_module_without_the_calls_is_refused() -> None:
     class Empty:
         open = None
 
-    assert _spancore._validate(Empty()) == "the compiled span core lacks init"
+    assert _spancore.EXTENSION.check(Empty()) == "the compiled span core lacks init"
+
+
+def test_each_extension_builds_its_own_c_file_and_names_what_it_lacks() -> None:
+    from cudamem import _heapscan
+
+    assert _spancore.EXTENSION.source == os.path.join(ROOT, "cudamem", "_spancore.c")
+    assert _heapscan.EXTENSION.source == os.path.join(ROOT, "cudamem", "_heapscan.c")
+    assert all(os.path.exists(e.source) for e in (_spancore.EXTENSION, _heapscan.EXTENSION))
+
+    class Partial:
+        scan = edges = staticmethod(lambda *a: None)
+
+    # The exports are checked before the heap pass's own check runs (it would call them).
+    assert _heapscan.EXTENSION.check(Partial()) == (
+        "the compiled heap pass lacks edges_info, instances, gc_instances, module_dicts"
+    )
+
+
+def test_a_build_is_named_by_its_compiler_flags_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A build made with other flags (an older release's) is never loaded for this one."""
+    name, path = _spancore.EXTENSION.paths()
+    assert name.startswith("_cudamem_spancore_") and path.endswith(
+        name + (sysconfig.get_config_var("EXT_SUFFIX") or ".so")
+    )
+    flags = _cext._flags()
+    monkeypatch.setattr(_cext, "_flags", lambda: [*flags, "-DCUDAMEM_OTHER"])
+    other_name, other_path = _spancore.EXTENSION.paths()
+    assert other_name != name and other_path != path
+    assert os.path.dirname(other_path) == os.path.dirname(path)
 
 
 def test_init_refuses_a_type_whose_fields_are_not_slots() -> None:
