@@ -119,28 +119,9 @@ def _outlier(
     return Outlier(measure, rank, value, runner_up, describe[rank])
 
 
-def build_report(
-    rows: Sequence[RankReport],
-    *,
-    world_size: int | None = None,
-    collector: int = 0,
-    seconds: float = 0.0,
-    notes: Iterable[str] = (),
-    min_growth: int | None = None,
-) -> DistributedReport:
-    """Assemble the report from every rank's row (pure: no torch, no NVML).
-
-    ``min_growth`` is the smallest growth per call that names a growth outlier (default: the
-    leak detector's ``min_bytes_per_call``, 64 KiB).
-    """
-    if min_growth is None:
-        min_growth = leak_settings().min_bytes_per_call
-    ordered = tuple(rows)
-    size = world_size if world_size is not None else len(ordered)
-    out_notes = list(notes)
-    answered = [r for r in ordered if r.answered]
-
-    # -- the GPU map: NVML's processes, each matched to a rank by (host, pid)
+def _gpu_map(answered: Sequence[RankReport]) -> tuple[tuple[GpuHolding, ...], list[str]]:
+    """NVML's processes per GPU, each matched to a rank by (host, pid); a note when none
+    matched (a container's PIDs)."""
     by_pid = {(r.host, r.pid): r for r in answered}
     holdings: list[GpuHolding] = []
     matched = False
@@ -164,13 +145,19 @@ def build_report(
                         own,
                     )
                 )
+    notes = []
     if holdings and not matched and any(r.devices for r in answered):
-        out_notes.append(
+        notes.append(
             "NVML lists none of the ranks' PIDs: inside containers NVML reports host PIDs, so "
             "the rank ↔ GPU map below comes from each rank's own CUDA contexts"
         )
+    return tuple(holdings), notes
 
-    # -- stray memory: a rank on a GPU other than its own
+
+def _strays(
+    answered: Sequence[RankReport], holdings: Sequence[GpuHolding]
+) -> tuple[tuple[StrayMemory, ...], list[str]]:
+    """Stray memory: a rank on a GPU other than its own; a note per GPU holding some."""
     strays: list[StrayMemory] = []
     for row in answered:
         seen_uuids = set()
@@ -184,15 +171,18 @@ def build_report(
             if h.rank != row.rank or h.own is not False or h.uuid in seen_uuids:
                 continue
             strays.append(_stray(row, None, h.gpu, h.used, (None, None)))
-    stray_gpus = {s.gpu for s in strays if s.gpu is not None}
-    for gpu in sorted(stray_gpus):
+    notes = []
+    for gpu in sorted({s.gpu for s in strays if s.gpu is not None}):
         ranks = sorted({s.rank for s in strays if s.gpu == gpu})
-        out_notes.append(
+        notes.append(
             f"GPU {gpu} holds memory of {_plural(len(ranks), 'rank')} not its own "
             f"({', '.join(map(str, ranks))}): see the causes below"
         )
+    return tuple(strays), notes
 
-    # -- outliers
+
+def _peak_outlier(answered: Sequence[RankReport]) -> Outlier | None:
+    """The rank whose peak stands out, with the runner-up's peak in its detail."""
     peaks = {r.rank: float(r.peak) for r in answered if r.peak is not None}
     peak_text = {}
     for r in answered:
@@ -209,6 +199,14 @@ def build_report(
             peak_outlier.runner_up,
             f"{peak_outlier.detail} (next: {format_bytes(round(peak_outlier.runner_up))})",
         )
+    return peak_outlier
+
+
+def _growth_outlier(
+    answered: Sequence[RankReport], min_growth: int
+) -> tuple[Outlier | None, list[str]]:
+    """The rank whose growth per call stands out (at least ``min_growth``), with what holds
+    it; else a note why none does."""
     growths: dict[int, float] = {}
     growth_text: dict[int, str] = {}
     for r in answered:
@@ -220,36 +218,60 @@ def build_report(
                 f"of {fastest[1]!r}"
             )
     growth_outlier = _outlier("growth", growths, growth_text)
-    if growth_outlier is not None:
-        row = next(r for r in answered if r.rank == growth_outlier.rank)
-        detail = growth_outlier.detail
-        named = [h for g in row.growth for h in g.holders]
-        if named:
-            detail += f"; held by {named[0]}"
-        runner_up = growth_outlier.runner_up
-        detail += (
-            f" (next: {format_bytes(round(runner_up), signed=True)} per call)"
-            if runner_up is not None
-            else " (no other rank grows)"
-        )
-        growth_outlier = Outlier("growth", row.rank, growth_outlier.value, runner_up, detail)
-    elif answered:
-        out_notes.append(
+    if growth_outlier is None:
+        if not answered:
+            return None, []
+        return None, [
             f"no rank grows by {format_bytes(min_growth)} or more per call"
             if not growths
             else "the fastest-growing ranks grow alike: no outlier"
-        )
+        ]
+    row = next(r for r in answered if r.rank == growth_outlier.rank)
+    detail = growth_outlier.detail
+    named = [h for g in row.growth for h in g.holders]
+    if named:
+        detail += f"; held by {named[0]}"
+    runner_up = growth_outlier.runner_up
+    detail += (
+        f" (next: {format_bytes(round(runner_up), signed=True)} per call)"
+        if runner_up is not None
+        else " (no other rank grows)"
+    )
+    return Outlier("growth", row.rank, growth_outlier.value, runner_up, detail), []
+
+
+def build_report(
+    rows: Sequence[RankReport],
+    *,
+    world_size: int | None = None,
+    collector: int = 0,
+    seconds: float = 0.0,
+    notes: Iterable[str] = (),
+    min_growth: int | None = None,
+) -> DistributedReport:
+    """Assemble the report from every rank's row (pure: no torch, no NVML).
+
+    ``min_growth`` is the smallest growth per call that names a growth outlier (default: the
+    leak detector's ``min_bytes_per_call``, 64 KiB).
+    """
+    if min_growth is None:
+        min_growth = leak_settings().min_bytes_per_call
+    ordered = tuple(rows)
+    answered = [r for r in ordered if r.answered]
+    holdings, map_notes = _gpu_map(answered)
+    strays, stray_notes = _strays(answered, holdings)
+    peak_outlier = _peak_outlier(answered)
+    growth_outlier, growth_notes = _growth_outlier(answered, min_growth)
     missing = [r.rank for r in ordered if not r.answered]
-    if missing:
-        out_notes.append(f"no row from rank(s) {', '.join(map(str, missing))}")
+    missing_notes = [f"no row from rank(s) {', '.join(map(str, missing))}"] if missing else []
     return DistributedReport(
         ranks=ordered,
-        world_size=size,
+        world_size=world_size if world_size is not None else len(ordered),
         collector=collector,
         seconds=seconds,
-        gpus=tuple(holdings),
-        strays=tuple(strays),
+        gpus=holdings,
+        strays=strays,
         peak_outlier=peak_outlier,
         growth_outlier=growth_outlier,
-        notes=tuple(out_notes),
+        notes=(*notes, *map_notes, *stray_notes, *growth_notes, *missing_notes),
     )
