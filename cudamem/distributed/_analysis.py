@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
-from .._format import format_bytes
+from .._format import format_bytes, plural
 from ..leaks import leak_settings
 from ..stats import device_name
 from ._results import (
@@ -18,10 +18,6 @@ from ._results import (
 )
 
 __all__ = ["build_report"]
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
 def _stray(
@@ -175,7 +171,7 @@ def _strays(
     for gpu in sorted({s.gpu for s in strays if s.gpu is not None}):
         ranks = sorted({s.rank for s in strays if s.gpu == gpu})
         notes.append(
-            f"GPU {gpu} holds memory of {_plural(len(ranks), 'rank')} not its own "
+            f"GPU {gpu} holds memory of {plural(len(ranks), 'rank')} not its own "
             f"({', '.join(map(str, ranks))}): see the causes below"
         )
     return tuple(strays), notes

@@ -4,17 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from .._format import format_bytes
+from .._format import format_bytes, plural
 from .._present import renders
 from ..distributed._results import DistributedReport, Outlier, RankReport, StrayMemory
 from ..stats import device_name
 from .text import render_table
 
 __all__ = ["render_distributed", "render_outlier", "render_rank", "render_stray"]
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
 def _sum(values: Iterable[int | None]) -> int | None:
@@ -194,8 +190,8 @@ def render_distributed(report: DistributedReport) -> str:
     its causes, then one block per rank."""
     hosts = {r.host for r in report.ranks if r.host is not None}
     head = (
-        f"cudamem distributed report: {_plural(report.world_size, 'rank')} on "
-        f"{_plural(len(hosts), 'host')}, gathered on rank {report.collector} "
+        f"cudamem distributed report: {plural(report.world_size, 'rank')} on "
+        f"{plural(len(hosts), 'host')}, gathered on rank {report.collector} "
         f"(waited {report.seconds * 1e3:.1f} ms for the rows)"
     )
     parts = [head, _summary(report)]

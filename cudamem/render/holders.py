@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .._format import format_bytes
+from .._format import format_bytes, plural
 from .._present import renders
 from ..census import Census, LiveStorage, Unaccounted
 from ..holders import GraphHolder, GraphHolders, Holder, Holders
@@ -138,14 +138,12 @@ def render_unaccounted(u: Unaccounted) -> str:
 
 @renders(GraphHolder)
 def render_graph_holder(h: GraphHolder) -> str:
-    """``__main__.losses: 10 tensor(s) with graphs keep 40.0 MiB of saved tensors alive on
+    """``__main__.losses: 10 tensors with graphs keep 40.0 MiB of saved tensors alive on
     cuda:0 (e.g. __main__.losses[3])``."""
+    tensors = plural(h.tensors, "tensor")
     where = ", ".join(h.devices) or "no device"
-    return (
-        f"{h.container}: {h.tensors} tensor(s) with graphs keep "
-        f"{format_bytes(h.graph_bytes)} of saved tensors alive on {where} "
-        f"(e.g. {h.example})"
-    )
+    kept = f"keep {format_bytes(h.graph_bytes)} of saved tensors alive on {where}"
+    return f"{h.container}: {tensors} with graphs {kept} (e.g. {h.example})"
 
 
 @renders(GraphHolders)

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-from .._format import format_bytes
+from .._format import format_bytes, plural
 from .._present import renders
 from ..culprits import Culprit
 from ..leaks import Growth, LeakReport, LeakSettings
 from .text import render_table
 
 __all__ = ["render_culprit", "render_growth", "render_leak_report", "render_leak_settings"]
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
 @renders(Culprit)
@@ -22,9 +18,9 @@ def render_culprit(c: Culprit) -> str:
     A container whose entries hold several tensors each says both:
     ``model.step_outputs: 30 items, 60 tensors, 12.0 MiB``.
     """
-    count = _plural(c.tensors, "tensor")
+    count = plural(c.tensors, "tensor")
     if c.items > 1 and c.items != c.tensors:
-        count = f"{_plural(c.items, 'item')}, {count}"
+        count = f"{plural(c.items, 'item')}, {count}"
     text = f"{c.holder}: {count}, {format_bytes(c.nbytes)}"
     if c.autograd_bytes and c.autograd_bytes * 2 >= c.nbytes:
         text += " held through autograd graphs"
@@ -71,7 +67,7 @@ def render_growth(g: Growth) -> str:
     """The text of a ``cudamem.LeakWarning``: the rate, then one line per culprit."""
     lines = [
         f"{g.name} retains {format_bytes(g.per_call, signed=True)} per call "
-        f"({_plural(g.calls, 'call')})"
+        f"({plural(g.calls, 'call')})"
     ]
     for c in g.culprits:
         lines.extend(_culprit_lines(c))
@@ -98,7 +94,7 @@ def render_leak_report(r: LeakReport) -> str:
         head = f"{r.span}: no storage created inside is alive {r.checked}"
         return "\n".join([head, *(f"  note: {n}" for n in r.notes)])
     lines = [
-        f"{r.span}: {_plural(r.count, 'storage')} created inside, "
+        f"{r.span}: {plural(r.count, 'storage')} created inside, "
         f"{format_bytes(r.nbytes)}, alive {r.checked}"
     ]
     for c in r.culprits:

@@ -65,6 +65,6 @@ def test_graph_holders_table_and_notes() -> None:
 
 def test_graph_holder_one_line() -> None:
     assert str(graph_holder()) == (
-        "__main__.loss_history: 10 tensor(s) with graphs keep 40.0 MiB of saved tensors alive "
+        "__main__.loss_history: 10 tensors with graphs keep 40.0 MiB of saved tensors alive "
         "on cuda:0 (e.g. __main__.loss_history[3])"
     )
