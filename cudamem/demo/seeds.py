@@ -3,6 +3,10 @@
 Each experiment returns a frozen ``Experiment`` (a table, a one-line explanation and
 PASS/FAIL checks); ``python -m cudamem demo`` renders them. Experiments that need a GPU are
 returned as skipped on a machine without one.
+
+``@_experiment(key, text, gpus=..., device=...)`` registers each, in the demo's order: its
+key, its title and explanation (``text``), the GPUs it needs and where it runs are said once,
+there; the function below it only runs the experiment and returns its table and checks.
 """
 
 from __future__ import annotations
@@ -10,10 +14,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import inspect
 import sys
 import types
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -44,17 +49,20 @@ class Check:
 
 @dataclass(frozen=True, slots=True)
 class Experiment:
-    """One reproduced experiment: what it shows, its table and its checks."""
+    """One reproduced experiment: what it shows, its table and its checks.
 
-    key: str
-    title: str
-    explanation: str
+    An experiment's function returns its table, notes and checks; ``run_demo`` (the
+    registration, ``_experiment``) adds the key, title and explanation."""
+
+    key: str = ""
+    title: str = ""
+    explanation: str = ""
     headers: tuple[str, ...] = ()
     rows: tuple[tuple[str, ...], ...] = ()
     checks: tuple[Check, ...] = ()
     #: Why the experiment did not run (no GPU), or None when it ran.
     skipped: str | None = None
-    notes: tuple[str, ...] = field(default=())
+    notes: tuple[str, ...] = ()
 
     @property
     def passed(self) -> bool:
@@ -62,13 +70,61 @@ class Experiment:
         return self.skipped is None and all(c.passed for c in self.checks)
 
 
+#: Every experiment of the demo, in order: (key, function), as ``_experiment`` registers them.
+_EXPERIMENTS: list[tuple[str, Callable[[], Experiment]]] = []
+
+
+def _experiment(
+    key: str, text: str, *, gpus: int = 0, device: int = 0
+) -> Callable[[Callable[[int | None], Experiment]], Callable[[], Experiment]]:
+    """Register the decorated run as the demo's next experiment, ``key``.
+
+    ``text`` is its title, a blank line, and its explanation (``{device}`` is the device's
+    index). The function registered runs it on ``cuda:device``, on the CPU where no GPU
+    exists if ``gpus`` is 0, else skipped on a machine with fewer than ``gpus`` GPUs, and
+    completes its result with the key, title and explanation.
+    """
+    title, _, explanation = inspect.cleandoc(text.replace("{device}", str(device))).partition(
+        "\n\n"
+    )
+    explanation = " ".join(explanation.split())
+
+    def register(run: Callable[[int | None], Experiment]) -> Callable[[], Experiment]:
+        def experiment() -> Experiment:
+            skip = _needs(gpus)
+            if skip is not None:
+                return Experiment(key, title, explanation, skipped=skip)
+            out = run(device if gpus or _backend.get().device_count() > device else None)
+            return replace(out, key=key, title=title, explanation=explanation)
+
+        functools.update_wrapper(experiment, run, updated=())
+        experiment.__doc__ = f"{title}\n\n{explanation}"
+        _EXPERIMENTS.append((key, experiment))
+        return experiment
+
+    return register
+
+
+def _needs(gpus: int) -> str | None:
+    """Why an experiment cannot run here (too few GPUs), or None."""
+    count = _backend.get().device_count() if gpus else 0
+    if count >= gpus:
+        return None
+    if gpus == 1:
+        return "needs a CUDA GPU"
+    return f"needs two CUDA GPUs (this machine has {count}); the single-GPU variants run on cuda:0"
+
+
+def _cuda(device: int | None) -> int:
+    """The GPU of an experiment registered with ``gpus`` (it never runs without one)."""
+    if device is None:
+        raise RuntimeError("an experiment registered with gpus=0 asked for a GPU")
+    return device
+
+
 def _where(device: int | None) -> str:
     """Where the experiment's tensors live: the GPU, else the CPU."""
     return f"cuda:{device}" if device is not None else "cpu"
-
-
-def _gpu() -> int | None:
-    return 0 if _backend.get().device_count() > 0 else None
 
 
 def _span_row(span: MemorySpan, device: int) -> tuple[str, ...]:
@@ -80,6 +136,12 @@ def _span_row(span: MemorySpan, device: int) -> tuple[str, ...]:
         format_bytes(d.after.allocated),
         format_bytes(d.after.reserved),
     )
+
+
+def _bytes_check(name: str, measured: int | None, expected: int, *, within: int = 0) -> Check:
+    """Passes when ``measured`` is known and ``expected`` give or take ``within`` bytes."""
+    ok = measured is not None and abs(measured - expected) <= within
+    return Check(name, ok, format_bytes(measured))
 
 
 def _expect(name: str, span: MemorySpan, device: int, alloc: int, reserved: int) -> Check:
@@ -94,16 +156,16 @@ def _expect(name: str, span: MemorySpan, device: int, alloc: int, reserved: int)
     return Check(name, ok, detail)
 
 
-def seed000_lifecycle() -> Experiment:
-    """Seed 000: a 256 MiB tensor through create, del-while-listed, clear, empty_cache."""
-    key, title = "seed000-256mib", "Seed 000: a 256 MiB tensor, del, list.clear() and empty_cache()"
-    explanation = (
-        "del removes a name, not the tensor: while a list holds it nothing is freed; "
-        "clearing the list frees the allocation, and only empty_cache() returns the cache."
-    )
-    device = _gpu()
-    if device is None:
-        return Experiment(key, title, explanation, skipped="needs a CUDA GPU")
+@_experiment(
+    "seed000-256mib",
+    """Seed 000: a 256 MiB tensor, del, list.clear() and empty_cache()
+
+    del removes a name, not the tensor: while a list holds it nothing is freed; clearing the
+    list frees the allocation, and only empty_cache() returns the cache.""",
+    gpus=1,
+)
+def seed000_lifecycle(on: int | None) -> Experiment:
+    device = _cuda(on)
     backend = _backend.get()
     gc.collect()
     backend.empty_cache()
@@ -140,9 +202,6 @@ def seed000_lifecycle() -> Experiment:
         _expect(sp.name, sp, device, a, r) for sp, (a, r) in zip(spans, expected, strict=True)
     )
     return Experiment(
-        key,
-        title,
-        explanation,
         headers=("step", "allocated Δ", "reserved Δ", "allocated", "reserved"),
         rows=tuple(_span_row(sp, device) for sp in spans),
         checks=checks,
@@ -163,6 +222,33 @@ def _user_module(name: str) -> Iterator[dict[str, Any]]:
     finally:
         module.__dict__.clear()
         sys.modules.pop(name, None)
+
+
+@_experiment(
+    "seed000-who-holds",
+    """Seed 000: del x, yet something still holds it
+
+    who_holds() names every path that keeps the storage alive, aliases included.""",
+)
+def seed000_who_holds(device: int | None) -> Experiment:
+    where = _where(device)
+    with _user_module("seed000") as ns:
+        x = torch.ones((1024, 1024), device=where)
+        ns["saved"] = [x]
+        ns["view"] = {"first row": x[0]}
+        del x
+        holders = who_holds(ns["saved"][0])
+    paths = holders.paths
+    rows = tuple((h.path, h.via, h.root_kind) for h in holders)
+    checks = (
+        Check("the list is named", "seed000.saved[0]" in paths, "; ".join(paths[:3])),
+        Check(
+            "the view in a dict is named as an alias",
+            any(h.path == "seed000.view['first row']" and h.is_alias for h in holders),
+            "; ".join(paths),
+        ),
+    )
+    return Experiment(headers=("path", "via", "root"), rows=rows, checks=checks)
 
 
 def _census_bytes(device_type: str) -> int:
@@ -189,16 +275,15 @@ class _Meter:
         return _census_bytes("cpu") - before, kept
 
 
-def seed000_losses() -> Experiment:
-    """Seed 000: what ten logged losses and outputs keep alive, and the fixes."""
+@_experiment(
+    "seed000-losses",
+    """Seed 000: ten losses of sigmoid(x * 2).mean() kept as tensors, numbers, outputs
 
-    key = "seed000-losses"
-    title = "Seed 000: ten losses of sigmoid(x * 2).mean() kept as tensors, numbers, outputs"
-    explanation = (
-        "A loss tensor drags its autograd graph along (4 MiB of saved sigmoid output each); "
-        "detach() keeps the output's storage on the device; numbers and host copies keep nothing."
-    )
-    device = _gpu()
+    A loss tensor drags its autograd graph along (4 MiB of saved sigmoid output each);
+    detach() keeps the output's storage on the device; numbers and host copies keep
+    nothing.""",
+)
+def seed000_losses(device: int | None) -> Experiment:
     where = _where(device)
     meter = _Meter(device)
     x = torch.randn(1024, 1024, device=where, requires_grad=True)
@@ -275,9 +360,6 @@ def seed000_losses() -> Experiment:
     if holder_line is not None:
         notes = (f"who_holds(loss_history[3]'s saved sigmoid output): {holder_line}",)
     return Experiment(
-        key,
-        title,
-        explanation,
         headers=("what is kept", f"bytes kept ({measured})"),
         rows=tuple(rows),
         checks=tuple(checks),
@@ -304,17 +386,15 @@ class Seed000(torch.nn.Module):
         return out.mean()
 
 
-def seed000_modules() -> Experiment:
-    """Seed 000: ten losses kept as tensors, profiled per module: the activation is named."""
+@_experiment(
+    "seed000-modules",
+    """Seed 000: which module keeps the ten losses' memory (cudamem.track_modules)
 
-    key = "seed000-modules"
-    title = "Seed 000: which module keeps the ten losses' memory (cudamem.track_modules)"
-    explanation = (
-        "sigmoid(x * 2) as a module: each call keeps its 4 MiB sigmoid output for the "
-        "backward (x * 2 is freed at once), so ten losses kept as tensors are 40 MiB kept "
-        "by Seed000.activation, the profile's top module."
-    )
-    device = _gpu()
+    sigmoid(x * 2) as a module: each call keeps its 4 MiB sigmoid output for the
+    backward (x * 2 is freed at once), so ten losses kept as tensors are 40 MiB kept by
+    Seed000.activation, the profile's top module.""",
+)
+def seed000_modules(device: int | None) -> Experiment:
     x = torch.randn(1024, 1024, device=_where(device), requires_grad=True)
     model = Seed000()
     gc.collect()
@@ -361,40 +441,10 @@ def seed000_modules() -> Experiment:
             )
         )
     return Experiment(
-        key,
-        title,
-        explanation,
         headers=("module", "calls", "kept", "self", "forward peak"),
         rows=rows,
         checks=tuple(checks),
     )
-
-
-def seed000_who_holds() -> Experiment:
-    """Seed 000: ``del x`` while a list holds it; who_holds names the list."""
-
-    key = "seed000-who-holds"
-    title = "Seed 000: del x, yet something still holds it"
-    explanation = "who_holds() names every path that keeps the storage alive, aliases included."
-    device = _gpu()
-    where = _where(device)
-    with _user_module("seed000") as ns:
-        x = torch.ones((1024, 1024), device=where)
-        ns["saved"] = [x]
-        ns["view"] = {"first row": x[0]}
-        del x
-        holders = who_holds(ns["saved"][0])
-    paths = holders.paths
-    rows = tuple((h.path, h.via, h.root_kind) for h in holders)
-    checks = (
-        Check("the list is named", "seed000.saved[0]" in paths, "; ".join(paths[:3])),
-        Check(
-            "the view in a dict is named as an alias",
-            any(h.path == "seed000.view['first row']" and h.is_alias for h in holders),
-            "; ".join(paths),
-        ),
-    )
-    return Experiment(key, title, explanation, ("path", "via", "root"), rows, checks)
 
 
 _SEED001_SCRIPT = r"""
@@ -437,21 +487,20 @@ print(json.dumps(out))
 """
 
 
-def seed001_context() -> Experiment:
-    """Seed 001: a 4 MiB tensor makes nvidia-smi jump by ~0.6 GiB (the context)."""
+@_experiment(
+    "seed001-context",
+    """Seed 001: nvidia-smi +1.2 GB for a 4 MiB tensor; empty_cache frees only 20 MiB
+
+    The jump is the CUDA context (never freed before exit); the 4 MiB tensor sits in a
+    20 MiB segment, which is all empty_cache() can return. Run in a fresh process.""",
+    gpus=1,
+)
+def seed001_context(on: int | None) -> Experiment:
     import json
     import subprocess
     import sys
 
-    key = "seed001-context"
-    title = "Seed 001: nvidia-smi +1.2 GB for a 4 MiB tensor; empty_cache frees only 20 MiB"
-    explanation = (
-        "The jump is the CUDA context (never freed before exit); the 4 MiB tensor sits in a "
-        "20 MiB segment, which is all empty_cache() can return. Run in a fresh process."
-    )
-    device = _gpu()
-    if device is None:
-        return Experiment(key, title, explanation, skipped="needs a CUDA GPU")
+    device = _cuda(on)
     proc = subprocess.run(
         [sys.executable, "-c", _SEED001_SCRIPT, str(device)],
         capture_output=True,
@@ -460,9 +509,6 @@ def seed001_context() -> Experiment:
     )
     if proc.returncode != 0:
         return Experiment(
-            key,
-            title,
-            explanation,
             checks=(Check("fresh process ran", False, proc.stderr.strip()[-500:]),),
         )
     out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -484,11 +530,7 @@ def seed001_context() -> Experiment:
     )
     checks = (
         Check("no context before the first CUDA call", out["contexts_before"] == [], ""),
-        Check(
-            "the 4 MiB tensor reserves a 20 MiB segment",
-            out["reserved"] == 20 * MiB,
-            format_bytes(out["reserved"]),
-        ),
+        _bytes_check("the 4 MiB tensor reserves a 20 MiB segment", out["reserved"], 20 * MiB),
         Check(
             "the context is 256 MiB–1.5 GiB of the jump",
             context is not None and 256 * MiB <= context <= 1536 * MiB,
@@ -499,29 +541,16 @@ def seed001_context() -> Experiment:
             jump is not None and 256 * MiB <= jump - 20 * MiB <= 1536 * MiB,
             f"jump {format_bytes(jump)}",
         ),
-        Check(
-            "release() frees the 20 MiB segment",
-            out["freed_reserved"] == 20 * MiB,
-            format_bytes(out["freed_reserved"]),
+        _bytes_check("release() frees the 20 MiB segment", out["freed_reserved"], 20 * MiB),
+        _bytes_check(
+            "nvidia-smi drops by 20 MiB (±2 MiB)", out["nvml_freed"], 20 * MiB, within=2 * MiB
         ),
-        Check(
-            "nvidia-smi drops by 20 MiB (±2 MiB)",
-            out["nvml_freed"] is not None and abs(out["nvml_freed"] - 20 * MiB) <= 2 * MiB,
-            format_bytes(out["nvml_freed"]),
-        ),
-        Check(
-            "the 80 MiB tensor's segment is freed whole",
-            out["freed_80"] == 80 * MiB,
-            format_bytes(out["freed_80"]),
-        ),
+        _bytes_check("the 80 MiB tensor's segment is freed whole", out["freed_80"], 80 * MiB),
     )
     return Experiment(
-        key,
-        title,
-        explanation,
-        ("step", "bytes"),
-        rows,
-        checks,
+        headers=("step", "bytes"),
+        rows=rows,
+        checks=checks,
         notes=tuple(out["ledger"].splitlines()),
     )
 
@@ -541,18 +570,16 @@ class NaiveN(torch.nn.Module):
         return out
 
 
-def seed001_sequential() -> Experiment:
-    """Seed 001: training twice in one process, with and without ``del optimizer``."""
+@_experiment(
+    "seed001-sequential",
+    """Seed 001: sequential training runs, with and without `del optimizer`
 
-    key = "seed001-sequential"
-    title = "Seed 001: sequential training runs, with and without `del optimizer`"
-    explanation = (
-        "After del model the optimizer still holds the parameters (param_groups) and Adam's "
-        "state; release() names it. Deleting it too gives everything back."
-    )
-    device = _gpu()
-    if device is None:
-        return Experiment(key, title, explanation, skipped="needs a CUDA GPU")
+    After del model the optimizer still holds the parameters (param_groups) and Adam's
+    state; release() names it. Deleting it too gives everything back.""",
+    gpus=1,
+)
+def seed001_sequential(on: int | None) -> Experiment:
+    device = _cuda(on)
     where = f"cuda:{device}"
     release(device)
     rows = []
@@ -606,41 +633,9 @@ def seed001_sequential() -> Experiment:
     )
     release(device)
     return Experiment(
-        key,
-        title,
-        explanation,
-        ("run", "still allocated", "reserved", "largest holder"),
-        tuple(rows),
-        checks,
-    )
-
-
-def census_now() -> Experiment:
-    """The live-tensor census of this process (CPU and GPU)."""
-
-    key = "census"
-    title = "The census: every live storage once, largest first"
-    explanation = "live_tensors() counts storages (views and saved tensors share one), not tensors."
-    device = _gpu()
-    where = _where(device)
-    base = torch.zeros(256, 1024, device=where)
-    views = [base[i] for i in range(4)]
-    census = live_tensors(where)
-    mine = [s for s in census if s.data_ptr == base.untyped_storage().data_ptr()]
-    checks = (
-        Check(
-            "a tensor and four views are one storage of 1 MiB",
-            len(mine) == 1 and mine[0].nbytes == 1 * MiB and mine[0].tensors == 5,
-            f"{len(mine)} storage(s), {mine[0].tensors if mine else 0} tensors",
-        ),
-    )
-    rows = tuple(
-        (s.device, format_bytes(s.nbytes), s.dtype, "×".join(map(str, s.shape)), str(s.tensors))
-        for s in list(census)[:5]
-    )
-    del views, base
-    return Experiment(
-        key, title, explanation, ("device", "bytes", "dtype", "shape", "tensors"), rows, checks
+        headers=("run", "still allocated", "reserved", "largest holder"),
+        rows=tuple(rows),
+        checks=checks,
     )
 
 
@@ -673,16 +668,6 @@ def _run(case: str, device: int) -> dict[str, Any]:
 
     out: dict[str, Any] = json.loads(_fresh_run(case, device))
     return out
-
-
-def _needs(gpus: int) -> str | None:
-    """Why an experiment cannot run here (too few GPUs), or None."""
-    count = _backend.get().device_count()
-    if count >= gpus:
-        return None
-    if gpus == 1:
-        return "needs a CUDA GPU"
-    return f"needs two CUDA GPUs (this machine has {count}); the single-GPU variants run on cuda:0"
 
 
 def _levels(out: dict[str, Any]) -> list[int]:
@@ -746,22 +731,22 @@ def _no_leak_warning(out: dict[str, Any], name: str) -> Check:
     return Check(name, not out["leak_warnings"], _first_lines(out["leak_warnings"]))
 
 
-_Judge = Callable[[dict[str, Any], list[int]], tuple[list[Check], list[str]]]
+_Judge = Callable[[dict[str, Any], int], tuple[list[Check], list[str]]]
 
 
-def _runs_experiment(
-    key: str, title: str, explanation: str, case: str, device: int, gpus: int, judge: _Judge
-) -> Experiment:
-    """An experiment over one fresh-process run of ``case``: the table of levels per run,
-    and the checks and notes ``judge`` reads off its output (skipped without ``gpus``)."""
-    skip = _needs(gpus)
-    if skip is not None:
-        return Experiment(key, title, explanation, skipped=skip)
-    out = _run(case, device)
-    checks, notes = judge(out, _levels(out))
-    return Experiment(
-        key, title, explanation, _RUN_HEADERS, _run_rows(out), tuple(checks), notes=tuple(notes)
-    )
+def _runs(case: str, judge: _Judge) -> Callable[[int | None], Experiment]:
+    """The run of an experiment over one fresh-process run of ``case``: the table of levels
+    per run, and the checks and notes ``judge`` reads off its output on the device."""
+
+    def run(on: int | None) -> Experiment:
+        device = _cuda(on)
+        out = _run(case, device)
+        checks, notes = judge(out, device)
+        return Experiment(
+            headers=_RUN_HEADERS, rows=_run_rows(out), checks=tuple(checks), notes=tuple(notes)
+        )
+
+    return run
 
 
 def _workspace_checks(out: dict[str, Any], device: int) -> list[Check]:
@@ -785,100 +770,118 @@ def _workspace_checks(out: dict[str, Any], device: int) -> list[Check]:
     ]
 
 
-def _seed001_stream(device: int, gpus: int, key: str) -> Experiment:
-    title = f"Seed 001: a new torch.cuda.Stream per run on cuda:{device}"
-    explanation = (
-        "cuBLAS keeps a workspace per handle and stream, and empty_cache() never frees it: "
-        "training on a new stream each run adds that run's workspaces (the forward thread's "
-        "and autograd's, 65 MiB on an H200) to allocated, for good — one run's worth per loop."
+def _judge_stream(out: dict[str, Any], device: int) -> tuple[list[Check], list[str]]:
+    levels = _levels(out)
+    rises = [levels[i + 1] - levels[i] for i in range(len(levels) - 1)]
+    per_stream = _ledger_says(out, device, r"per[^.;]{0,24}stream", "cublas")
+    checks = [
+        Check(
+            "allocated rises by the same amount every run",
+            bool(rises) and min(rises) >= MiB and max(rises) - min(rises) <= MiB,
+            ", ".join(format_bytes(r, signed=True) for r in rises),
+        ),
+        *_workspace_checks(out, device),
+        Check(
+            "explain() says the workspaces are kept per stream",
+            per_stream is not None,
+            per_stream or "no cuBLAS line mentions streams",
+        ),
+        Check(
+            "a LeakWarning names the cuBLAS workspaces",
+            any("cublas workspace" in w.lower() for w in out["leak_warnings"]),
+            _first_lines(out["leak_warnings"]),
+        ),
+    ]
+    notes = [_line_text(ln) for ln in _lines(out, device, "cublas")]
+    notes += [_line_text(ln) for ln in _lines(out, device, "strand")]
+    notes += [f"LeakWarning: {w}" for w in out["leak_warnings"][:1]]
+    return checks, notes
+
+
+def _judge_thread(out: dict[str, Any], device: int) -> tuple[list[Check], list[str]]:
+    levels = _levels(out)
+    checks = [
+        Check(
+            "the level stops rising: the last three runs are equal (±1 MiB)",
+            _flat(levels, len(levels) - 3),
+            ", ".join(format_bytes(v) for v in levels),
+        ),
+        _no_leak_warning(out, "no LeakWarning: growth that stops is not a leak"),
+        *_workspace_checks(out, device),
+    ]
+    return checks, [_line_text(ln) for ln in _lines(out, device, "cublas")]
+
+
+def _judge_flat(out: dict[str, Any], device: int) -> tuple[list[Check], list[str]]:
+    levels = _levels(out)
+    rel = out["release"]
+    checks = [
+        Check(
+            "allocated is the same after every run (±1 MiB)",
+            _flat(levels),
+            ", ".join(format_bytes(v) for v in levels),
+        ),
+        _no_leak_warning(out, "no LeakWarning"),
+        Check(
+            "release(clear_cublas=True) leaves nothing allocated",
+            rel["still_allocated"] == 0,
+            f"freed {format_bytes(rel['freed_allocated'])}",
+        ),
+    ]
+    notes = [f"contexts: {', '.join(f'cuda:{d}' for d in out['contexts'])}"]
+    notes += [_line_text(ln) for ln in _lines(out, device, "cublas")]
+    return checks, notes
+
+
+def _judge_plain(out: dict[str, Any], device: int) -> tuple[list[Check], list[str]]:
+    """The flat loop's checks, and that naming the device made no context on cuda:0."""
+    checks, notes = _judge_flat(out, device)
+    checks.append(
+        Check(
+            "naming cuda:1 creates no context on cuda:0",
+            0 not in out["contexts"],
+            ", ".join(f"cuda:{d}" for d in out["contexts"]),
+        )
     )
-
-    def judge(out: dict[str, Any], levels: list[int]) -> tuple[list[Check], list[str]]:
-        rises = [levels[i + 1] - levels[i] for i in range(len(levels) - 1)]
-        per_stream = _ledger_says(out, device, r"per[^.;]{0,24}stream", "cublas")
-        checks = [
-            Check(
-                "allocated rises by the same amount every run",
-                bool(rises) and min(rises) >= MiB and max(rises) - min(rises) <= MiB,
-                ", ".join(format_bytes(r, signed=True) for r in rises),
-            ),
-            *_workspace_checks(out, device),
-            Check(
-                "explain() says the workspaces are kept per stream",
-                per_stream is not None,
-                per_stream or "no cuBLAS line mentions streams",
-            ),
-            Check(
-                "a LeakWarning names the cuBLAS workspaces",
-                any("cublas workspace" in w.lower() for w in out["leak_warnings"]),
-                _first_lines(out["leak_warnings"]),
-            ),
-        ]
-        notes = [_line_text(ln) for ln in _lines(out, device, "cublas")]
-        notes += [_line_text(ln) for ln in _lines(out, device, "strand")]
-        notes += [f"LeakWarning: {w}" for w in out["leak_warnings"][:1]]
-        return checks, notes
-
-    return _runs_experiment(key, title, explanation, "stream", device, gpus, judge)
+    return checks, notes
 
 
-def _seed001_thread(device: int, gpus: int, key: str) -> Experiment:
-    title = f"Seed 001: a new thread per run on cuda:{device}"
-    explanation = (
-        "Each new thread asks cuBLAS for a handle; handles are pooled and handed to the next "
-        "thread once one ends, so a thread per run adds a workspace (32 MiB on an H200) once, "
-        "then the level stays flat: not a leak, and no LeakWarning."
-    )
+_STREAM_PER_RUN = """Seed 001: a new torch.cuda.Stream per run on cuda:{device}
 
-    def judge(out: dict[str, Any], levels: list[int]) -> tuple[list[Check], list[str]]:
-        checks = [
-            Check(
-                "the level stops rising: the last three runs are equal (±1 MiB)",
-                _flat(levels, len(levels) - 3),
-                ", ".join(format_bytes(v) for v in levels),
-            ),
-            _no_leak_warning(out, "no LeakWarning: growth that stops is not a leak"),
-            *_workspace_checks(out, device),
-        ]
-        return checks, [_line_text(ln) for ln in _lines(out, device, "cublas")]
+    cuBLAS keeps a workspace per handle and stream, and empty_cache() never frees it: training
+    on a new stream each run adds that run's workspaces (the forward thread's and autograd's,
+    65 MiB on an H200) to allocated, for good — one run's worth per loop."""
 
-    return _runs_experiment(key, title, explanation, "thread", device, gpus, judge)
+_THREAD_PER_RUN = """Seed 001: a new thread per run on cuda:{device}
 
+    Each new thread asks cuBLAS for a handle; handles are pooled and handed to the next thread
+    once one ends, so a thread per run adds a workspace (32 MiB on an H200) once, then the
+    level stays flat: not a leak, and no LeakWarning."""
 
-def seed001_stream_per_run() -> Experiment:
-    """Seed 001 on one GPU: a new stream per run grows allocated by cuBLAS workspaces."""
-    return _seed001_stream(0, 1, "seed001-stream-per-run")
+seed001_stream_per_run = _experiment("seed001-stream-per-run", _STREAM_PER_RUN, gpus=1)(
+    _runs("stream", _judge_stream)
+)
+seed001_thread_per_run = _experiment("seed001-thread-per-run", _THREAD_PER_RUN, gpus=1)(
+    _runs("thread", _judge_thread)
+)
+seed001_gpu1_stream_per_run = _experiment(
+    "seed001-gpu1-stream-per-run", _STREAM_PER_RUN, gpus=2, device=1
+)(_runs("stream", _judge_stream))
 
 
-def seed001_thread_per_run() -> Experiment:
-    """Seed 001 on one GPU: a new thread per run adds one workspace once, then stays flat."""
-    return _seed001_thread(0, 1, "seed001-thread-per-run")
+@_experiment(
+    "seed001-gpu1-context-on-gpu0",
+    """Seed 001: work on cuda:1 from a thread whose current device is cuda:0
 
-
-def seed001_gpu1_stream_per_run() -> Experiment:
-    """Seed 001 on two GPUs: a new ``torch.cuda.Stream(device='cuda:1')`` per run."""
-    return _seed001_stream(1, 2, "seed001-gpu1-stream-per-run")
-
-
-def seed001_gpu1_thread_per_run() -> Experiment:
-    """Seed 001 on two GPUs: a new thread per run on cuda:1."""
-    return _seed001_thread(1, 2, "seed001-gpu1-thread-per-run")
-
-
-def seed001_gpu1_context_on_gpu0() -> Experiment:
-    """Seed 001 on two GPUs: work on cuda:1 while cuda:0 is current makes a context there."""
-    key = "seed001-gpu1-context-on-gpu0"
-    title = "Seed 001: work on cuda:1 from a thread whose current device is cuda:0"
-    explanation = (
-        "Every thread starts on cuda:0. Leaving `with torch.cuda.stream(s)` for a stream on "
-        "cuda:1 restores cuda:0's stream and makes cuda:0 current again, and CUDA creates a "
-        "context there (~0.5 GiB) that only the process exiting frees. "
-        "torch.cuda.set_device(1) first avoids it."
-    )
-    skip = _needs(2)
-    if skip is not None:
-        return Experiment(key, title, explanation, skipped=skip)
-    bad, good = _run("stream", 1), _run("stream-set-device", 1)
+    Every thread starts on cuda:0. Leaving `with torch.cuda.stream(s)` for a stream on
+    cuda:1 restores cuda:0's stream and makes cuda:0 current again, and CUDA creates a
+    context there (~0.5 GiB) that only the process exiting frees.
+    torch.cuda.set_device(1) first avoids it.""",
+    gpus=2,
+    device=1,
+)
+def seed001_gpu1_context_on_gpu0(on: int | None) -> Experiment:
+    bad, good = _run("stream", _cuda(on)), _run("stream-set-device", _cuda(on))
     context = next(iter(_lines(bad, 0, "context")), None)
     zero = bad["ledgers"].get("0", {})
     never = _ledger_says(
@@ -933,87 +936,70 @@ def seed001_gpu1_context_on_gpu0() -> Experiment:
     )
     notes = tuple(zero.get("text", "").splitlines())
     return Experiment(
-        key,
-        title,
-        explanation,
-        ("run", "contexts", "cuda:0 context (explain)", "NVML on GPU 0"),
-        tuple(rows),
-        checks,
+        headers=("run", "contexts", "cuda:0 context (explain)", "NVML on GPU 0"),
+        rows=tuple(rows),
+        checks=checks,
         notes=notes,
     )
 
 
-def _seed001_flat(case: str, key: str, title: str, explanation: str) -> Experiment:
-    def judge(out: dict[str, Any], levels: list[int]) -> tuple[list[Check], list[str]]:
-        rel = out["release"]
-        checks = [
-            Check(
-                "allocated is the same after every run (±1 MiB)",
-                _flat(levels),
-                ", ".join(format_bytes(v) for v in levels),
-            ),
-            _no_leak_warning(out, "no LeakWarning"),
-            Check(
-                "release(clear_cublas=True) leaves nothing allocated",
-                rel["still_allocated"] == 0,
-                f"freed {format_bytes(rel['freed_allocated'])}",
-            ),
-        ]
-        if case == "plain":
-            checks.append(
-                Check(
-                    "naming cuda:1 creates no context on cuda:0",
-                    0 not in out["contexts"],
-                    ", ".join(f"cuda:{d}" for d in out["contexts"]),
-                )
-            )
-        notes = [f"contexts: {', '.join(f'cuda:{d}' for d in out['contexts'])}"]
-        notes += [_line_text(ln) for ln in _lines(out, 1, "cublas")]
-        return checks, notes
-
-    return _runs_experiment(key, title, explanation, case, 1, 2, judge)
+seed001_gpu1_thread_per_run = _experiment(
+    "seed001-gpu1-thread-per-run", _THREAD_PER_RUN, gpus=2, device=1
+)(_runs("thread", _judge_thread))
 
 
-def seed001_gpu1_plain_loop() -> Experiment:
-    """Seed 001 on two GPUs: the plain loop on ``torch.device('cuda:1')`` stays flat."""
-    return _seed001_flat(
-        "plain",
-        "seed001-gpu1-plain-loop",
-        "Seed 001: the plain loop on torch.device('cuda:1')",
-        "The same stream and thread every run: the workspaces of the first run are reused, "
-        "so allocated stays flat.",
+seed001_gpu1_plain_loop = _experiment(
+    "seed001-gpu1-plain-loop",
+    """Seed 001: the plain loop on torch.device('cuda:1')
+
+    The same stream and thread every run: the workspaces of the first run are reused, so
+    allocated stays flat.""",
+    gpus=2,
+    device=1,
+)(_runs("plain", _judge_plain))
+seed001_gpu1_pin_memory = _experiment(
+    "seed001-gpu1-pin-memory",
+    """Seed 001: a pin-memory DataLoader feeding cuda:1
+
+    Pinned host buffers live in host memory (the CUDA host allocator caches them), not in the
+    device's allocator: allocated on cuda:1 stays flat.""",
+    gpus=2,
+    device=1,
+)(_runs("pin-memory", _judge_flat))
+
+
+@_experiment(
+    "census",
+    """The census: every live storage once, largest first
+
+    live_tensors() counts storages (views and saved tensors share one), not tensors.""",
+)
+def census_now(device: int | None) -> Experiment:
+    where = _where(device)
+    base = torch.zeros(256, 1024, device=where)
+    views = [base[i] for i in range(4)]
+    census = live_tensors(where)
+    mine = [s for s in census if s.data_ptr == base.untyped_storage().data_ptr()]
+    checks = (
+        Check(
+            "a tensor and four views are one storage of 1 MiB",
+            len(mine) == 1 and mine[0].nbytes == 1 * MiB and mine[0].tensors == 5,
+            f"{len(mine)} storage(s), {mine[0].tensors if mine else 0} tensors",
+        ),
     )
-
-
-def seed001_gpu1_pin_memory() -> Experiment:
-    """Seed 001 on two GPUs: a ``DataLoader(pin_memory=True)`` loop on cuda:1 stays flat."""
-    return _seed001_flat(
-        "pin-memory",
-        "seed001-gpu1-pin-memory",
-        "Seed 001: a pin-memory DataLoader feeding cuda:1",
-        "Pinned host buffers live in host memory (the CUDA host allocator caches them), not in "
-        "the device's allocator: allocated on cuda:1 stays flat.",
+    rows = tuple(
+        (s.device, format_bytes(s.nbytes), s.dtype, "×".join(map(str, s.shape)), str(s.tensors))
+        for s in list(census)[:5]
+    )
+    del views, base
+    return Experiment(
+        headers=("device", "bytes", "dtype", "shape", "tensors"), rows=rows, checks=checks
     )
 
 
 def experiments() -> Sequence[tuple[str, Callable[[], Experiment]]]:
     """Every experiment of the demo, in order: (key, function)."""
-    return (
-        ("seed000-256mib", seed000_lifecycle),
-        ("seed000-who-holds", seed000_who_holds),
-        ("seed000-losses", seed000_losses),
-        ("seed000-modules", seed000_modules),
-        ("seed001-context", seed001_context),
-        ("seed001-sequential", seed001_sequential),
-        ("seed001-stream-per-run", seed001_stream_per_run),
-        ("seed001-thread-per-run", seed001_thread_per_run),
-        ("seed001-gpu1-stream-per-run", seed001_gpu1_stream_per_run),
-        ("seed001-gpu1-context-on-gpu0", seed001_gpu1_context_on_gpu0),
-        ("seed001-gpu1-thread-per-run", seed001_gpu1_thread_per_run),
-        ("seed001-gpu1-plain-loop", seed001_gpu1_plain_loop),
-        ("seed001-gpu1-pin-memory", seed001_gpu1_pin_memory),
-        ("census", census_now),
-    )
+    return tuple(_EXPERIMENTS)
 
 
 def run_demo(
