@@ -122,3 +122,44 @@ def test_skipped_without_the_gpus_it_needs(monkeypatch: pytest.MonkeyPatch) -> N
         e = experiment()
         assert e.skipped is not None and e.skipped.startswith("needs ")
         assert e.checks == ()
+
+
+def test_each_experiment_is_registered_once_with_its_text_as_its_doc() -> None:
+    """The key, title and explanation are said once (``@_experiment``); the demo's order is
+    the registration order, and help() on an experiment shows what the demo prints."""
+    keys = [k for k, _ in demo.experiments()]
+    assert len(keys) == len(set(keys)) == 14
+    assert keys[:2] == ["seed000-256mib", "seed000-who-holds"] and keys[-1] == "census"
+    e = demo.seed001_gpu1_stream_per_run
+    assert e.__doc__ is not None
+    title, explanation = e.__doc__.split("\n\n")
+    assert title == "Seed 001: a new torch.cuda.Stream per run on cuda:1"
+    assert explanation.startswith("cuBLAS keeps a workspace per handle and stream, and ")
+    assert "\n" not in explanation and "  " not in explanation
+
+
+def test_the_text_and_the_device_reach_the_result(fed: dict) -> None:
+    fed[("thread", 1)] = _out([32 * MiB] * 5, device=1)
+    e = demo.seed001_gpu1_thread_per_run()
+    assert e.key == "seed001-gpu1-thread-per-run"
+    assert e.title == "Seed 001: a new thread per run on cuda:1"
+    assert e.explanation.endswith("then the level stays flat: not a leak, and no LeakWarning.")
+    assert e.notes == (
+        "cuBLAS workspaces: 32.0 MiB (kept per handle and stream: one set per "
+        "stream that ran a matmul)",
+    )
+
+
+def test_a_cpu_experiment_runs_without_a_gpu_and_names_its_storage() -> None:
+    e = demo.census_now()
+    assert e.skipped is None and e.key == "census" and e.passed
+    assert e.checks[0].detail == "1 storage(s), 5 tensors"
+
+
+def test_a_byte_figure_check_passes_within_its_tolerance_only() -> None:
+    check = demo._bytes_check
+    assert check("exact", 20 * MiB, 20 * MiB).passed
+    assert not check("off by a byte", 20 * MiB + 1, 20 * MiB).passed
+    assert check("within", 21 * MiB, 20 * MiB, within=2 * MiB).passed
+    unknown = check("unknown", None, 20 * MiB)
+    assert not unknown.passed and unknown.detail == "n/a"
