@@ -51,8 +51,8 @@ class Check:
 class Experiment:
     """One reproduced experiment: what it shows, its table and its checks.
 
-    An experiment's function returns its table, notes and checks; ``run_demo`` (the
-    registration, ``_experiment``) adds the key, title and explanation."""
+    An experiment's function returns its table, notes and checks; its registration
+    (``_experiment``) adds the key, title and explanation."""
 
     key: str = ""
     title: str = ""
@@ -881,7 +881,8 @@ seed001_gpu1_stream_per_run = _experiment(
     device=1,
 )
 def seed001_gpu1_context_on_gpu0(on: int | None) -> Experiment:
-    bad, good = _run("stream", _cuda(on)), _run("stream-set-device", _cuda(on))
+    device = _cuda(on)
+    bad, good = _run("stream", device), _run("stream-set-device", device)
     context = next(iter(_lines(bad, 0, "context")), None)
     zero = bad["ledgers"].get("0", {})
     never = _ledger_says(
