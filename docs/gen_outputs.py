@@ -23,6 +23,7 @@ so tests compare the CPU outputs only on a machine like the one that wrote them.
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import re
@@ -63,6 +64,22 @@ def needs_gpu_line(example: Path) -> str:
 def examples() -> list[Path]:
     """Every example script, in name order (names starting with ``_`` are helpers)."""
     return sorted(p for p in EXAMPLES.glob("*.py") if not p.name.startswith("_"))
+
+
+def imports(example: Path) -> list[str]:
+    """The top-level packages ``example`` imports at module level, in the order it does (a
+    test skips an example whose optional framework is missing, naming the extra)."""
+    tree = ast.parse(example.read_text(encoding="utf-8"))
+    names: list[str] = []
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            found = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found = [node.module]
+        else:
+            continue
+        names.extend(n.split(".")[0] for n in found if n.split(".")[0] not in names)
+    return names
 
 
 def command(example: Path) -> list[str]:

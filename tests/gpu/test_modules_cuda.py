@@ -15,6 +15,7 @@ from torch import nn
 import cudamem
 from cudamem.modules import COMPILED_NOTE
 
+from .. import extras
 from ..memtracker import compare, memtracker_kept
 
 pytestmark = pytest.mark.cuda
@@ -44,7 +45,7 @@ def _no_automatic_gc() -> Iterator[None]:
 
 
 def _gpt2(n_embd: int = 256, **kw: Any) -> Any:
-    transformers = pytest.importorskip("transformers")
+    transformers = extras.need("transformers")
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
     config = transformers.GPT2Config(

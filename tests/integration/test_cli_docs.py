@@ -19,6 +19,8 @@ from types import ModuleType
 
 import pytest
 
+from .. import extras
+
 ROOT = Path(__file__).resolve().parents[2]
 _SPEC = importlib.util.spec_from_file_location("gen_outputs", ROOT / "docs" / "gen_outputs.py")
 assert _SPEC is not None and _SPEC.loader is not None
@@ -31,8 +33,17 @@ INCLUDE = re.compile(r'--8<-- "(?P<path>[^":]+)(?::(?P<section>[a-z][-_0-9a-z]*)
 
 
 @cache
-def cpu_run(name: str) -> object:
+def _run(name: str) -> object:
     return gen.run(gen.EXAMPLES / f"{name}.py", gpu=False)
+
+
+def cpu_run(name: str) -> object:
+    """The example's CPU run; a skip naming the extra to install where it imports an optional
+    framework that is missing here."""
+    for module in gen.imports(gen.EXAMPLES / f"{name}.py"):
+        if module in extras.EXTRA:
+            extras.need(module)
+    return _run(name)
 
 
 def test_there_are_examples() -> None:

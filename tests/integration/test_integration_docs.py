@@ -8,14 +8,13 @@ These examples live apart from ``docs/examples/*.py`` because they need optional
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from .. import extras
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "docs" / "examples" / "integrations"
@@ -66,8 +65,7 @@ def run(args: list[str]) -> subprocess.CompletedProcess[str]:
 
 def needs(*modules: str) -> None:
     for m in modules:
-        if importlib.util.find_spec(m) is None:
-            pytest.skip(f"needs {m}")
+        extras.need(m)
 
 
 def assert_page_lines_printed(lines: list[str], output: str, *, skip: str = "^$") -> None:

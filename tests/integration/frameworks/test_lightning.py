@@ -15,7 +15,9 @@ import torch
 import cudamem
 from cudamem import _backend
 
-L = pytest.importorskip("lightning.pytorch")
+from ... import extras
+
+L = extras.need("lightning.pytorch")
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 

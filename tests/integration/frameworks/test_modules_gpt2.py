@@ -7,14 +7,15 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
 import torch
 
 import cudamem
 from cudamem import _backend
 from cudamem.integrations._cpu import CpuStorageBackend
 
-transformers = pytest.importorskip("transformers")
+from ... import extras
+
+transformers = extras.need("transformers")
 
 
 def _tiny_gpt2() -> Any:

@@ -16,9 +16,10 @@ from cudamem.holders import Holder, Holders
 from cudamem.integrations.notebook import classify, explain_holders
 from cudamem.render.notebook import holders_html, record_html
 
+from ... import extras
 from ...routes import route
 
-IPython = pytest.importorskip("IPython")
+IPython = extras.need("IPython")
 
 MiB = 1024**2
 

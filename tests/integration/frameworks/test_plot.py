@@ -5,14 +5,13 @@ from __future__ import annotations
 import re
 import warnings
 
-import pytest
-
 import cudamem
 from cudamem import _backend
 from cudamem._history import History
 from cudamem.render.series import nothing_to_plot, points
 from cudamem.render.svg import memory_chart
 
+from ... import extras
 from ...fakes import FakeAllocator
 
 MiB = 1024**2
@@ -46,7 +45,7 @@ def test_svg_escapes_names_and_draws_three_series() -> None:
 
 
 def test_plot_draws_with_matplotlib() -> None:
-    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib = extras.need("matplotlib")
     matplotlib.use("Agg")
     hist = _history()
 
@@ -107,7 +106,7 @@ def test_svg_never_repeats_an_axis_label() -> None:
 
 
 def test_plot_without_points_says_nothing_to_plot() -> None:
-    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib = extras.need("matplotlib")
     matplotlib.use("Agg")
     ax = cudamem.plot(_cpu_history())
     assert ax.get_lines() == [] and len(ax.collections) == 0

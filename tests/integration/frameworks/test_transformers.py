@@ -13,8 +13,10 @@ import torch
 import cudamem
 from cudamem import _backend
 
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate")
+from ... import extras
+
+transformers = extras.need("transformers")
+extras.need("accelerate")  # transformers' Trainer needs it
 
 from cudamem.integrations._cpu import CpuStorageBackend  # noqa: E402
 from cudamem.integrations.transformers import (  # noqa: E402
