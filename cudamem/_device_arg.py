@@ -7,6 +7,7 @@ from typing import Union
 import torch
 
 from . import _backend
+from ._format import plural
 
 __all__ = ["DeviceLike", "resolve_device"]
 
@@ -46,5 +47,7 @@ def resolve_device(device: DeviceLike) -> int:
             f"(torch {torch.__version__}, CUDA build: {torch.version.cuda is not None})"
         )
     if index >= count:
-        raise ValueError(f"cuda:{index} does not exist: this process sees {count} CUDA device(s)")
+        raise ValueError(
+            f"cuda:{index} does not exist: this process sees {plural(count, 'CUDA device')}"
+        )
     return index

@@ -47,6 +47,7 @@ import torch
 from . import _autograd, _heap, _heapscan
 from ._args import check_int, check_seconds
 from ._autograd import StorageKey
+from ._format import plural
 from ._frames import own_frame
 from ._naming import (
     Ref,
@@ -254,7 +255,7 @@ class Search:
         self._limit_notes()
 
     def _limit_notes(self) -> None:
-        found = f"after {self.levels} level(s) and {len(self.nodes)} objects"
+        found = f"after {plural(self.levels, 'level')} and {plural(len(self.nodes), 'object')}"
         if self.stopped == "timeout":
             self.notes.append(
                 f"search stopped by its timeout ({self.limits.timeout:g} s) {found}: "

@@ -26,7 +26,7 @@ import torch
 from . import _autograd, _backend, _heap, _heapscan
 from ._autograd import StorageKey
 from ._device_arg import DeviceLike, resolve_device
-from ._format import format_bytes
+from ._format import format_bytes, plural
 from ._frames import own_frame
 from ._naming import frame_locals
 from ._present import Presented
@@ -384,7 +384,7 @@ def _gather_from(
         notes.append(f"autograd walk stopped after {walk.nodes} nodes")
     if walk.not_inspected:
         notes.append(
-            f"{len(walk.not_inspected)} autograd node(s) not inspected (saved-tensor hooks)"
+            f"{plural(len(walk.not_inspected), 'autograd node')} not inspected (saved-tensor hooks)"
         )
     if scan is not None:
         scan.extend((tensors, walk))
@@ -737,7 +737,8 @@ def _classify_blocks(
         unknown = max(0, unknown + allocated - covered)
     if by_size:
         notes.append(
-            f"{by_size} workspace(s) recognised by size ({', '.join(map(str, workspace_sizes))} B)"
+            f"{plural(by_size, 'workspace')} recognised by size "
+            f"({', '.join(map(str, workspace_sizes))} B)"
             "; torch.cuda.memory._record_memory_history() makes this certain"
         )
     return Unaccounted(

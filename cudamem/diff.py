@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ._format import format_bytes
+from ._format import format_bytes, plural
 from ._present import Presented
 from ._sequence import ItemSequence
 from .census import Census
@@ -136,7 +136,7 @@ def _census_groups(census: Any, notes: list[str]) -> dict[str, _Group]:
     unsearched = sum(1 for s in items if s.holders is None)
     if unsearched:
         notes.append(
-            f"{unsearched} storage(s) without holders: take the census with "
+            f"{plural(unsearched, 'storage')} without holders: take the census with "
             "cudamem.live_tensors(holders=True) to group them by holder"
         )
     groups: dict[str, _Group] = {}

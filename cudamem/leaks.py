@@ -168,7 +168,10 @@ def configure_leaks(**changes: Any) -> LeakSettings:
     known = {f.name for f in fields(LeakSettings)}
     unknown = sorted(set(changes) - known)
     if unknown:
-        raise TypeError(f"unknown leak setting(s) {unknown}; known: {sorted(known)}")
+        raise TypeError(
+            f"unknown leak {'setting' if len(unknown) == 1 else 'settings'} {unknown}; "
+            f"known: {sorted(known)}"
+        )
     new = replace(_settings, **changes) if changes else LeakSettings()
     _validate(new)
     _settings = new

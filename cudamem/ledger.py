@@ -39,7 +39,7 @@ from typing import ClassVar, NamedTuple
 
 from . import _backend, _nvml, census
 from ._device_arg import DeviceLike, resolve_device
-from ._format import format_bytes
+from ._format import format_bytes, plural
 from ._present import Presented, PresentedHtml
 from .snapshot import (
     CacheSplit,
@@ -477,7 +477,7 @@ def _cache_lines(
         idle = [s for s in cache.streams if s.stranded]
         stranded_note = ""
         if idle:
-            stranded_note = f"{len(idle)} stream(s) with cached blocks and no live tensor"
+            stranded_note = f"{plural(len(idle), 'stream')} with cached blocks and no live tensor"
             if cache.stranded_in_live_segments:
                 stranded_note += (
                     f"; {format_bytes(cache.stranded_in_live_segments)} of it shares segments "
@@ -625,9 +625,10 @@ def _allocated_lines(
         cublas_note = ""
         if allocated.workspace_count:
             cublas_note = (
-                f"{allocated.workspace_count} workspace(s), one per cuBLAS handle and stream"
+                plural(allocated.workspace_count, "workspace")
+                + ", one per cuBLAS handle and stream"
                 + (
-                    f", on {allocated.workspace_streams} stream(s)"
+                    f", on {plural(allocated.workspace_streams, 'stream')}"
                     if allocated.workspace_streams
                     else ""
                 )
@@ -748,7 +749,7 @@ def build_ledger(
         listed = ", ".join(
             f"{p.pid} ({format_bytes(p.used) if p.used is not None else 'n/a'})" for p in seen.procs
         )
-        notes.append(f"NVML lists host pid(s): {listed}")
+        notes.append(f"NVML lists host {'pid' if len(seen.procs) == 1 else 'pids'}: {listed}")
 
     # -- the difference
     known = [line.nbytes for line in lines]

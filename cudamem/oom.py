@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, TextIO
 
 from . import _backend, census
-from ._format import format_bytes
+from ._format import format_bytes, plural
 from ._frames import is_library_file
 from ._present import Presented
 from .census import LiveStorage
@@ -309,8 +309,8 @@ def _advice(
     if stranded:
         amount = sum(s.reserved for s in stranded)
         out.append(
-            f"{format_bytes(amount)} is cached on {len(stranded)} stream(s) that hold no live "
-            "tensor: "
+            f"{format_bytes(amount)} is cached on {plural(len(stranded), 'stream')} "
+            "with no live tensor: "
             "reuse one torch.cuda.Stream instead of creating one per run, or call "
             "torch.cuda.empty_cache() when a run ends."
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import random
 from collections.abc import Iterator
@@ -18,6 +19,9 @@ from cudamem import _cext, _history, _spancore, _warn
 from cudamem import span as _span
 
 from . import own_process
+
+#: The module (``cudamem.leaks`` is also the package's function of that name).
+_leaks = importlib.import_module("cudamem.leaks")
 
 
 def _has_cuda() -> bool:
@@ -196,10 +200,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(autouse=True)
 def _clean_cudamem_state() -> Iterator[None]:
-    """Every test starts with an empty history of the default size and no folded peaks."""
+    """Every test starts with an empty history of the default size, no folded peaks and a
+    growth detector that has seen no span (a test's rising spans arm it for their names;
+    left armed, every later span of that name would be captured and judged)."""
     cudamem.clear_history()
     _span._reset_state()
+    _leaks._detector.reset()
     yield
+    _leaks._detector.reset()
     cudamem.set_history_size(_history.DEFAULT_SIZE)
     cudamem.clear_history()
 

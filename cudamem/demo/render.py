@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from .._format import plural
 from ..render.text import render_table
 
 if TYPE_CHECKING:
@@ -35,5 +36,5 @@ def render_summary(results: Sequence[Experiment]) -> str:
     skipped = [e for e in results if e.skipped is not None]
     text = f"{len(checks) - failed}/{len(checks)} checks passed"
     if skipped:
-        text += f"; {len(skipped)} experiment(s) skipped ({skipped[0].skipped})"
+        text += f"; {plural(len(skipped), 'experiment')} skipped ({skipped[0].skipped})"
     return text

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from .. import _backend
-from .._format import format_bytes
+from .._format import format_bytes, plural
 from ..census import live_storage_keys, live_tensors
 from ..holders import who_holds
 from ..host import to_host
@@ -985,7 +985,7 @@ def census_now(device: int | None) -> Experiment:
         Check(
             "a tensor and four views are one storage of 1 MiB",
             len(mine) == 1 and mine[0].nbytes == 1 * MiB and mine[0].tensors == 5,
-            f"{len(mine)} storage(s), {mine[0].tensors if mine else 0} tensors",
+            f"{plural(len(mine), 'storage')}, {plural(mine[0].tensors if mine else 0, 'tensor')}",
         ),
     )
     rows = tuple(

@@ -259,7 +259,11 @@ def build_report(
     peak_outlier = _peak_outlier(answered)
     growth_outlier, growth_notes = _growth_outlier(answered, min_growth)
     missing = [r.rank for r in ordered if not r.answered]
-    missing_notes = [f"no row from rank(s) {', '.join(map(str, missing))}"] if missing else []
+    missing_notes = (
+        [f"no row from {'rank' if len(missing) == 1 else 'ranks'} {', '.join(map(str, missing))}"]
+        if missing
+        else []
+    )
     return DistributedReport(
         ranks=ordered,
         world_size=world_size if world_size is not None else len(ordered),

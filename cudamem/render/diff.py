@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .._format import format_bytes
+from .._format import format_bytes, plural
 from .._present import renders
 from ..diff import MemoryDiff
 from .text import render_table
@@ -46,6 +46,6 @@ def render_diff(d: MemoryDiff, *, limit: int = 20) -> str:
     else:
         lines.append("no holder group changed")
     if d.unchanged:
-        lines.append(f"{d.unchanged} group(s) unchanged")
+        lines.append(f"{plural(d.unchanged, 'group')} unchanged")
     lines.extend(f"note: {n}" for n in d.notes)
     return "\n".join(lines)

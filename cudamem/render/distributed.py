@@ -32,7 +32,7 @@ def _status(row: RankReport) -> str:
     if not row.answered:
         return "no answer"
     if row.errors:
-        return f"{len(row.errors)} error(s)"
+        return f"{plural(len(row.errors), 'error')}"
     return "ok"
 
 

@@ -118,10 +118,11 @@ def render_leak_report(r: LeakReport) -> str:
 
 @renders(LeakSettings)
 def render_leak_settings(s: LeakSettings) -> str:
-    """``growth detection on: after 1 warm-up call(s), 3 of the last 8 calls rising by at
+    """``growth detection on: after 1 warm-up call, 3 of the last 8 calls rising by at
     least 64.0 KiB per call``."""
     return (
-        f"growth detection {'on' if s.enabled else 'off'}: after {s.warmup} warm-up "
-        f"call(s), {s.min_rises} of the last {s.window} calls rising by at least "
+        f"growth detection {'on' if s.enabled else 'off'}: after "
+        f"{plural(s.warmup, 'warm-up call')}, {s.min_rises} of the last {s.window} calls "
+        "rising by at least "
         f"{format_bytes(s.min_bytes_per_call)} per call"
     )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .._format import format_bytes
+from .._format import format_bytes, plural
 from .._nvml import NvmlStatus
 from .._present import renders
 from ..ledger import DeviceLedger, Explanation, LedgerLine, MachineStatus
@@ -111,7 +111,7 @@ def render_kept(kept: CacheSplit) -> list[str]:
     for pool in kept.held_pools:
         if not pool.free:
             continue
-        graphs = "" if pool.graphs is None else f", {pool.graphs} graph(s)"
+        graphs = "" if pool.graphs is None else f", {plural(pool.graphs, 'graph')}"
         out.append(
             f"{format_bytes(pool.reserved - pool.allocated)} free in private pool "
             f"{pool.pool_id} ({pool.description}{graphs}): only deleting its graphs (and "

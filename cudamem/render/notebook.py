@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .._format import escape_html, format_bytes, format_duration
+from .._format import escape_html, format_bytes, format_duration, plural
 from .._present import renders
 from ..holders import Holders
 from ..integrations.results import NotebookHolders
@@ -114,7 +114,7 @@ def span_html(span: MemorySpan) -> str:
 def holders_html(holders: Holders) -> str:
     """The target, its bytes, one row per holder path (how it holds it), then notes."""
     size = "" if holders.nbytes is None else f", {format_bytes(holders.nbytes)}"
-    title = f"<div><b>{_e(holders.target)}</b>{_e(size)}: {len(holders)} holder(s)</div>"
+    title = f"<div><b>{_e(holders.target)}</b>{_e(size)}: {plural(len(holders), 'holder')}</div>"
 
     items = "".join(f"<li><code>{_e(render_holder(h))}</code></li>" for h in holders)
     if not holders.holders:

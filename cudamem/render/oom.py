@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime
 
-from .._format import format_bytes
+from .._format import format_bytes, plural
 from .._present import renders
 from ..oom import OomReport
 from .leaks import render_culprit
@@ -42,7 +42,7 @@ def render_oom(r: OomReport) -> str:
     for st in r.stranded:
         lines.append(
             f"  stranded cache: {_b(st.reserved)} on stream {st.stream:#x} "
-            f"({st.segments} segment(s), no live tensor)"
+            f"({plural(st.segments, 'segment')}, no live tensor)"
         )
     if r.storages:
         lines.append("largest live storages:")

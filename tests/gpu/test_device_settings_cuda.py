@@ -296,7 +296,7 @@ def test_cublas_workspaces_per_stream_and_release() -> None:
         )
     )
     assert got["cublas"] >= 3 * 32 * MiB
-    assert "on 3 stream(s)" in got["note"]
+    assert "on 3 streams" in got["note"]
     assert got["freed"] == got["cublas"]
     assert got["still"] == got["a"]  # only the input is left
     check_adds_up(got)

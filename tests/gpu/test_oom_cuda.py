@@ -16,6 +16,7 @@ import torch
 
 import cudamem
 from cudamem import oom as _oom
+from cudamem.memviz import auto_dump
 
 pytestmark = pytest.mark.cuda
 
@@ -81,3 +82,26 @@ def test_forced_oom_through_excepthook(capsys: pytest.CaptureFixture[str]) -> No
         guard.uninstall()
     finally:
         sys.excepthook = previous
+
+
+def test_auto_dump_writes_a_snapshot_on_a_real_allocator_oom(tmp_path: Path) -> None:
+    """A request far above the H200's capacity runs the allocator's real OOM observer: the
+    guard writes one snapshot that names the 1 GiB block by its holder, and after
+    ``uninstall`` a second OOM writes nothing."""
+    with auto_dump(tmp_path / "dumps", max_dumps=3, record_history=True) as guard:
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(200 * GiB, dtype=torch.uint8, device="cuda")
+        assert len(guard.files) == 1
+    files = sorted((tmp_path / "dumps").glob("cudamem-oom-*.pickle"))
+    assert [str(f) for f in files] == list(guard.files)
+    snap = cudamem.load_snapshot(files[0])
+    held = [
+        b["frames"][0]["name"]
+        for s in snap["segments"]
+        for b in s["blocks"]
+        if b["state"] == "active_allocated" and b["size"] >= GiB and b.get("frames")
+    ]
+    assert any(name.endswith("big_holder[0]") for name in held), held
+    with pytest.raises(torch.OutOfMemoryError):
+        torch.empty(200 * GiB, dtype=torch.uint8, device="cuda")
+    assert len(list((tmp_path / "dumps").iterdir())) == 1

@@ -48,6 +48,29 @@ def test_nbytes_is_storage_size_not_numel() -> None:
     assert {s.nbytes for s in _mine(c, base, sliced, strided)} == {4000, 40, 40000}
 
 
+def test_nbytes_is_the_storage_where_numel_times_itemsize_differs() -> None:
+    """A view of a larger storage, an expanded tensor and the 0-d loss ``F.mse_loss`` leaves
+    in a 2 MiB storage: the census counts the storage each sits in, never numel × itemsize
+    (4 B, 400 B and 40 B here)."""
+    base = torch.ones(1000)
+    view = base[:10]  # no clone: 40 B of a 4,000 B storage
+    del base
+    row = torch.ones(1, 100)
+    expanded = row.expand(1000, 100)  # 100,000 elements over a 400 B storage
+    del row
+    a, b = torch.randn(512, 1024), torch.randn(512, 1024)
+    loss = torch.nn.functional.mse_loss(a, b)
+    del a, b
+    assert loss.dim() == 0 and loss.untyped_storage().nbytes() == 2 * 1024**2
+    c = cudamem.live_tensors("cpu")
+    got = {s.data_ptr: s.nbytes for s in _mine(c, view, expanded, loss)}
+    assert got == {
+        view.untyped_storage().data_ptr(): 4000,
+        expanded.untyped_storage().data_ptr(): 400,
+        loss.untyped_storage().data_ptr(): 2 * 1024**2,
+    }
+
+
 def test_storages_only_autograd_holds() -> None:
     global losses
     x = torch.randn(32, 32, requires_grad=True)

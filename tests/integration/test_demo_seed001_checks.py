@@ -153,7 +153,7 @@ def test_the_text_and_the_device_reach_the_result(fed: dict) -> None:
 def test_a_cpu_experiment_runs_without_a_gpu_and_names_its_storage() -> None:
     e = demo.census_now()
     assert e.skipped is None and e.key == "census" and e.passed
-    assert e.checks[0].detail == "1 storage(s), 5 tensors"
+    assert e.checks[0].detail == "1 storage, 5 tensors"
 
 
 def test_a_byte_figure_check_passes_within_its_tolerance_only() -> None:

@@ -460,10 +460,10 @@ def test_explain_cublas_workspaces_per_stream(nvml_for: Any) -> None:
     ledger = cudamem.explain()[0]
     line = ledger.line("allocated_cublas")
     assert line is not None and line.nbytes == 96 * MiB
-    assert "3 workspace(s)" in line.note and "on 3 stream(s)" in line.note
+    assert "3 workspaces" in line.note and "on 3 streams" in line.note
     assert sizes(ledger)["cache_stranded"] == 3 * 68 * MiB
     assert ledger.accounted == ledger.nvml_used
-    assert "3 workspace(s)" in str(ledger)
+    assert "3 workspaces" in str(ledger)
 
 
 def test_release_frees_workspaces_and_says_what_stays(nvml_for: Any) -> None:

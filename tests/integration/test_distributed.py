@@ -181,7 +181,7 @@ def test_a_rank_that_never_answers_times_out_into_a_row(tmp_path: Path) -> None:
     assert rows[0]["pid"] == got[0]["pid"]
     assert rows[1]["pid"] is None
     assert rows[1]["errors"][0].startswith("no answer within 4 s")
-    assert "no row from rank(s) 1" in report["notes"]
+    assert "no row from rank 1" in report["notes"]
     assert "no answer" in got[0]["text"]
 
 
@@ -580,7 +580,7 @@ def test_missing_ranks_and_round_trips() -> None:
     rows = [_row(0, 1), absent_row(1, 2, "no answer within 5 s (timeout)")]
     report = build_report(rows, world_size=2)
     assert report.pids == {0: 1, 1: None}
-    assert "no row from rank(s) 1" in report.notes
+    assert "no row from rank 1" in report.notes
     assert "no answer" in str(report)
     data = json.loads(to_json(report))
     assert data["ranks"][1]["errors"] == ["no answer within 5 s (timeout)"]

@@ -95,7 +95,7 @@ STREAM_WARNING = (
 )
 #: The ledger's wording (its cuBLAS line's note, its label for a context on an unused device).
 PER_STREAM_NOTE = (
-    "10 workspace(s), one per cuBLAS handle and stream, on 5 stream(s): a new "
+    "10 workspaces, one per cuBLAS handle and stream, on 5 streams: a new "
     "torch.cuda.Stream (or thread) per run adds one each run"
 )
 UNUSED_LABEL = "CUDA context on a device this process never allocated on"

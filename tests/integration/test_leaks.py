@@ -16,12 +16,14 @@ import sys
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
 
 import cudamem
 from cudamem import _backend, census
+from cudamem import span as _span
 from cudamem._data import to_data
 from cudamem.census import LiveStorage
 from cudamem.culprits import NO_HOLDER, Culprit, group_culprits
@@ -543,13 +545,30 @@ def test_leaks_since_span_asks_again_now(fake: CpuFake) -> None:
 
 
 def test_decorated_function_passes_leaks(fake: CpuFake) -> None:
+    """Each call of a function decorated with ``leaks=True`` records what it left behind:
+    the capture its span's exit hooks see names the storage and the list holding it."""
+    reports: list[Any] = []
+
+    def grab(raw: Any) -> None:
+        if raw.name == "fn":
+            capture = None if raw.extras is None else raw.extras.get("leaks")
+            reports.append(None if capture is None else capture.report)
+
     @cudamem.track("fn", leaks=True)
     def fn() -> None:
         outputs.append(torch.zeros(256))
 
-    fn()
-    # A decorator records one span per call; the capture machinery ran without error.
-    assert len(outputs) == 1
+    _span.add_exit_hook(grab)
+    try:
+        fn()
+        fn()
+    finally:
+        _span.remove_exit_hook(grab)
+    assert len(outputs) == 2 and len(reports) == 2
+    for report in reports:
+        assert report is not None, "the decorated call's span took no leak capture"
+        assert (report.count, report.nbytes) == (1, 1024)
+        assert report.culprits[0].holder == "tests.integration.test_leaks.outputs"
 
 
 def test_leaks_needs_a_closed_span_with_leaks(fake: CpuFake) -> None:

@@ -8,6 +8,7 @@ the result would be a circle even when one side is lazy or type-only.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -197,3 +198,29 @@ def test_nothing_outside_span_py_uses_a_spans_private_names() -> None:
             ):
                 offenders.append(f"{name}:{node.lineno}: .{node.attr}")
     assert offenders == []
+
+
+def _texts_with_plural_s(tree: ast.AST) -> list[str]:
+    """The string constants (f-strings' literal parts included) that write a plural as
+    ``word(s)`` instead of through ``_format.plural``."""
+    found = []
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and re.search(r"[A-Za-z]\(s\)", node.value)
+            and ".stream(s)" not in node.value
+        ):
+            found.append(node.value)
+    return found
+
+
+def test_texts_count_with_plural_never_word_s() -> None:
+    found = {
+        name: hits
+        for name, path in _modules().items()
+        if (hits := _texts_with_plural_s(ast.parse(path.read_text(encoding="utf-8"))))
+    }
+    assert not found, found
+    # the reader sees one
+    assert _texts_with_plural_s(ast.parse('x = f"{n} stream(s) idle"')) == [" stream(s) idle"]

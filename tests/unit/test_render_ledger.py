@@ -96,7 +96,7 @@ def test_release_per_device() -> None:
         "  16.0 MiB stays cached:",
         # The full pool (no free byte) gets no line.
         "    32.0 MiB free in private pool (1, 0) (a torch.cuda.graph / CUDAGraph capture, "
-        "2 graph(s)): only deleting its graphs (and their outputs) frees it",
+        "2 graphs): only deleting its graphs (and their outputs) frees it",
         "    2.0 MiB stays mapped in expandable segments: free parts of pages that also hold "
         "live blocks (whole pages are unmapped: 20 MiB in the large pool, 2 MiB in the small)",
         "    3.0 MiB free inside segments that still hold live blocks (a segment goes back to "

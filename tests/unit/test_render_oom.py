@@ -26,7 +26,7 @@ def test_full_report() -> None:
         "in use)",
         "  this process outside PyTorch's allocator: 700.0 MiB",
         "  other processes: 324.0 MiB",
-        "  stranded cache: 64.0 MiB on stream 0x7f00 (2 segment(s), no live tensor)",
+        "  stranded cache: 64.0 MiB on stream 0x7f00 (2 segments, no live tensor)",
         "largest live storages:",
         "    bytes  tensor                     held by",
         "  -------  -------------------------  "

@@ -109,7 +109,7 @@ PER_THREAD = 10_000
 def test_eight_threads_ten_thousand_spans_each_lose_nothing(fake: AtomicFake) -> None:
     """Per thread: 4000 flat spans, 1000 nested pairs, 2000 spans exited by a closer thread,
     1000 pairs whose inner span a closer thread exits: 10,000 spans, 8000 of them top-level."""
-    cudamem.set_history_size(5000)
+    cudamem.set_history_size(8000 * THREADS)  # every top-level span stays in the history
     handoff: queue.Queue[tuple[cudamem.MemorySpan, threading.Event] | None] = queue.Queue()
     errors: list[BaseException] = []
     outers: list[cudamem.MemorySpan] = []
@@ -132,7 +132,6 @@ def test_eight_threads_ten_thousand_spans_each_lose_nothing(fake: AtomicFake) ->
     def worker() -> None:
         try:
             start.wait()
-            spans = 0
             for _ in range(1000):
                 for _ in range(4):
                     with cudamem.track("flat"):
@@ -151,8 +150,6 @@ def test_eight_threads_ten_thousand_spans_each_lose_nothing(fake: AtomicFake) ->
                     inner.__enter__()
                     close_elsewhere(inner)
                 outers.extend((outer, outer2))
-                spans += 10
-            assert spans == PER_THREAD
         except BaseException as exc:  # pragma: no cover - reported below
             errors.append(exc)
 
@@ -176,7 +173,18 @@ def test_eight_threads_ten_thousand_spans_each_lose_nothing(fake: AtomicFake) ->
             "handoff": 2000 * THREADS,
             "outer2": 1000 * THREADS,
         }
-        assert len(hist.spans) + hist.dropped == 8000 * THREADS
+        assert len(hist.spans) == 8000 * THREADS and hist.dropped == 0
+        # Each worker closed its own 6000 top-level spans (flat, outer, outer2) and the
+        # closers the 2000 handed over by each: recorded, not counted by the loop itself.
+        by_thread = Counter(r.thread for r in hist.spans)
+        assert {by_thread[th.name] for th in workers} == {6000}
+        assert sum(by_thread[th.name] for th in closers) == 2000 * THREADS
+        assert Counter(r.name for r in hist.spans if r.thread in {th.name for th in closers}) == {
+            "handoff": 2000 * THREADS
+        }
+        # A nested pair is one record with its child: 10 spans per round, 10,000 per thread.
+        recorded = sum(1 + len(r.children) for r in hist.spans)
+        assert recorded == PER_THREAD * THREADS
         # Every child is where it belongs, including those closed by another thread.
         assert all(len(o.children) == 1 for o in outers)
         assert Counter(o.children[0].name for o in outers) == Counter(
