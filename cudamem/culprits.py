@@ -30,6 +30,15 @@ storage is attributed to a rooted holder when it has one, else to
 
 The example a culprit shows leads to one of its storages: the largest one that is not a
 parameter's ``.grad`` (whose path names the parameter), else the largest.
+
+A culprit counts the storages it is given and no others: its bytes, items and example
+come from them. The growth detector gives the survivors of one captured call and totals
+their containers over everything alive with ``like=held_shapes(survivors)``: a storage
+counts only through a path of a survivor's **shape** (``HolderPath.shape``: the whole path,
+integer subscripts as ``[*]``). The earlier calls' losses and activations are held that way
+(``errors[*].__traceback__.tb_next → step(): loss → grad_fn ... saved mat1``); the model
+the same kept frames reach through the step's closure (``... step(): model[*].weight``)
+is not, since no call made it, and ``leaks(since=span)`` of the loop names the same culprit.
 """
 
 from __future__ import annotations
@@ -49,6 +58,7 @@ __all__ = [
     "direct_first",
     "group_by_owner",
     "group_culprits",
+    "held_shapes",
     "rank_holders",
 ]
 
@@ -195,22 +205,21 @@ def _example(via: str, nbytes: int, text: str) -> tuple[bool, int, int]:
     return (via != "grad", nbytes, -len(text))
 
 
-def group_culprits(
-    storages: Iterable[HeldStorage], *, patterns: Collection[str] | None = None
-) -> list[Culprit]:
-    """Group storages by container; each storage counts once; most bytes first.
+def _attributed(
+    items: list[HeldStorage], like: Collection[str] | None
+) -> list[tuple[Routed | None, Routed | None]]:
+    """Each storage's chosen holder (``None`` when no rooted one holds it, or with ``like``
+    none of those shapes), and an unrooted example for one without.
 
     Among a storage's candidate holders, the container with the most entries holding the
     storages given wins (a loss history list rather than the loop's ``loss`` local that also
-    holds the latest one). ``patterns``: only holders with those patterns count, and
-    storages without one are left out (the totals of culprits already named).
+    holds the latest one).
     """
-    items = list(storages)
     cands: list[tuple[tuple[Routed, ...], Routed | None]] = []
     for s in items:
         held, unrooted = _candidates(s)
-        if patterns is not None:
-            held = tuple(h for h in held if h.route.item_pattern in patterns)
+        if like is not None:
+            held = tuple(h for h in held if h.route.shape in like)
             unrooted = None
         cands.append((held, unrooted))
     # A container's vote is the number of its entries that hold these storages: the list
@@ -220,16 +229,38 @@ def group_culprits(
     for held, _ in cands:
         for h in held:
             entries.setdefault(h.route.container, set()).add(h.route.item)
-    votes = {g: len(e) for g, e in entries.items()}
-    best = _choice(votes)
+    best = _choice({g: len(e) for g, e in entries.items()})
+    return [(max(held, key=best) if held else None, unrooted) for held, unrooted in cands]
+
+
+def held_shapes(storages: Iterable[HeldStorage]) -> frozenset[str]:
+    """The shapes (``HolderPath.shape``) of the paths ``storages`` are attributed by: what
+    ``group_culprits(..., like=)`` totals a container over."""
+    found = _attributed(list(storages), None)
+    return frozenset(chosen.route.shape for chosen, _ in found if chosen is not None)
+
+
+def group_culprits(
+    storages: Iterable[HeldStorage], *, like: Collection[str] | None = None
+) -> list[Culprit]:
+    """Group storages by container; each storage counts once; most bytes first.
+
+    A culprit's figures and example come from the storages given, never from others its
+    container also reaches. ``like`` (``held_shapes`` of some storages, the survivors of a
+    captured call): only holders whose whole path has one of those shapes count, and
+    storages without one are left out. That totals a container over the storages it holds
+    the way those were held (the loss every call appended, the activations in every kept
+    traceback's frame), never what the same entries reach otherwise (the model those frames'
+    closure holds, created before the loop).
+    """
+    items = list(storages)
     acc: dict[str, _Acc] = {}
-    for s, (held, unrooted) in zip(items, cands, strict=True):
+    for s, (chosen, unrooted) in zip(items, _attributed(items, like), strict=True):
         route: HolderPath | None = None
-        if held:
-            chosen = max(held, key=best)
+        if chosen is not None:
             route, via = chosen.route, chosen.via
             group, text = route.container, route.text
-        elif patterns is not None:
+        elif like is not None:
             continue
         else:
             group, via = NO_HOLDER, (unrooted.via if unrooted is not None else "itself")

@@ -12,7 +12,8 @@ text it is written as. Readers ask the path, never its text:
   ``__main__.loss_history``. A path without one is its own container: a variable, an
   attribute, a dict entry under a named key;
 * the **item** is the container's entry (``__main__.errors[2]``), the **pattern** the held
-  steps with each integer subscript as ``[*]`` (``model.step_outputs[*]['preds']``);
+  steps with each integer subscript as ``[*]`` (``model.step_outputs[*]['preds']``), the
+  **shape** the whole path written so;
 * ``through_graph``: whether an autograd graph lies on the way.
 
 Text is made at the edge: ``str(path)`` (and ``Holder.path``) is the steps' text joined.
@@ -174,3 +175,10 @@ class HolderPath:
     def item_pattern(self) -> str:
         """``held`` with every integer subscript written ``[*]``."""
         return "".join("[*]" if s.index is not None else s.text for s in self.held)
+
+    @property
+    def shape(self) -> str:
+        """The whole path with every integer subscript written ``[*]``: how a storage is
+        held, whichever entry holds it (``errors[*].__traceback__.tb_next → f.py:9 in
+        step(): loss → grad_fn SumBackward0 → AddmmBackward0 saved mat1``)."""
+        return "".join("[*]" if s.index is not None else s.text for s in self.steps)

@@ -58,7 +58,7 @@ from ._format import format_bytes
 from ._frames import is_library_file
 from ._present import Presented
 from .census import StorageSnapshot
-from .culprits import NO_HOLDER, Culprit, group_culprits
+from .culprits import NO_HOLDER, Culprit, group_culprits, held_shapes
 from .leak_report import Growth, LeakReport
 from .span import MemorySpan, add_entry_hook, add_exit_hook
 
@@ -662,19 +662,22 @@ def _name_culprits(pending: StorageSnapshot, notes: list[str]) -> list[Culprit]:
     else lives on the device (in a long process, storages an earlier step or test left
     behind, hanging off structures of hundreds of thousands of objects) cannot use up that
     search's limits. Each container is then totalled over every live storage it holds
-    through the same paths: "loss_history: 10 tensors, 40 MiB" rather than the one captured
-    call's share. When the search over every storage stopped at a limit before it reached a
+    through paths of the survivors' shapes (``culprits.held_shapes``): "loss_history: 10
+    tensors, 40 MiB" rather than the one captured call's share, and never what the same
+    entries reach that no call made (the model a kept traceback's frame holds through its
+    closure: it was there before the loop, and a captured call would have left none of
+    it). When the search over every storage stopped at a limit before it reached a
     container, that container keeps the survivors' figures and a note says so.
     """
     device_type = _backend.get().storage_device_type()
     survivors = pending.storages(holders=True)
     named = group_culprits(survivors)
-    wanted = {p for c in named for p in c.patterns}
+    shapes = held_shapes(survivors)
     totals: dict[str, Culprit] = {}
     stopped: set[str] = set()
-    if wanted:
+    if shapes:
         everything = census.live_storages(device_type, holders=True)
-        totals = {c.holder: c for c in group_culprits(everything, patterns=wanted)}
+        totals = {c.holder: c for c in group_culprits(everything, like=shapes)}
         stopped = {s.holders.stopped for s in everything if s.holders and s.holders.stopped}
     culprits = []
     for c in named:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
+import re
 import sys
 import warnings
 from collections.abc import Callable, Iterator
@@ -29,6 +31,7 @@ MiB = 1024**2
 
 loss_history: list[torch.Tensor] = []
 outputs: list[torch.Tensor] = []
+errors: list[Exception] = []
 
 
 def _forget_failed_tests() -> None:
@@ -45,12 +48,14 @@ def _clean() -> Iterator[None]:
     cudamem.configure_leaks()
     loss_history.clear()
     outputs.clear()
+    errors.clear()
     _forget_failed_tests()
     gc.collect()
     torch.cuda.empty_cache()
     yield
     loss_history.clear()
     outputs.clear()
+    errors.clear()
     cudamem.configure_leaks()
     gc.collect()
     torch.cuda.empty_cache()
@@ -135,6 +140,54 @@ def test_leaks_true_names_what_a_span_left() -> None:
     assert report.culprits[0].holder == "tests.gpu.test_leaks_cuda.outputs"
     outputs.clear()
     assert cudamem.leaks(since=span).count == 0
+
+
+@pytest.mark.parametrize("span_leaks", [False, True])
+def test_kept_errors_culprit_counts_only_what_the_calls_left(span_leaks: bool) -> None:
+    """The H200 report of issue 33: each NaN guard's exception kept, its traceback's frame
+    holding that call's input (8 MiB) and ReLU output (4 MiB, saved by the loss's graph)
+    and, through the step's closure, the model's two 8 MiB weights, made before the loop.
+    The culprit is the five calls' 60 MiB: not 76 MiB with the weights, and its example
+    never ``model[0].weight``; ``leaks(since=)`` of the loop names the same culprit."""
+    model = torch.nn.Sequential(
+        torch.nn.Linear(2048, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 2048)
+    ).cuda()
+
+    def train_step(x: torch.Tensor) -> None:
+        loss = model(x).sum()
+        if not torch.isfinite(loss):  # the NaN guard
+            raise FloatingPointError("loss is NaN")
+
+    @cudamem.track(leaks=span_leaks)
+    def guarded_step() -> None:
+        try:
+            train_step(torch.full((1024, 2048), math.nan, device="cuda"))
+        except FloatingPointError as e:
+            errors.append(e)
+
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with cudamem.track("loop", leaks=True) as loop:
+            for _ in range(5):
+                guarded_step()
+    found = _leak_warnings(record)
+    assert len(found) == 1, [str(w) for w in found]
+    growth = found[0].growth
+    assert growth is not None and growth.calls <= 5, str(found[0])
+    assert abs(growth.per_call - 12 * MiB) <= 4096, str(found[0])
+    top = growth.culprits[0]
+    assert top.holder == f"{M}.errors", str(found[0])
+    # Each call's input, ReLU output and loss (a 4-byte storage); no weight, no bias.
+    assert (top.items, top.tensors, top.storages) == (len(errors), 5, 15), str(found[0])
+    assert top.nbytes == 5 * (12 * MiB + 4), str(found[0])
+    assert top.autograd_bytes == 5 * 4 * MiB, str(found[0])
+    assert re.fullmatch(
+        rf"{M}\.errors\[[0-4]\]\.__traceback__\.tb_next → test_leaks_cuda\.py:\d+ in "
+        r"train_step\(\): (local 'x'|loss → .* saved mat1)",
+        top.example,
+    ), str(found[0])
+    assert f"{M}.errors: 5 tensors, 60.0 MiB" in str(found[0])
+    assert cudamem.leaks(since=loop).culprits[0] == top
 
 
 # --------------------------------------------------------------------------- a transformer

@@ -13,7 +13,7 @@ from cudamem import census
 from cudamem._data import to_data
 from cudamem._storages import StorageRef, ref_of
 from cudamem.census import LiveStorage
-from cudamem.culprits import NO_HOLDER, Culprit, group_by_owner, group_culprits
+from cudamem.culprits import NO_HOLDER, Culprit, group_by_owner, group_culprits, held_shapes
 from cudamem.holder_path import HolderPath, Step
 from cudamem.holders import Holder, Holders
 from cudamem.render.leaks import render_culprit
@@ -223,6 +223,42 @@ def test_unrooted_holders_are_never_culprits_of_their_own() -> None:
     ]
     assert groups[0].items == 2 and groups[0].patterns == (f"{M}.views[*]",)
     assert groups[1].example == "<Tensor object>"
+
+
+def _frame_storage(nbytes: int, *paths: HolderPath) -> LiveStorage:
+    found = tuple(Holder(p, "?", "itself", nbytes, "cpu") for p in paths)
+    return LiveStorage(
+        "cpu", nbytes, "float32", (), 1, False, 0, Holders("T", nbytes, "cpu", found)
+    )
+
+
+def _in_error(i: int, *local: str) -> HolderPath:
+    return route(f"{M}.errors", f"[{i}]", ".__traceback__", ".tb_next", *local)
+
+
+def test_a_container_totals_only_what_it_holds_as_the_survivors_are_held() -> None:
+    """``like``: the kept errors' frames hold each call's input and, through the step's
+    closure, the model made before the loop: the total counts the inputs alone."""
+    frame = " → train.py:9 in step(): local 'x'"
+    inputs = [_frame_storage(100, _in_error(i, frame)) for i in range(4)]
+    weight = _frame_storage(
+        1000, *(_in_error(i, " → train.py:9 in step(): model", "[0]", ".weight") for i in range(4))
+    )
+    assert inputs[3].holders is not None
+    path = inputs[3].holders[0].route
+    assert path.shape == f"{M}.errors[*].__traceback__.tb_next{frame}"
+    assert weight.holders is not None
+    assert weight.holders[0].route.shape.endswith("step(): model[*].weight")
+    shapes = held_shapes(inputs[3:])  # the captured call's survivor
+    assert shapes == {path.shape}
+    (total,) = group_culprits([*inputs, weight], like=shapes)
+    assert (total.holder, total.items, total.storages, total.nbytes) == (f"{M}.errors", 4, 4, 400)
+    assert total.example == f"{M}.errors[0].__traceback__.tb_next{frame}"
+    # Without ``like`` every storage given counts: the weight, and it is the example.
+    (everything,) = group_culprits([*inputs, weight])
+    assert (everything.storages, everything.nbytes) == (5, 1400)
+    assert everything.example.endswith(".weight")
+    assert group_culprits([weight], like=shapes) == []
 
 
 def test_a_storage_without_holders_is_no_holders() -> None:

@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import math
 import random
+import re
 import sys
 import warnings
 from collections import deque
@@ -45,6 +47,7 @@ MiB = 1024**2
 # Module globals: what the seed's training loop keeps (the census names them by path).
 loss_history: list[torch.Tensor] = []
 outputs: list[torch.Tensor] = []
+errors: list[Exception] = []
 X = torch.randn(256, 1024, requires_grad=True)  # 1 MiB of float32 per activation
 
 
@@ -82,7 +85,7 @@ class CpuFake(FakeAllocator):
 
 @pytest.fixture
 def fake() -> Iterator[CpuFake]:
-    with leak_detection(CpuFake(devices=1, contexts=(0,)), loss_history, outputs) as alloc:
+    with leak_detection(CpuFake(devices=1, contexts=(0,)), loss_history, outputs, errors) as alloc:
         yield alloc
 
 
@@ -321,6 +324,62 @@ def test_culprits_named_for_detached_outputs(fake: CpuFake) -> None:
     assert (top.tensors, top.nbytes, top.autograd_bytes) == (5, 5 * MiB, 0)
     assert "tests.integration.test_leaks.outputs: 5 tensors, 5.0 MiB" in str(found[0])
     assert "held through autograd" not in str(found[0])
+
+
+#: The guarded loop's sizes: each weight 1 MiB (made before the loop), each call's input
+#: and ReLU output 512 KiB (the activations its loss's graph saves), its loss 4 bytes.
+WIDTH, BATCH = 512, 256
+STEP_BYTES = 2 * BATCH * WIDTH * 4 + 4
+
+
+@pytest.mark.parametrize("span_leaks", [False, True])
+def test_culprit_counts_only_what_the_calls_left(fake: CpuFake, span_leaks: bool) -> None:
+    """A loop keeps each NaN guard's exception: the traceback's frame holds that call's
+    input and loss (with its graph), and, through the step's closure, the model, whose
+    weights were there before the loop. The culprit is the calls' activations alone, as
+    ``leaks(since=)`` of the loop says: not the weights the same frames reach (the growth
+    path counted them, 2 MiB more, and its example led to ``model[0].weight``). The same
+    with the step decorated ``leaks=True``."""
+    model = torch.nn.Sequential(
+        torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU(), torch.nn.Linear(WIDTH, WIDTH)
+    )
+
+    def train_step(x: torch.Tensor) -> None:
+        loss = model(x).sum()
+        if not torch.isfinite(loss):  # the NaN guard
+            raise FloatingPointError("loss is NaN")
+
+    @cudamem.track(sync=False, leaks=span_leaks)
+    def guarded_step() -> None:
+        try:
+            train_step(torch.full((BATCH, WIDTH), math.nan))
+        except FloatingPointError as e:
+            errors.append(e)
+        fake.alloc(STEP_BYTES)  # what the GPU shows
+
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with cudamem.track("loop", sync=False, leaks=True) as loop:
+            for _ in range(5):
+                guarded_step()
+    found = leak_warnings(record)
+    assert len(found) == 1, [str(w) for w in found]
+    growth = found[0].growth
+    assert growth is not None
+    top = growth.culprits[0]
+    assert top.holder == f"{__name__}.errors"
+    # Every call's input, ReLU output and loss, alive in the errors' frames; no weight.
+    assert (top.items, top.tensors, top.storages) == (len(errors), 5, 3 * 5)
+    assert top.nbytes == 5 * STEP_BYTES
+    assert top.autograd_bytes == 5 * BATCH * WIDTH * 4  # the ReLU outputs
+    assert re.fullmatch(
+        rf"{__name__}\.errors\[[0-4]\]\.__traceback__\.tb_next → test_leaks\.py:\d+ in "
+        r"train_step\(\): (local 'x'|loss → .* saved mat1)",
+        top.example,
+    ), top.example
+    assert f"{__name__}.errors: 5 tensors, 5.0 MiB" in str(found[0])
+    # One rule: what the loop left, grouped, is the same culprit.
+    assert cudamem.leaks(since=loop).culprits[0] == top
 
 
 def test_warning_goes_to_logging(fake: CpuFake, caplog: pytest.LogCaptureFixture) -> None:
