@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ._backend import PoolOwners
-from ._present import PresentedHtml
+from ._present import Presented, PresentedHtml
 from .snapshot import (
     NO_POOL,
     POOL_KINDS,
@@ -129,7 +129,7 @@ class OomFacts:
 
 
 @dataclass(frozen=True, slots=True)
-class OomJudgement:
+class OomJudgement(Presented):
     """The last OOM against the cache: would ``expandable_segments:True`` have avoided it?
 
     The cache is read after the OOM (the allocator has by then returned every wholly free

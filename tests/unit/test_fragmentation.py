@@ -185,6 +185,8 @@ def test_oom_larger_than_any_hole_is_fragmentation_and_expandable_would_help() -
     text = str(f)
     assert "tried to allocate 300.0 MiB; largest free block 200.0 MiB" in text
     assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True would have avoided it" in text
+    # the judgement's own text, indented, is the section's
+    assert all(f"  {line}" in text.splitlines() for line in str(j).splitlines())
 
 
 def test_oom_under_expandable_segments_says_they_are_on_already() -> None:
