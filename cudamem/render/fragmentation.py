@@ -98,6 +98,8 @@ def render_oom_judgement(j: OomJudgement) -> str:
 
 
 def _head(f: Fragmentation) -> str:
+    if not f.pools:
+        return f"cuda:{f.device} fragmentation: nothing reserved"
     return (
         f"cuda:{f.device} fragmentation: {format_bytes(f.cached)} of "
         f"{format_bytes(f.reserved)} reserved is unallocated ({_share(f.cached, f.reserved)}); "
@@ -143,8 +145,6 @@ def fragmentation_lines(f: Fragmentation) -> list[str]:
 def render_fragmentation(f: Fragmentation) -> str:
     """Per pool: reserved, allocated, free, stranded, what empty_cache() returns, the largest
     free block; the peaks; the last OOM judged."""
-    if not f.pools and not f.notes:
-        return f"cuda:{f.device} fragmentation: nothing reserved"
     return "\n".join(fragmentation_lines(f))
 
 

@@ -308,6 +308,10 @@ def test_a_device_without_context_reserves_nothing(fake: SnapshotFake) -> None:
     f = cudamem.fragmentation("cuda:1")
     assert f.device == 1 and f.pools == () and f.reserved == 0
     assert "no CUDA context on cuda:1" in f.notes[0]
+    assert str(f).splitlines() == [
+        "cuda:1 fragmentation: nothing reserved",
+        "  note: this process has no CUDA context on cuda:1: nothing is reserved there",
+    ]
     assert 1 not in fake.contexts  # reading it created none
 
 
