@@ -20,7 +20,7 @@ from .diff import diff
 from .holders import find_graph_holders, who_holds
 from .host import to_host
 from .leaks import LeakWarning, configure_leaks, leak_settings, leaks
-from .ledger import explain, machine_status
+from .ledger import explain, fragmentation, machine_status
 from .memviz import dump_snapshot
 from .modules import track_modules
 from .oom import on_oom, oom_report
@@ -47,6 +47,7 @@ __all__ = [
     "dump_snapshot",
     "explain",
     "find_graph_holders",
+    "fragmentation",
     "history",
     "leak_settings",
     "leaks",

@@ -24,6 +24,10 @@ The cache lines follow the allocator's own rules for ``empty_cache()`` (see
 ``cudamem.snapshot``), expandable segments included: "releasable" is what ``empty_cache()``
 would return now, to the byte.
 
+Each ledger carries the cache's fragmentation beside its lines (``cudamem.fragmentation``:
+where the free bytes sit per pool, the peaks, the last OOM judged), read from the same
+snapshot; ``fragmentation()`` gives it alone.
+
 ``build_ledger`` is the pure arithmetic, fed by recorded figures in tests;
 ``machine_status`` is the whole machine as NVML sees it (``cudamem status``).
 """
@@ -33,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
@@ -41,6 +46,8 @@ from . import _backend, _nvml, census
 from ._device_arg import DeviceLike, resolve_device
 from ._format import format_bytes, plural
 from ._present import Presented, PresentedHtml
+from .fragmentation import Fragmentation, OomFacts, analyze
+from .oom import last_event, parse_oom_message
 from .snapshot import (
     CacheSplit,
     PrivatePool,
@@ -61,6 +68,7 @@ __all__ = [
     "build_ledger",
     "expandable_segments_configured",
     "explain",
+    "fragmentation",
     "machine_status",
 ]
 
@@ -187,6 +195,8 @@ class DeviceLedger(PresentedHtml):
     lines: tuple[LedgerLine, ...]
     cache: CacheSplit | None
     notes: tuple[str, ...] = ()
+    #: Where the cache's free bytes sit, the peaks, the last OOM judged (no line of the sum).
+    fragmentation: Fragmentation | None = None
 
     @property
     def accounted(self) -> int:
@@ -686,6 +696,7 @@ def build_ledger(
     other_in_process: Sequence[tuple[str, int]] = (),
     nvml_reason: str | None = None,
     expandable_segments: bool = False,
+    fragmentation: Fragmentation | None = None,
 ) -> DeviceLedger:
     """Assemble one device's ledger from figures already read (pure; no torch, no NVML).
 
@@ -702,6 +713,7 @@ def build_ledger(
         nvml_reason: why NVML gave no reading.
         expandable_segments: whether ``expandable_segments:True`` is configured (only used
             without a snapshot: the counters cannot split that cache).
+        fragmentation: the cache's fragmentation, carried beside the lines.
     """
     notes: list[str] = []
     this = f"this process (pid {pid})"
@@ -784,6 +796,7 @@ def build_ledger(
         lines=tuple(lines),
         cache=cache,
         notes=tuple(notes),
+        fragmentation=fragmentation,
     )
 
 
@@ -803,6 +816,7 @@ def expandable_segments_configured() -> bool:
 class _Inputs:
     cache: CacheSplit | None
     allocated: AllocatedSplit | None
+    fragmentation: Fragmentation | None = None
 
 
 def _ledger_inputs(device: int, stats: AllocatorStats) -> _Inputs:
@@ -825,22 +839,31 @@ def _ledger_inputs(device: int, stats: AllocatorStats) -> _Inputs:
     current = be.current_stream_handle(device)
     streams = (0,) if current is None else (0, current)
     cache: CacheSplit | None = None
+    frag: Fragmentation | None = None
     if segments is not None:
         # First without addresses: which segments the census must leave out.
         cache = split_cache(segments, current_streams=streams, pool_owners=owners)
+        frag = analyze(
+            device,
+            segments,
+            stats=stats,
+            owners=owners,
+            current_streams=streams,
+            oom=_last_oom(device, None, []),
+        )
     held = {p.pool_id for p in cache.held_pools} if cache is not None else set()
     outside = None if segments is None else [s for s in segments if segment_pool_id(s) not in held]
     total = stats.allocated - (cache.pools_allocated if cache is not None else 0)
     try:
         u, addresses = census.ledger_view(device, segments=outside, allocated=total)
     except Exception:
-        return _Inputs(cache, None)
+        return _Inputs(cache, None, frag)
     if segments is not None:
         cache = split_cache(
             segments, current_streams=streams, tensor_addresses=addresses, pool_owners=owners
         )
     if int(u.allocated) != total:
-        return _Inputs(cache, None)
+        return _Inputs(cache, None, frag)
     ws_streams = 0
     if u.cublas_workspaces and outside is not None:
         sizes = be.cublas_workspace_sizes(device)
@@ -853,7 +876,7 @@ def _ledger_inputs(device: int, stats: AllocatorStats) -> _Inputs:
         workspace_count=int(u.workspace_count),
         workspace_streams=ws_streams,
     )
-    return _Inputs(cache, split)
+    return _Inputs(cache, split, frag)
 
 
 def _other_in_process(device: int) -> list[tuple[str, int]]:
@@ -910,6 +933,7 @@ def _ledger_for(device: int, status: _nvml.NvmlStatus) -> DeviceLedger:
         other_in_process=_other_in_process(device) if has_context else (),
         nvml_reason=reason,
         expandable_segments=expandable_segments_configured(),
+        fragmentation=inputs.fragmentation,
     )
     if not has_context:
         extra = (
@@ -964,6 +988,114 @@ def explain(device: DeviceLike | None = None) -> Explanation:
             )
     notes.extend(_process_notes())
     return Explanation(devices=tuple(ledgers), nvml=status, notes=tuple(notes))
+
+
+# --------------------------------------------------------------------------- fragmentation
+
+
+def _last_oom(device: int, exc: BaseException | None, notes: list[str]) -> OomFacts | None:
+    """The OOM to judge: ``exc``'s message (the observer's exact figures where they match
+    it), else the last one the observer recorded on ``device``."""
+    event = last_event(device)
+    ago = None if event is None else max(time.time() - event.time, 0.0)
+    observed = (
+        None
+        if event is None
+        else OomFacts(
+            device,
+            event.requested,
+            event.total,
+            event.free,
+            "the allocator's OOM observer",
+            ago,
+        )
+    )
+    if exc is None:
+        return observed
+    parsed = parse_oom_message(str(exc))
+    if parsed.device is not None and parsed.device != device:
+        notes.append(f"the OOM happened on {device_name(parsed.device)}, not on this device")
+        return None
+    if parsed.requested is None:
+        if observed is None:
+            notes.append("the OOM's message states no request size and the observer saw none")
+        return observed
+    # The message rounds to two decimals of its unit: within 0.5 % it is the same request.
+    if observed is not None and abs(observed.requested - parsed.requested) <= max(
+        parsed.requested // 200, 1024
+    ):
+        return observed
+    return OomFacts(
+        device,
+        parsed.requested,
+        parsed.allowed or parsed.total,
+        parsed.free,
+        "the exception's message",
+    )
+
+
+def fragmentation(
+    device: DeviceLike | None = None, *, oom: BaseException | None = None
+) -> Fragmentation:
+    """How fragmented the allocator's cache is on ``device`` (the current device by default).
+
+    Per pool (the default pool; CUDA graphs' private pools): reserved, allocated, the free
+    bytes beside live blocks that ``empty_cache()`` cannot return (stranded), the free bytes
+    of wholly free segments, the largest free block; peak reserved minus peak allocated;
+    and the last out-of-memory error judged: would ``expandable_segments:True`` have
+    avoided it?
+
+    Args:
+        device: a CUDA device (``0``, ``'cuda:1'``, ``torch.device``).
+        oom: an out-of-memory error to judge (``except torch.OutOfMemoryError as e``);
+            without it, the last one the allocator's observer recorded (``on_oom()``).
+
+    Reads one allocator snapshot; creates no CUDA context, never turns history on.
+
+    Raises:
+        ValueError: ``oom`` is not an out-of-memory error.
+    """
+    be = _backend.get()
+    if oom is not None and not be.is_oom(oom):
+        raise ValueError(
+            f"oom must be an out-of-memory error, not {type(oom).__module__}."
+            f"{type(oom).__qualname__}"
+        )
+    index = be.current_device() if device is None else resolve_device(device)
+    notes: list[str] = []
+    if not be.has_context(index):
+        notes.append(
+            f"this process has no CUDA context on {device_name(index)}: nothing is reserved there"
+        )
+        return Fragmentation(index, (), False, notes=tuple(notes))
+    stats = be.read(index)
+    segments = be.memory_segments(index)
+    if segments is None:
+        notes.append("no allocator snapshot: the pools cannot be split")
+        segments = []
+    owners = None
+    if has_private_pools(segments):
+        try:
+            owners = be.private_pool_owners()
+        except Exception:
+            owners = None
+    current = be.current_stream_handle(index)
+    facts = _last_oom(index, oom, notes)
+    if facts is None and stats.ooms and oom is None:
+        notes.append(
+            f"the allocator counted {plural(stats.ooms, 'out-of-memory error')} on "
+            f"{device_name(index)} but none was recorded: cudamem.on_oom() records them, or "
+            "pass oom= the exception"
+        )
+    return analyze(
+        index,
+        segments,
+        stats=stats,
+        owners=owners,
+        current_streams=(0,) if current is None else (0, current),
+        oom=facts,
+        notes=notes,
+    )
 
 
 # --------------------------------------------------------------------------- status

@@ -43,6 +43,7 @@ from ._frames import is_library_file
 from ._present import Presented
 from .census import LiveStorage
 from .culprits import NO_HOLDER, Culprit, group_culprits
+from .fragmentation import FRAGMENTATION, headroom, judge_oom
 from .leaks import leak_settings
 from .snapshot import Frame, allocated_blocks, largest_free, segments_of, split_cache
 from .span import add_exit_hook
@@ -56,6 +57,7 @@ __all__ = [
     "OomEvent",
     "OomGuard",
     "OomReport",
+    "last_event",
     "on_oom",
     "oom_report",
     "parse_oom_message",
@@ -264,6 +266,15 @@ def _allocation_sites(backend: _backend.Backend, device: int) -> dict[int, str]:
     return sites
 
 
+def last_event(device: int | None = None) -> OomEvent | None:
+    """The last OOM the allocator's observer recorded (on ``device``), however old; ``None``
+    when none was (the observer records while ``on_oom()`` is installed)."""
+    for ev in reversed(_events):
+        if device is None or ev.device == device:
+            return ev
+    return None
+
+
 def _latest_event(device: int | None) -> OomEvent | None:
     now = time.time()
     for ev in reversed(_events):
@@ -283,6 +294,8 @@ def _advice(
     culprits: Sequence[Culprit],
     others: int | None,
     non_pytorch: int | None,
+    reserved: int | None = None,
+    expandable: bool = False,
 ) -> list[str]:
     """Concrete next steps, most specific first."""
     out: list[str] = []
@@ -298,13 +311,26 @@ def _advice(
         requested is not None
         and cache is not None
         and largest_free is not None
-        and cache >= requested > largest_free
+        and judge_oom(
+            requested,
+            largest_free=largest_free,
+            cache_free=cache,
+            device_free=headroom(free, total, reserved) if reserved is not None else free,
+        )
+        == FRAGMENTATION
     ):
-        out.append(
+        head = (
             f"Fragmentation: the cache holds {format_bytes(cache)} free but its largest free "
-            "block is "
-            f"{format_bytes(largest_free)}. Start the process with "
-            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True."
+            f"block is {format_bytes(largest_free)}. "
+        )
+        out.append(
+            head
+            + (
+                "Expandable segments are on already: the free bytes sit beside live blocks "
+                "(partial pages) or on other streams; free those blocks or use one stream."
+                if expandable
+                else "Start the process with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True."
+            )
         )
     if stranded:
         amount = sum(s.reserved for s in stranded)
@@ -392,10 +418,12 @@ def build_report(
             reserved = parsed.allocated + parsed.reserved_unallocated
 
     largest = fragmentation = None
+    expandable = False
     stranded: list[StrandedCache] = []
     try:
         segments = backend.memory_segments(device)
         if segments is not None:
+            expandable = any(s.get("is_expandable") is True for s in segments)
             largest, free_cache = largest_free(segments)
             fragmentation = 1.0 - largest / free_cache if free_cache else 0.0
             stranded = _stranded(backend, device, segments)
@@ -438,6 +466,8 @@ def build_report(
         culprits=culprits,
         others=others,
         non_pytorch=non_pytorch,
+        reserved=reserved,
+        expandable=expandable,
     )
     return OomReport(
         created_at=time.time(),

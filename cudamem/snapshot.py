@@ -66,6 +66,7 @@ __all__ = [
     "loads_snapshot",
     "page_size",
     "pool_blocks_of",
+    "returnable",
     "segment_pool_id",
     "segments_of",
     "split_cache",
@@ -370,6 +371,13 @@ def _returnable(segment: Mapping[str, Any], blocks: Sequence[Block]) -> list[int
             out[k] = max(0, min(b.address + b.size, hi) - max(b.address, lo))
         i = j
     return out
+
+
+def returnable(segment: Mapping[str, Any], blocks: Sequence[Block]) -> list[int]:
+    """Per block of ``segment`` (``blocks_of(segment)``), the bytes ``empty_cache()`` hands
+    back to CUDA: the whole segment when no block is allocated, whole pages of free ranges
+    in an expandable segment; 0 for allocated blocks."""
+    return _returnable(segment, blocks)
 
 
 # --------------------------------------------------------------------------- results

@@ -10,6 +10,7 @@ never import one.
 from . import (
     diff,
     distributed,
+    fragmentation,
     history,
     holders,
     integrations,
@@ -28,6 +29,7 @@ from . import (
 __all__ = [
     "diff",
     "distributed",
+    "fragmentation",
     "history",
     "holders",
     "integrations",

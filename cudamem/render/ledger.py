@@ -8,6 +8,7 @@ from .._present import renders
 from ..ledger import DeviceLedger, Explanation, LedgerLine, MachineStatus
 from ..release import DeviceRelease, ReleaseResult
 from ..snapshot import CacheSplit
+from .fragmentation import fragmentation_lines
 from .text import render_table
 
 __all__ = [
@@ -92,7 +93,8 @@ def render_ledger(ledger: DeviceLedger) -> str:
         and (line.nbytes is None or line.basis == "inferred" or line.key.startswith(_DETAILED))
     ]
     notes = [f"  note: {n}" for n in ledger.notes]
-    return "\n".join([table, *details, *notes])
+    frag = [] if ledger.fragmentation is None else fragmentation_lines(ledger.fragmentation)
+    return "\n".join([table, *details, *notes, *frag])
 
 
 @renders(Explanation)

@@ -17,6 +17,7 @@ from ..integrations.results import NotebookHolders
 from ..leak_report import LeakReport
 from ..ledger import DeviceLedger, Explanation
 from ..span import MemorySpan, SpanRecord
+from .fragmentation import fragmentation_html
 from .holders import render_holder
 from .leaks import render_leak_report
 from .ledger import _title
@@ -131,7 +132,8 @@ def ledger_html(ledger: DeviceLedger) -> str:
     ]
     rows.append(["total of the lines", format_bytes(ledger.accounted), "", ""])
     table = _table(["line", "bytes", "basis", "freed by"], rows, [False, True, False, False])
-    return f"<div><b>{_e(_title(ledger))}</b>{table}{_notes(ledger.notes)}</div>"
+    frag = "" if ledger.fragmentation is None else fragmentation_html(ledger.fragmentation)
+    return f"<div><b>{_e(_title(ledger))}</b>{table}{_notes(ledger.notes)}{frag}</div>"
 
 
 @renders(Explanation, "html")

@@ -333,6 +333,39 @@ def test_explain_covers_only_devices_this_process_uses(fake_gpu: FakeAllocator) 
     assert "CUDA context" in text and "freed by" in text
 
 
+class SegmentsFake(FakeAllocator):
+    """The fixture's GPU with the snapshot of its cache: a 4 MiB tensor in a 20 MiB segment."""
+
+    def memory_segments(self, device: int) -> list[dict[str, Any]] | None:
+        return [seg(0, 20 * MiB, [(0x1000, 4 * MiB)])] if device == 0 else []
+
+
+def test_explain_carries_the_fragmentation_beside_lines_that_still_add_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    alloc = SegmentsFake(devices=1, contexts=())
+    alloc.alloc(4 * MiB, 0)
+    alloc.reserved[0] = 20 * MiB
+    own = 520 * MiB + 20 * MiB
+    gpu = FakeGpu(UUID, used=615 * MiB + own, processes=[(os.getpid(), own)])
+    with _backend.use(alloc), _nvml.use_module(make_nvml([gpu])):
+        ledger = cudamem.explain()[0]
+    frag = ledger.fragmentation
+    assert frag is not None and frag.device == 0
+    assert (frag.reserved, frag.allocated, frag.stranded, frag.largest_free) == (
+        20 * MiB,
+        4 * MiB,
+        16 * MiB,
+        16 * MiB,
+    )
+    assert ledger.accounted == ledger.nvml_used  # no fragmentation figure is a line
+    assert sizes(ledger)["cache_non_releasable"] == 16 * MiB
+    text = str(ledger)
+    assert "cuda:0 fragmentation: 16.0 MiB of 20.0 MiB reserved is unallocated (80%)" in text
+    assert "stranded: 16.0 MiB free beside live blocks" in text
+
+
 def test_explain_a_named_device_without_context(fake_gpu: FakeAllocator) -> None:
     result = cudamem.explain("cuda:1")
     assert [d.device for d in result.devices] == [1]

@@ -250,6 +250,36 @@ def test_fragmentation_advice() -> None:
     assert "expandable_segments:True" in advice[0]
 
 
+def frag_advice(requested: int, free: int, *, expandable: bool = False) -> list[str]:
+    """The advice for 60 MiB cached in 20 MiB pieces, 1 GiB reserved of a 1.1 GiB limit."""
+    advice = _advice(
+        requested=requested,
+        total=GiB + 100 * MiB,
+        free=free,
+        cache=60 * MiB,
+        largest_free=20 * MiB,
+        stranded=(),
+        culprits=(),
+        others=None,
+        non_pytorch=None,
+        reserved=GiB,
+        expandable=expandable,
+    )
+    return [a for a in advice if a.startswith("Fragmentation")]
+
+
+def test_fragmentation_advice_counts_the_device_headroom_and_names_expandable() -> None:
+    # 80 MiB: more than the cache, within the cache plus what the limit leaves (100 MiB)
+    (advice,) = frag_advice(80 * MiB, 50 * GiB)
+    assert advice.endswith("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.")
+    # the limit, not the device's free memory, caps the headroom: 161 MiB is beyond both
+    assert frag_advice(161 * MiB, 50 * GiB) == []
+    assert frag_advice(80 * MiB, 10 * MiB) == []  # the device has only 10 MiB free
+    (already,) = frag_advice(80 * MiB, 50 * GiB, expandable=True)
+    assert "Expandable segments are on already" in already
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in already
+
+
 def test_report_uses_observer_facts(fake: OomFake) -> None:
     on_oom(stderr=False)
     (observer,) = fake.observers
