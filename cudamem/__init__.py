@@ -21,9 +21,11 @@ from .holders import find_graph_holders, who_holds
 from .host import to_host
 from .leaks import LeakWarning, configure_leaks, leak_settings, leaks
 from .ledger import explain, machine_status
+from .memory_plan import MemoryPlan
 from .memviz import dump_snapshot
 from .modules import track_modules
 from .oom import on_oom, oom_report
+from .plan import plan
 from .release import release
 from .scalars import ScalarLogger, log_scalar
 from .snapshot import UnsafeSnapshotError, load_snapshot
@@ -36,6 +38,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LeakWarning",
+    "MemoryPlan",
     "MemorySpan",
     "ScalarLogger",
     "StepSpan",
@@ -57,6 +60,7 @@ __all__ = [
     "max_allocated",
     "on_oom",
     "oom_report",
+    "plan",
     "plot",
     "release",
     "set_history_size",
