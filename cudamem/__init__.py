@@ -21,7 +21,6 @@ from .holders import find_graph_holders, who_holds
 from .host import to_host
 from .leaks import LeakWarning, configure_leaks, leak_settings, leaks
 from .ledger import explain, machine_status
-from .memory_plan import MemoryPlan
 from .memviz import dump_snapshot
 from .modules import track_modules
 from .oom import on_oom, oom_report
@@ -38,7 +37,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LeakWarning",
-    "MemoryPlan",
     "MemorySpan",
     "ScalarLogger",
     "StepSpan",

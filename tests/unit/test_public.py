@@ -31,11 +31,12 @@ RESULTS = {
     "memviz": ("SnapshotDump", "AutoDump"),
     "module_profile": ("ModuleProfile", "ModuleStats", "Spread"),
     "modules": ("ModuleProfiler",),
+    "memory_plan": ("MemoryPlan", "Prediction", "CheckpointAdvice", "NotLinearError"),
 }
 
 
-def test_at_most_thirty_names_and_each_resolves() -> None:
-    assert len(cudamem.__all__) <= 30, cudamem.__all__
+def test_at_most_thirty_one_names_and_each_resolves() -> None:
+    assert len(cudamem.__all__) <= 31, cudamem.__all__
     for name in cudamem.__all__:
         assert hasattr(cudamem, name), name
 
@@ -65,6 +66,7 @@ def test_what_users_call_is_exported() -> None:
         "configure_leaks",
         "machine_status",
         "track_modules",
+        "plan",
     ):
         assert name in cudamem.__all__, name
 
