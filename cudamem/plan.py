@@ -450,7 +450,7 @@ def plan(
             "step must be callable: a function step(n) that runs one training step at "
             f"batch size n, not {type(step).__name__}"
         )
-    fitted = _sizes("sizes", sizes, minimum_count=2 if lengths is None else 1)
+    fitted = _sizes("sizes", sizes, minimum_count=2)
     probe_lengths = None if lengths is None else _sizes("lengths", lengths, minimum_count=1)
     check_size = _check_size(check, fitted, probe_lengths)
     check_bool("restore", restore)
@@ -466,8 +466,6 @@ def plan(
             "restore=True needs model= and optimizer=: their state is copied to the host "
             "before the probes and loaded back after them"
         )
-    if lengths is not None and len(fitted) < 2 and len(probe_lengths or ()) < 2:
-        raise ValueError("sizes needs at least 2 values (or lengths at least 2)")
     backend = _backend.get()
     if backend.device_count() == 0:
         return _unmeasured_plan("no CUDA device")
