@@ -126,13 +126,12 @@ def run_cudamem(name: str, margin: float) -> dict[str, Any]:
     print(plan)
     oom = sum(1 for p in plan.probes if p.oom)
     predicted = plan.predict(answer)
-    settle()
-    torch.cuda.reset_peak_memory_stats()
-    step(answer)
-    torch.cuda.synchronize()
-    allocated, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
     usable, _ = available_memory(torch.cuda.current_device())
-    truth = true_largest(step, answer, (usable or 0) * (1 - margin))
+    trials = Trials(step)
+    ran, reserved, allocated = trials(answer)
+    if not ran:
+        print(f"cudamem's answer {answer} ran out of memory")
+    truth = true_largest(trials, answer, (usable or 0) * (1 - margin))
     out = {
         "answer": answer,
         "answers_by_margin": {str(m): plan.largest(m) for m in (0.0, 0.02, 0.05, 0.10)},
@@ -144,8 +143,9 @@ def run_cudamem(name: str, margin: float) -> dict[str, Any]:
         "check_error": None if plan.check is None else plan.check.error,
         "predicted": {"allocated": predicted.allocated, "reserved": predicted.reserved},
         "measured": {"allocated": allocated, "reserved": reserved},
-        "allocated_error": (predicted.allocated - allocated) / allocated,
-        "reserved_error": (predicted.reserved - reserved) / reserved,
+        "answer_ran": ran,
+        "allocated_error": (predicted.allocated - allocated) / allocated if ran else None,
+        "reserved_error": (predicted.reserved - reserved) / reserved if ran else None,
         "true_largest": truth,
         "plan": str(plan),
     }
@@ -153,25 +153,26 @@ def run_cudamem(name: str, margin: float) -> dict[str, Any]:
 
 
 class Trials:
-    """Plain steps at given sizes, each from an empty cache, remembered: whether it ran and
-    its peak reserved bytes."""
+    """Plain steps at given sizes, each from an empty cache, remembered: whether it ran, its
+    peak reserved and its peak allocated bytes."""
 
     def __init__(self, step: Step) -> None:
         self.step = step
-        self.seen: dict[int, tuple[bool, int]] = {}
+        self.seen: dict[int, tuple[bool, int, int]] = {}
 
-    def __call__(self, n: int) -> tuple[bool, int]:
+    def __call__(self, n: int) -> tuple[bool, int, int]:
         if n not in self.seen:
             settle()
             torch.cuda.reset_peak_memory_stats()
             try:
                 self.step(n)
                 torch.cuda.synchronize()
-                self.seen[n] = (True, torch.cuda.max_memory_reserved())
+                peaks = (torch.cuda.max_memory_reserved(), torch.cuda.max_memory_allocated())
+                self.seen[n] = (True, *peaks)
             except Exception as exc:
                 if not _is_oom(exc):
                     raise
-                self.seen[n] = (False, 0)
+                self.seen[n] = (False, 0, 0)
             settle()
         return self.seen[n]
 
@@ -208,12 +209,13 @@ def bisect(fits: Callable[[int], bool], start: int) -> int:
     return lo
 
 
-def true_largest(step: Step, start: int, budget: float) -> dict[str, Any]:
+def true_largest(trials: Trials, start: int, budget: float) -> dict[str, Any]:
     """The largest batch a plain step runs at, and the largest whose measured peak
     reserved stays within ``budget`` (the memory less the same margin ``largest`` used)."""
-    trials = Trials(step)
     runs = bisect(lambda n: trials(n)[0], start)
-    within = bisect(lambda n: trials(n)[0] and trials(n)[1] <= budget, min(start, runs))
+    within = 0
+    if runs:
+        within = bisect(lambda n: trials(n)[0] and trials(n)[1] <= budget, min(start, runs))
     return {"largest": runs, "largest_within_margin": within, "trials": len(trials.seen)}
 
 
@@ -338,7 +340,10 @@ def main() -> None:
             versus = f"{(r['answer'] - truth) / truth:+.1%}"
             peak = ""
             if tool == "cudamem":
-                peak = f"alloc {r['allocated_error']:+.2%}, reserved {r['reserved_error']:+.2%}"
+                if r["answer_ran"]:
+                    peak = f"alloc {r['allocated_error']:+.2%}, reserved {r['reserved_error']:+.2%}"
+                else:
+                    peak = "the answer ran out of memory"
                 versus += f"; {within} within the margin ({(r['answer'] - within) / within:+.1%})"
             rows.append(
                 [
