@@ -194,6 +194,9 @@ class MemoryPlan(PresentedHtml):
     #: The per-module shares of the per-sample bytes, largest first (top-level modules of
     #: each depth; see ``ModuleShare``).
     modules: tuple[ModuleShare, ...] = ()
+    #: What the fixed part holds, as the module profile read it: ``(what, bytes)`` for the
+    #: parameters, buffers, optimizer state and gradients of the models that ran.
+    fixed_parts: tuple[tuple[str, int], ...] = ()
     #: The figures checkpointing advice is computed from (one per module, forward order).
     module_costs: tuple[ModuleCost, ...] = ()
     #: ``(n, length)`` of the profiled probe.

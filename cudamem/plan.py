@@ -259,6 +259,17 @@ def _shares(profile: ModuleProfile, n: int) -> tuple[ModuleShare, ...]:
     )
 
 
+def _fixed_parts(profile: ModuleProfile) -> tuple[tuple[str, int], ...]:
+    roots = [row for row in profile.modules if row.depth == 0]
+    parts = (
+        ("parameters", sum(r.params for r in roots)),
+        ("buffers", sum(r.buffers for r in roots)),
+        ("optimizer state", sum(r.optimizer for r in roots)),
+        ("gradients", sum(r.grads for r in roots)),
+    )
+    return tuple(p for p in parts if p[1] > 0)
+
+
 # --------------------------------------------------------------------------- causes
 
 
@@ -625,8 +636,10 @@ def _analyse(
                 causes = _causes(probes, graphs_before)
     shares: tuple[ModuleShare, ...] = ()
     costs: tuple[ModuleCost, ...] = ()
+    parts: tuple[tuple[str, int], ...] = ()
     if profile is not None and profiled is not None:
         shares = _shares(profile, profiled[0])
+        parts = _fixed_parts(profile)
         if order is not None:
             costs = _module_costs(order, profile, profiled[0])
         if profile.unmeasured:
@@ -641,6 +654,7 @@ def _analyse(
         length_axis,
         causes,
         shares,
+        parts,
         costs,
         profiled,
         restored,

@@ -79,6 +79,12 @@ def plan_lines(plan: MemoryPlan) -> list[str]:
                 f"peak reserved  = {formula(plan.reserved_line)} "
                 f"(never below {plan.ratio:.3f} × allocated, as measured)"
             )
+    if plan.fixed_parts and plan.allocated_line is not None:
+        listed = ", ".join(f"{what} {format_bytes(nbytes)}" for what, nbytes in plan.fixed_parts)
+        out.append(
+            f"fixed part {format_bytes(plan.fixed)}: {listed} (gradients only where alive at the "
+            "peak; the rest: workspaces and the step's own)"
+        )
     if plan.linear is False:
         out.append(
             f"NOT LINEAR in n: cudamem does not extrapolate past batch {plan.largest_measured}."
@@ -102,6 +108,9 @@ def plan_lines(plan: MemoryPlan) -> list[str]:
         )
         for m in top[:MAX_MODULES]:
             out.append(f"  {_mib(m.kept):>10}  {m.name}")
+        for m in plan.modules:
+            if m.depth == 0 and m.self_kept >= 1:
+                out.append(f"  {_mib(m.self_kept):>10}  {m.name}'s own code (outside its modules)")
     if plan.fragmentation is not None:
         out.append(f"fragmentation: {plan.fragmentation}")
     if plan.restore is not None:

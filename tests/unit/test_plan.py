@@ -231,6 +231,9 @@ def test_restore_puts_the_model_and_optimizer_back(fake: Device) -> None:
     assert "restored the model and optimizer: 144 B" in str(plan)
     unrestored = cudamem.plan(step, model=model, optimizer=optimizer)
     assert unrestored.restore is None
+    parts = dict(unrestored.fixed_parts)  # what the module profile read at the probe
+    assert parts["parameters"] == 144 and parts["optimizer state"] >= 2 * 144
+    assert "fixed part 1000.0 MiB: parameters 144 B" in str(unrestored)
     assert not torch.equal(before["weight"], model.state_dict()["weight"])  # real steps
 
 
