@@ -20,6 +20,7 @@ from fractions import Fraction
 from typing import NamedTuple
 
 __all__ = [
+    "CONTAINERS",
     "TERMS",
     "Line",
     "ModuleCost",
@@ -209,16 +210,21 @@ def checkpoint_per_sample(per_sample: float, chosen: Sequence[ModuleCost]) -> fl
     return best
 
 
+#: Module types that only hold others: their rows are whole stages, not blocks to wrap.
+CONTAINERS = frozenset({"Sequential", "ModuleList", "ModuleDict"})
+
+
 def choose_checkpoint(
     costs: Sequence[ModuleCost], per_sample: float, target: float
 ) -> tuple[ModuleCost, ...]:
     """Modules to checkpoint so that the per-sample peak falls to ``target`` or as low as
     checkpointing can take it: the repeated blocks (the module type with the largest total
-    saving among types that occur at least twice at one depth below the root), largest
+    saving among types that occur at least twice at one depth below the root; containers
+    such as ``nn.Sequential`` are stages, not blocks, and left out), largest
     saving first, as few as needed. ``()`` when nothing repeats or nothing is saved."""
     groups: dict[tuple[str, int], list[ModuleCost]] = {}
     for m in costs:
-        if m.depth >= 1 and m.saving > 0:
+        if m.depth >= 1 and m.saving > 0 and m.type_name not in CONTAINERS:
             groups.setdefault((m.type_name, m.depth), []).append(m)
     repeated = [g for g in groups.values() if len(g) >= 2]
     if not repeated:

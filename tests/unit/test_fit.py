@@ -106,3 +106,6 @@ def test_choose_checkpoint_takes_repeated_blocks_as_few_as_needed() -> None:
     everything = choose_checkpoint([*blocks, head], 100.0, 0.0)
     assert [m.name for m in everything] == ["b0", "b1", "b2", "b3"]  # as low as it goes
     assert choose_checkpoint([head], 100.0, 0.0) == ()
+    stages = [_cost(f"layer{i}", i, 40.0, 40.0 * (i + 1), type_name="Sequential") for i in (1, 2)]
+    chosen = choose_checkpoint([*stages, *blocks], 100.0, 90.0)
+    assert [m.name for m in chosen] == ["b0", "b1"]  # blocks, not the stages that hold them
