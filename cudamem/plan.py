@@ -437,9 +437,10 @@ def plan(
         lengths: probe sequence lengths (a second axis), or ``None``.
         check: the check step: ``True`` (the default size), ``False`` (none: the plan then
             cannot tell whether the step is linear), a batch size, or ``(n, length)``.
-        model, optimizer: the model and optimizer the step trains; needed for
-            ``restore``. ``model`` also names the modules of the per-module profile
-            (without it, every module tree the step calls is profiled).
+        model: the model the step trains; needed for ``restore``. It also names the
+            modules of the per-module profile (without it, every module tree the step
+            calls is profiled).
+        optimizer: the optimizer the step steps; needed for ``restore``.
         restore: put the model's and the optimizer's state (and gradients) back as they
             were before the probes: their state is copied to host memory first (the
             copy's bytes and seconds are in ``MemoryPlan.restore``). RNG state is not
