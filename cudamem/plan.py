@@ -5,12 +5,13 @@ and hands the peaks to ``cudamem._fit`` (the arithmetic) and ``cudamem.memory_pl
 frozen ``MemoryPlan``); ``render/plan.py`` draws it.
 
 Each step runs after ``gc.collect()`` and ``empty_cache()``, so that the reserved peak is
-that size's own, with the allocator's peak counters reset. A step that runs out of memory
-is recorded; the exception's frames (which hold the step's tensors) are cleared and the
-exception dropped before the next step. The largest fitted probe also runs under the
-per-module profile (``cudamem.track_modules``) and two forward hooks of cudamem's own (the
-order of the modules' forwards, the allocated level at each exit, the bytes of each
-output): what checkpointing advice is computed from.
+that size's own, with the allocator's peak counters reset, inside a quiet span
+(``span.open_quiet``: its peak, and no history entry, growth check or OOM post-mortem). A
+step that runs out of memory is recorded; the exception's frames (which hold the step's
+tensors) are cleared and the exception dropped before the next step. The largest fitted
+probe also runs under the per-module profile (``cudamem.track_modules``) and two forward
+hooks of cudamem's own (the order of the modules' forwards, the allocated level at each exit,
+the bytes of each output): what checkpointing advice is computed from.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from .memory_plan import (
 )
 from .module_profile import ModuleProfile
 from .modules import track_modules
-from .span import track
+from .span import close_quiet, open_quiet
 
 __all__ = ["plan"]
 
@@ -342,16 +343,18 @@ class _Runner:
         start = time.perf_counter()
         error: str | None = None
         oom = False
-        span = track(name, device=device)
+        # A quiet span: no history entry, no growth check, no OOM post-mortem for a probe
+        # that is allowed to fail; its peak folds in every span the step opens.
+        span = open_quiet(name, device)
         try:
-            with span:
-                if profiler is None:
+            if profiler is None:
+                self.step(*args)
+            else:
+                with profiler:
                     self.step(*args)
-                else:
-                    with profiler:
-                        self.step(*args)
-                backend.synchronize(device)
+            backend.synchronize(device)
         except BaseException as exc:
+            close_quiet(span, exc)
             if not backend.is_oom(exc):
                 raise
             oom = True
@@ -361,6 +364,8 @@ class _Runner:
             # exception (``except ... as`` unbinds it), and collect before the next step.
             traceback.clear_frames(exc.__traceback__)
             exc.__traceback__ = None
+        else:
+            close_quiet(span)
         seconds = time.perf_counter() - start
         after = backend.read(device)
         if oom:
@@ -378,7 +383,7 @@ class _Runner:
                 after.alloc_retries - before.alloc_retries,
             )
         else:
-            peak = span.peak if span.peak is not None else after.peak_allocated
+            peak = span.peak_total if span.peak_total is not None else after.peak_allocated
             # Reserved never falls inside a step unless the allocator frees its cache to
             # retry a request: its level at the end is its peak even where a module
             # profile's spans reset the peak counters.

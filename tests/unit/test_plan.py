@@ -181,6 +181,27 @@ def test_a_probe_out_of_memory_is_reported_and_its_frames_freed(fake: Device) ->
     assert plan.largest(memory=100 * GiB) == 15  # never at or past a size that failed
 
 
+@pytest.mark.usefixtures("span_path")
+def test_a_probe_is_quiet_and_its_peak_covers_the_spans_inside(
+    fake: Device, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cudamem.clear_history()
+
+    def step(n: int) -> None:
+        with cudamem.track("forward"):  # resets the peak counter on entry
+            fake.alloc(100 * MiB * n)
+            fake.free(100 * MiB * n)
+        fake.alloc(MiB)
+        fake.free(MiB)
+        if n >= 16:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    plan = cudamem.plan(step)
+    assert plan.per_sample() == 100 * MiB  # the inner span's reset folded into the probe's
+    assert capsys.readouterr().err == ""  # no post-mortem for a probe allowed to fail
+    assert {s.name for s in cudamem.history().spans} == {"forward"}  # no probe in history
+
+
 def test_a_probe_out_of_memory_skips_the_larger_ones(fake: Device) -> None:
     calls: list[int] = []
 
