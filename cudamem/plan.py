@@ -327,6 +327,12 @@ class _Runner:
         self.length_axis = length_axis
         self.probes: list[Probe] = []
 
+    @staticmethod
+    def _where(size: _Size, role: str) -> str:
+        at = f"batch {size.n}" + ("" if size.length is None else f", length {size.length}")
+        hint = " (check= chooses the check step's size)" if role == "check" else ""
+        return f"cudamem.plan: raised by the {role} step at {at}{hint}"
+
     def settle(self) -> None:
         gc.collect()
         self.backend.empty_cache()
@@ -356,6 +362,7 @@ class _Runner:
         except BaseException as exc:
             close_quiet(span, exc)
             if not backend.is_oom(exc):
+                _add_note(exc, self._where(size, role))
                 raise
             oom = True
             text = str(exc)
@@ -402,6 +409,13 @@ class _Runner:
             )
         self.probes.append(probe)
         return probe
+
+
+def _add_note(exc: BaseException, note: str) -> None:
+    """``exc.add_note(note)`` where Python has it (3.11+)."""
+    add = getattr(exc, "add_note", None)
+    if callable(add):
+        add(note)
 
 
 def _unmeasured_plan(reason: str) -> MemoryPlan:

@@ -224,8 +224,22 @@ def test_a_step_that_raises_something_else_propagates(fake: Device) -> None:
     def step(n: int) -> None:
         raise KeyError("labels")
 
-    with pytest.raises(KeyError, match="labels"):
+    with pytest.raises(KeyError, match="labels") as raised:
         cudamem.plan(step)
+    if hasattr(raised.value, "__notes__"):  # Python 3.11+
+        assert raised.value.__notes__ == ["cudamem.plan: raised by the warm-up step at batch 4"]
+
+    def too_long(n: int, length: int) -> None:
+        if length > 256:
+            raise IndexError("index out of range in self")  # past the position embeddings
+
+    with pytest.raises(IndexError) as raised:
+        cudamem.plan(too_long, lengths=(128, 256))
+    if hasattr(raised.value, "__notes__"):
+        assert raised.value.__notes__ == [
+            "cudamem.plan: raised by the check step at batch 8, length 512 "
+            "(check= chooses the check step's size)"
+        ]
 
 
 def test_restore_puts_the_model_and_optimizer_back(fake: Device) -> None:
