@@ -38,6 +38,7 @@ GROUPS = (
     "modules",
     "ledger",
     "expandable-ledger",
+    "plan",
 )
 BENCHES = ("build_reader", "gen_outputs", "span_overhead", "soak", "scalars", "module_profile")
 _IGNORED_DIRS = {"__pycache__", ".mypy_cache", ".ruff_cache", ".pytest_cache"}

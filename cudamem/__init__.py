@@ -24,6 +24,7 @@ from .ledger import explain, fragmentation, machine_status
 from .memviz import dump_snapshot
 from .modules import track_modules
 from .oom import on_oom, oom_report
+from .plan import plan
 from .release import release
 from .scalars import ScalarLogger, log_scalar
 from .snapshot import UnsafeSnapshotError, load_snapshot
@@ -58,6 +59,7 @@ __all__ = [
     "max_allocated",
     "on_oom",
     "oom_report",
+    "plan",
     "plot",
     "release",
     "set_history_size",

@@ -178,6 +178,11 @@ class Backend:
     def empty_cache(self) -> None:
         """Return every device's unused cached blocks to CUDA (``torch.cuda.empty_cache``)."""
 
+    def mem_get_info(self, device: int) -> tuple[int, int] | None:
+        """``(free, total)`` bytes of ``device`` as CUDA sees them, ``None`` when unknown
+        (no context on it: asking would create one)."""
+        return None
+
     # -- scalars --
     def record_event(self, device: int, event: Any = None) -> Any:
         """Record an event on ``device``'s current stream (reusing ``event`` when given) and
@@ -422,6 +427,15 @@ class TorchBackend(Backend):
         # torch.cuda.empty_cache() is a no-op before CUDA is initialised: no context made.
         if self._compiled and self._initialized():
             torch.cuda.empty_cache()
+
+    def mem_get_info(self, device: int) -> tuple[int, int] | None:
+        if not self.has_context(device):
+            return None
+        try:
+            free, total = torch.cuda.mem_get_info(device)
+        except Exception:
+            return None
+        return int(free), int(total)
 
     # -- scalars --
     def record_event(self, device: int, event: Any = None) -> Any:

@@ -1596,14 +1596,15 @@ class StepSpan:
         self._span = None
 
 
-def open_quiet(name: str) -> RawSpan:
+def open_quiet(name: str, device: int | None = None) -> RawSpan:
     """Open a detached span with a peak, seen by no feature (no history, no growth
-    detection): a measurement of cudamem's own, the per-module profile's (``cudamem.modules``)
-    one per module call. Its peak folds into every open span and theirs into it, as any
-    span's does. Close it with ``close_quiet``; then read ``alloc_delta``, ``peak_delta``,
-    ``level`` and ``duration`` (plain ints summed over devices; ``peak_delta`` is ``None``
-    when no device was measured). Never raises."""
-    return _open(name, None, False, True, False, False, False, hooks=False)
+    detection, no OOM post-mortem): a measurement of cudamem's own, the per-module
+    profile's (``cudamem.modules``) one per module call, ``cudamem.plan``'s one per probe
+    step (on its ``device``; by default every device in use). Its peak folds into every open
+    span and theirs into it, as any span's does. Close it with ``close_quiet``; then read
+    ``alloc_delta``, ``peak_delta``, ``peak_total``, ``level`` and ``duration`` (plain ints
+    summed over devices; the peaks are ``None`` when no device was measured). Never raises."""
+    return _open(name, device, False, True, False, False, False, hooks=False)
 
 
 def close_quiet(span: RawSpan, exc: BaseException | None = None) -> None:

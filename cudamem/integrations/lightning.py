@@ -28,6 +28,11 @@ counts live CPU storages instead (``allocated``, ``retained`` and ``leak_culprit
 ``modules=5`` also profiles memory per module over the fit and logs the top five modules
 at its end (``cudamem/modules/<name>/kept_mib``, ``…/peak_mib``; ``callback.module_profile``).
 
+``fit_batch_size(trainer, module)`` is a drop-in for Lightning's
+``Tuner(trainer).scale_batch_size(module)``: it sets ``module.batch_size`` to the largest batch
+that fits, from ``cudamem.plan``'s probe steps (four steps, no out-of-memory trials, the
+module's weights put back after); ``plan_batch_size`` returns the whole ``MemoryPlan``.
+
 Needs ``lightning`` (``pip install 'cudamem[lightning]'``); falls back to ``pytorch_lightning``.
 """
 
@@ -40,17 +45,29 @@ from typing import TYPE_CHECKING, Any
 
 from .. import _backend, oom
 from ..leaks import leak_settings
+from ..plan import plan
 from ._steps import Meters
 
 try:
     from lightning.pytorch import Callback
+    from lightning.pytorch.utilities.parsing import (
+        lightning_getattr,
+        lightning_hasattr,
+        lightning_setattr,
+    )
 except ImportError:  # pragma: no cover - the older package name
     from pytorch_lightning import Callback  # type: ignore[assignment,no-redef,unused-ignore]
+    from pytorch_lightning.utilities.parsing import (  # type: ignore[assignment,no-redef,unused-ignore]
+        lightning_getattr,
+        lightning_hasattr,
+        lightning_setattr,
+    )
 
 if TYPE_CHECKING:
+    from ..memory_plan import MemoryPlan
     from ..oom import OomReport
 
-__all__ = ["CudamemCallback"]
+__all__ = ["CudamemCallback", "fit_batch_size", "plan_batch_size"]
 
 _SPANS = {"train": "train_batch", "val": "validation_batch"}
 _STAGES = {"train": "", "val": "val_"}
@@ -235,3 +252,115 @@ class CudamemCallback(Callback, Meters):  # type: ignore[misc,unused-ignore]
     def state_dict(self) -> dict[str, Any]:
         """Nothing to checkpoint: the metrics are measured afresh after a resume."""
         return {}
+
+
+# --------------------------------------------------------------------------- batch size
+
+
+def _first_optimizer(config: Any) -> Any:
+    """The first optimizer of what ``configure_optimizers`` returned (an optimizer, a
+    list or tuple of them, ``(optimizers, schedulers)``, a dict with ``"optimizer"``)."""
+    import torch
+
+    if isinstance(config, torch.optim.Optimizer):
+        return config
+    if isinstance(config, Mapping) and "optimizer" in config:
+        return _first_optimizer(config["optimizer"])
+    if isinstance(config, (list, tuple)) and config:
+        return _first_optimizer(config[0])
+    raise TypeError(
+        "configure_optimizers() returned no optimizer cudamem can step "
+        f"({type(config).__name__}); plan the step yourself with cudamem.plan"
+    )
+
+
+def _train_loader(trainer: Any, module: Any) -> Any:
+    datamodule = getattr(trainer, "datamodule", None)
+    if datamodule is not None and callable(getattr(datamodule, "train_dataloader", None)):
+        return datamodule.train_dataloader()
+    return module.train_dataloader()
+
+
+def plan_batch_size(
+    trainer: Any,
+    module: Any,
+    *,
+    sizes: tuple[int, ...] = (4, 8),
+    batch_arg_name: str = "batch_size",
+    restore: bool = True,
+) -> MemoryPlan:
+    """``cudamem.plan`` of one training step of ``module`` at batch sizes ``sizes``.
+
+    Each step sets ``batch_arg_name`` (on the module, its ``hparams`` or the trainer's
+    datamodule, as Lightning's tuner finds it), takes the first batch of the training
+    dataloader, moves it to the trainer's device, runs ``training_step``, the backward and
+    one step of the first optimizer ``configure_optimizers`` returns. With ``restore``
+    (the default) the module's weights are put back after the probes, as Lightning's tuner
+    does with its checkpoint. The batch size is set back to its value.
+
+    Raises:
+        ValueError: the trainer's device is not a CUDA device, or ``batch_arg_name`` is
+            nowhere to be found.
+    """
+    import torch
+
+    device = trainer.strategy.root_device
+    if device.type != "cuda":
+        raise ValueError(f"trainer must run on a CUDA device to plan its memory, not {device}")
+    if not lightning_hasattr(module, batch_arg_name):
+        raise ValueError(
+            f"batch_arg_name {batch_arg_name!r} is neither an attribute of the module, nor "
+            "of its hparams, nor of the trainer's datamodule"
+        )
+    original = lightning_getattr(module, batch_arg_name)
+    module.to(device)
+    optimizer = _first_optimizer(module.configure_optimizers())
+
+    def step(n: int) -> None:
+        lightning_setattr(module, batch_arg_name, n)
+        batch = next(iter(_train_loader(trainer, module)))
+        batch = module.transfer_batch_to_device(batch, device, 0)
+        module.train()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # self.log() without a running fit
+            out = module.training_step(batch, 0)
+        loss = out["loss"] if isinstance(out, Mapping) else out
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError("training_step returned no loss tensor: cudamem cannot step it")
+        loss.backward()  # type: ignore[no-untyped-call,unused-ignore]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    try:
+        return plan(step, sizes, model=module, optimizer=optimizer, restore=restore, device=device)
+    finally:
+        lightning_setattr(module, batch_arg_name, original)
+
+
+def fit_batch_size(
+    trainer: Any,
+    module: Any,
+    *,
+    margin: float = 0.05,
+    sizes: tuple[int, ...] = (4, 8),
+    batch_arg_name: str = "batch_size",
+) -> int:
+    """Set ``module.batch_size`` (``batch_arg_name``) to the largest batch that fits and
+    return it: a drop-in for ``Tuner(trainer).scale_batch_size(module)`` with no
+    out-of-memory trials. The answer is ``plan_batch_size(...).largest(margin)``: the memory
+    this process can use now, less ``margin``.
+
+    Raises:
+        ValueError: as ``plan_batch_size``; or not even one sample fits.
+        cudamem.memory_plan.NotLinearError: the step's peak is not linear in the batch size.
+    """
+    measured = plan_batch_size(
+        trainer, module, sizes=sizes, batch_arg_name=batch_arg_name, restore=True
+    )
+    largest = measured.largest(margin)
+    if largest < 1:
+        raise ValueError(
+            f"not even one sample fits: {measured.predict(1)} with {margin:.0%} margin"
+        )
+    lightning_setattr(module, batch_arg_name, largest)
+    return largest

@@ -32,11 +32,12 @@ RESULTS = {
     "memviz": ("SnapshotDump", "AutoDump"),
     "module_profile": ("ModuleProfile", "ModuleStats", "Spread"),
     "modules": ("ModuleProfiler",),
+    "memory_plan": ("MemoryPlan", "Prediction", "CheckpointAdvice", "NotLinearError"),
 }
 
 
-def test_at_most_thirty_one_names_and_each_resolves() -> None:
-    assert len(cudamem.__all__) <= 31, cudamem.__all__
+def test_at_most_thirty_two_names_and_each_resolves() -> None:
+    assert len(cudamem.__all__) <= 32, cudamem.__all__
     for name in cudamem.__all__:
         assert hasattr(cudamem, name), name
 
@@ -67,6 +68,7 @@ def test_what_users_call_is_exported() -> None:
         "machine_status",
         "track_modules",
         "fragmentation",
+        "plan",
     ):
         assert name in cudamem.__all__, name
 

@@ -24,6 +24,8 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 from cudamem.integrations._cpu import CpuStorageBackend  # noqa: E402
 from cudamem.integrations.lightning import CudamemCallback  # noqa: E402
 
+from ...fakes import FakeAllocator  # noqa: E402
+
 MiB = 1024**2
 
 
@@ -270,3 +272,73 @@ def test_modules_logs_the_top_modules_at_the_end_of_the_fit(tmp_path: Path) -> N
     assert all(len(m._forward_hooks) == 0 for m in Model().modules())
     with pytest.raises(ValueError, match="modules must be >= 0"):
         CudamemCallback(modules=-1)
+
+
+# --------------------------------------------------------------------------- fit_batch_size
+
+
+class _SizedDevice(FakeAllocator):
+    """A fake 16 GiB device: CUDA's free memory is what its reserved leaves."""
+
+    def mem_get_info(self, device: int) -> tuple[int, int] | None:
+        return (16 * 1024 * MiB - self.reserved[device], 16 * 1024 * MiB)
+
+
+class _Sized(L.LightningModule):  # type: ignore[misc]
+    """A step whose peak on the fake device is 200 MiB + 30 MiB per sample."""
+
+    def __init__(self, fake: FakeAllocator) -> None:
+        super().__init__()
+        self.fake = fake
+        self.lin = torch.nn.Linear(8, 1)
+        self.batch_size = 2
+        self.seen: list[int] = []
+
+    def to(self, *args: Any, **kwargs: Any) -> _Sized:  # the "GPU" is the fake allocator
+        return self
+
+    def transfer_batch_to_device(self, batch: Any, device: Any, dataloader_idx: int) -> Any:
+        return batch
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(TensorDataset(torch.ones(1024, 8)), batch_size=self.batch_size)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        n = x.shape[0]
+        self.seen.append(n)
+        self.fake.alloc(200 * MiB + 30 * MiB * n)
+        self.fake.free(200 * MiB + 30 * MiB * n)
+        self.log("loss", 1.0)  # no running fit: Lightning warns, cudamem silences it
+        return self.lin(x).square().mean()
+
+    def configure_optimizers(self) -> Any:
+        return {"optimizer": torch.optim.AdamW(self.parameters(), lr=0.1)}
+
+
+def test_fit_batch_size_sets_the_largest_batch_from_four_steps() -> None:
+    from types import SimpleNamespace
+
+    from cudamem.integrations.lightning import fit_batch_size, plan_batch_size
+
+    fake = _SizedDevice()
+    module = _Sized(fake)
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cuda", 0)))
+    with _backend.use(fake), warnings.catch_warnings():
+        warnings.simplefilter("error")  # self.log's warning must not escape
+        answer = fit_batch_size(trainer, module, margin=0.05)
+        expected = int((0.95 * 16 * 1024 * MiB - 200 * MiB) // (30 * MiB))
+        assert answer == expected and module.batch_size == expected
+        assert module.seen == [4, 4, 8, 16]  # warm-up, probes, check: no OOM trial
+        after = module.state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)  # weights put back
+        module.batch_size = 32
+        plan = plan_batch_size(trainer, module)
+        assert module.batch_size == 32  # set back after the probes
+        assert plan.per_sample() == 30 * MiB
+    cpu = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")))
+    with pytest.raises(ValueError, match="trainer must run on a CUDA device"):
+        fit_batch_size(cpu, module)
+    with pytest.raises(ValueError, match="batch_arg_name 'bs' is neither"), _backend.use(fake):
+        fit_batch_size(trainer, module, batch_arg_name="bs")

@@ -1,0 +1,412 @@
+"""``MemoryPlan``: the peak of a training step at any batch size, as ``cudamem.plan``
+measured it, and the questions it answers (``predict``, ``largest``, ``checkpointing``).
+
+A frozen value: the probes' peaks, the fitted lines (``cudamem._fit``), the check of the
+line at a size beyond the probes, the per-module shares of the per-sample bytes. Only
+``largest()`` and ``checkpointing()`` read the device again, for the memory free now (NVML's
+free memory plus this process's reserved bytes), unless ``memory=`` is given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from numbers import Real
+from typing import Any, ClassVar
+
+from . import _backend, _nvml
+from ._args import check_int
+from ._fit import Line, ModuleCost, checkpoint_per_sample, choose_checkpoint, largest_under
+from ._format import format_bytes, plural
+from ._present import Presented, PresentedHtml
+
+__all__ = [
+    "LINEAR_TOLERANCE",
+    "CheckpointAdvice",
+    "LineCheck",
+    "MemoryPlan",
+    "ModuleShare",
+    "NotLinearError",
+    "Prediction",
+    "Probe",
+    "RestoreCost",
+    "available_memory",
+]
+
+#: The check point may lie this far (relative, allocated) from the line before the plan
+#: calls the step not linear in ``n`` and refuses to extrapolate.
+LINEAR_TOLERANCE = 0.02
+
+
+class NotLinearError(RuntimeError):
+    """The plan refuses to answer past what it measured: its line failed the check."""
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """One step the plan ran: its size, its role and the peaks it reached (bytes).
+
+    ``allocated`` and ``reserved`` are the device's peaks during the step, absolute (the
+    model, its gradients and optimizer state included), ``None`` when it ran out of memory.
+    """
+
+    n: int
+    #: The sequence length it ran at, ``None`` without a length axis.
+    length: int | None
+    #: ``'warm-up'`` (not fitted: it creates optimizer state and workspaces), ``'probe'``
+    #: (fitted) or ``'check'`` (tests the line).
+    role: str
+    allocated: int | None
+    reserved: int | None
+    #: Allocated when the step started.
+    baseline: int
+    seconds: float
+    oom: bool = False
+    #: The out-of-memory message's first line.
+    error: str | None = None
+    #: Times the allocator freed its cache and retried a request during the step.
+    retries: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction(Presented):
+    """The predicted peak of one step at batch ``n`` (and ``length``): bytes."""
+
+    n: int
+    length: int | None
+    allocated: int
+    reserved: int
+    #: Whether ``n`` lies within the sizes the plan ran (an interpolation).
+    measured_range: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class LineCheck:
+    """The line tested at a size beyond the probes: predicted against measured peaks."""
+
+    n: int
+    length: int | None
+    predicted: int
+    measured: int
+    #: ``|predicted - measured| / measured`` of allocated.
+    error: float
+    predicted_reserved: int
+    measured_reserved: int
+    reserved_error: float
+    #: ``error <= LINEAR_TOLERANCE``.
+    linear: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ModuleShare:
+    """One module's share of the per-sample bytes: what its forward kept, per sample, on
+    the profiled probe (``self_kept``: less its submodules')."""
+
+    name: str
+    type_name: str
+    depth: int
+    kept: float
+    self_kept: float
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreCost:
+    """What ``restore=True`` cost: the model's and optimizer's state copied to the host
+    before the probes and loaded back after them."""
+
+    nbytes: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointAdvice(Presented):
+    """Which modules' activations to checkpoint (``torch.utils.checkpoint``) for batch
+    ``n`` to fit, and the predicted peak with them checkpointed."""
+
+    n: int
+    length: int | None
+    #: The modules to checkpoint, in forward order (``ClassName.path``, as the module
+    #: profile names them); empty when the batch fits as it is or nothing repeats.
+    modules: tuple[str, ...]
+    predicted: Prediction
+    #: The peak without checkpointing.
+    without: Prediction
+    #: Bytes the peak must stay under (the memory free, less the margin), ``None`` if not
+    #: known.
+    budget: int | None
+    fits: bool
+    notes: tuple[str, ...] = ()
+
+
+def available_memory(device: int) -> tuple[int | None, str | None]:
+    """Bytes this process could use on ``device`` now: NVML's free memory (CUDA's where
+    NVML does not answer) plus what its allocator holds reserved; or ``None`` and why."""
+    backend = _backend.get()
+    reserved = backend.read(device).reserved
+    info = _nvml.query_device(device, backend.device_uuid(device))
+    if isinstance(info, _nvml.NvmlDevice) and info.memory is not None:
+        return info.memory.free + reserved, None
+    why = info.reason if isinstance(info, _nvml.NvmlStatus) else info.memory_reason
+    cuda = backend.mem_get_info(device)
+    if cuda is not None:
+        return cuda[0] + reserved, None
+    return None, f"the free memory is unknown (NVML: {why}; CUDA has no context)"
+
+
+def _check_margin(margin: Any) -> float:
+    if isinstance(margin, bool) or not isinstance(margin, Real):
+        raise TypeError(f"margin must be a number, not {type(margin).__name__}")
+    value = float(margin)
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"margin must be >= 0 and < 1 (a fraction of the memory), got {margin!r}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryPlan(PresentedHtml):
+    """The peak of a training step as a function of the batch size (and sequence length):
+    the result of ``cudamem.plan``.
+
+    ``predict(n)`` gives the peak at any size, ``largest()`` the largest batch that fits the
+    memory free now, ``checkpointing(n)`` which modules to checkpoint for a batch that does
+    not. ``fixed`` and ``per_sample`` split the peak into what every step holds (parameters,
+    gradients, optimizer state, workspaces) and what one sample adds; ``modules`` names the
+    modules whose activations make up the per-sample bytes.
+    """
+
+    json_properties: ClassVar[tuple[str, ...]] = ("linear", "largest_measured", "smallest_oom")
+
+    #: The device measured.
+    device: int
+    #: Every step run, in order (warm-up, probes, check).
+    probes: tuple[Probe, ...]
+    #: Peak allocated and peak reserved as fitted, ``None`` when the probes gave no fit.
+    allocated_line: Line | None
+    reserved_line: Line | None
+    #: The largest reserved-over-allocated peak ratio among the steps measured: predicted
+    #: reserved is never below predicted allocated times this.
+    ratio: float
+    check: LineCheck | None
+    #: Whether the plan has a sequence-length axis (``lengths=``).
+    length_axis: bool = False
+    #: Likely causes of a failed check (cuDNN benchmark, torch.compile recompiling, ...).
+    causes: tuple[str, ...] = ()
+    #: The per-module shares of the per-sample bytes, largest first (top-level modules of
+    #: each depth; see ``ModuleShare``).
+    modules: tuple[ModuleShare, ...] = ()
+    #: What the fixed part holds, as the module profile read it: ``(what, bytes)`` for the
+    #: parameters, buffers, optimizer state and gradients of the models that ran.
+    fixed_parts: tuple[tuple[str, int], ...] = ()
+    #: The figures checkpointing advice is computed from (one per module, forward order).
+    module_costs: tuple[ModuleCost, ...] = ()
+    #: ``(n, length)`` of the profiled probe.
+    profiled: tuple[int, int | None] | None = None
+    restore: RestoreCost | None = None
+    #: Allocated after the plan minus before it: what the user's step keeps (optimizer
+    #: state created by the warm-up), nothing of the probes.
+    kept_after: int = 0
+    #: Memory this process could use when the plan finished (``available_memory``).
+    available: int | None = None
+    #: ``largest()`` with the default margin, when the plan finished (``None``: refused
+    #: or unknown).
+    largest_now: int | None = None
+    notes: tuple[str, ...] = ()
+    #: Fragmentation of the cache as measured on the probes, when measured.
+    fragmentation: object | None = None
+    #: Why nothing was measured (``'no CUDA device'``), or ``None``.
+    unmeasured: str | None = None
+
+    # -- derived ------------------------------------------------------------------------
+
+    @property
+    def linear(self) -> bool | None:
+        """Whether the check point lay on the line (``None``: no check ran)."""
+        return None if self.check is None else self.check.linear
+
+    @property
+    def largest_measured(self) -> int:
+        """The largest batch size a step ran at without running out of memory."""
+        return max((p.n for p in self.probes if not p.oom), default=0)
+
+    @property
+    def smallest_oom(self) -> int | None:
+        """The smallest batch size whose step ran out of memory, ``None`` if none did."""
+        return min((p.n for p in self.probes if p.oom), default=None)
+
+    @property
+    def fixed(self) -> int:
+        """Peak allocated bytes that do not grow with the batch (the line's intercept)."""
+        return round(self._line().fixed)
+
+    def per_sample(self, length: int | None = None) -> int:
+        """Peak allocated bytes one more sample adds (at ``length`` on a length axis)."""
+        return round(self._line().per_sample(self._length(length)))
+
+    # -- questions ----------------------------------------------------------------------
+
+    def predict(self, n: int, length: int | None = None) -> Prediction:
+        """The predicted peak ``.allocated`` and ``.reserved`` bytes of a step at batch
+        ``n`` (and ``length``, on a plan with a length axis).
+
+        Raises:
+            NotLinearError: ``n`` lies past the measured sizes and the line failed its check.
+            RuntimeError: nothing was measured, or the probes gave no fit.
+        """
+        check_int("n", n, minimum=1)
+        line = self._line()
+        at = self._length(length)
+        inside = n <= self.largest_measured
+        if not inside and self.linear is False:
+            raise NotLinearError(self._refusal(f"predict({n})"))
+        allocated = line.at(n, at)
+        reserved = allocated * self.ratio
+        if self.reserved_line is not None:
+            reserved = max(reserved, self.reserved_line.at(n, at))
+        return Prediction(n, length, round(allocated), round(reserved), inside)
+
+    def largest(
+        self, margin: float = 0.05, *, length: int | None = None, memory: int | None = None
+    ) -> int:
+        """The largest batch whose predicted peak reserved fits ``memory`` less ``margin``
+        (a fraction of it): by default the memory this process can use now, NVML's free
+        memory plus its own reserved bytes. Never at or past a size that ran out of memory;
+        0 when not even one sample fits.
+
+        Raises:
+            NotLinearError: the line failed its check (the plan does not extrapolate).
+            RuntimeError: nothing was measured, or the free memory is unknown.
+        """
+        budget = self._budget(margin, memory)
+        self._line()
+        at = self._length(length)
+        if self.linear is False:
+            raise NotLinearError(self._refusal("largest()"))
+        best = largest_under(lambda k: self._reserved_at(k, at), budget)
+        oom = self.smallest_oom
+        if oom is not None:
+            best = min(best, oom - 1)
+        return best
+
+    def checkpointing(
+        self,
+        n: int,
+        *,
+        length: int | None = None,
+        margin: float = 0.05,
+        memory: int | None = None,
+    ) -> CheckpointAdvice:
+        """Which modules to checkpoint for batch ``n`` to fit (``memory`` less ``margin``,
+        as in ``largest``), from the profiled probe's kept bytes per module, and the
+        predicted peak with them checkpointed.
+
+        Raises:
+            RuntimeError: no module profile (the profiled probe saw no module), or
+                ``length`` differs from the profiled probe's.
+        """
+        check_int("n", n, minimum=1)
+        budget = self._budget(margin, memory)
+        line = self._line()
+        at = self._length(length)
+        if not self.module_costs or self.profiled is None:
+            raise RuntimeError("the plan has no module profile: run the step through modules")
+        if self.length_axis and length != self.profiled[1]:
+            raise RuntimeError(
+                f"checkpointing advice is for the profiled length {self.profiled[1]}, not {length}"
+            )
+        without = self.predict(n, length)
+        fixed = line.fixed
+        per_sample = line.per_sample(at)
+        if without.reserved <= budget:
+            return CheckpointAdvice(n, length, (), without, without, round(budget), True)
+        target = (budget / self.ratio - fixed) / n
+        chosen = choose_checkpoint(self.module_costs, per_sample, target)
+        notes: list[str] = []
+        if not chosen:
+            notes.append("no repeated block saves memory when checkpointed")
+        predicted = self._checkpointed(n, length, chosen)
+        fits = predicted.reserved <= budget
+        if chosen and not fits:
+            notes.append(
+                f"checkpointing all {plural(len(chosen), 'block')} is not enough: "
+                f"{format_bytes(predicted.reserved)} predicted, {format_bytes(round(budget))} free"
+            )
+        names = tuple(m.name for m in sorted(chosen, key=lambda m: m.order))
+        return CheckpointAdvice(
+            n, length, names, predicted, without, round(budget), fits, tuple(notes)
+        )
+
+    def predict_checkpointed(
+        self, n: int, modules: Sequence[str], length: int | None = None
+    ) -> Prediction:
+        """The predicted peak at batch ``n`` with ``modules`` (names as in
+        ``module_costs``) checkpointed.
+
+        Raises:
+            KeyError: a name the profile does not know.
+        """
+        check_int("n", n, minimum=1)
+        known = {m.name: m for m in self.module_costs}
+        missing = [name for name in modules if name not in known]
+        if missing:
+            raise KeyError(f"modules not in the profile: {', '.join(missing)}")
+        return self._checkpointed(n, length, [known[name] for name in modules])
+
+    # -- helpers ------------------------------------------------------------------------
+
+    def _checkpointed(self, n: int, length: int | None, chosen: Sequence[ModuleCost]) -> Prediction:
+        line = self._line()
+        at = self._length(length)
+        per_sample = checkpoint_per_sample(line.per_sample(at), chosen)
+        allocated = line.fixed + n * per_sample
+        return Prediction(
+            n, length, round(allocated), round(allocated * self.ratio), n <= self.largest_measured
+        )
+
+    def _reserved_at(self, n: int, length: int) -> float:
+        line = self._line()
+        allocated = line.at(n, length)
+        reserved = allocated * self.ratio
+        if self.reserved_line is not None:
+            reserved = max(reserved, self.reserved_line.at(n, length))
+        return max(allocated, reserved)
+
+    def _budget(self, margin: Any, memory: Any) -> float:
+        fraction = _check_margin(margin)
+        if self.unmeasured is not None:
+            raise RuntimeError(f"cudamem.plan measured nothing: {self.unmeasured}")
+        if memory is None:
+            memory, why = available_memory(self.device)
+            if memory is None:
+                raise RuntimeError(f"{why}: pass memory= (bytes)")
+        else:
+            check_int("memory", memory, minimum=0)
+        return float(memory) * (1.0 - fraction)
+
+    def _line(self) -> Line:
+        if self.unmeasured is not None:
+            raise RuntimeError(f"cudamem.plan measured nothing: {self.unmeasured}")
+        if self.allocated_line is None:
+            why = "; ".join(self.notes) or "too few probes ran"
+            raise RuntimeError(f"the probes gave no fit: {why}")
+        return self.allocated_line
+
+    def _length(self, length: int | None) -> int:
+        if not self.length_axis:
+            if length is not None:
+                raise ValueError("length is only for a plan with lengths= (this one has none)")
+            return 1
+        if length is None:
+            raise ValueError("length is required: this plan was fitted over lengths")
+        return check_int("length", length, minimum=1)
+
+    def _refusal(self, what: str) -> str:
+        check = self.check
+        assert check is not None
+        where = f"batch {check.n}" + ("" if check.length is None else f", length {check.length}")
+        causes = f" Likely: {'; '.join(self.causes)}." if self.causes else ""
+        return (
+            f"{what}: the step is not linear in n: at {where} the peak was "
+            f"{format_bytes(check.measured)}, {check.error:.1%} from the line's "
+            f"{format_bytes(check.predicted)}; cudamem does not extrapolate past batch "
+            f"{self.largest_measured}, the largest it measured.{causes}"
+        )

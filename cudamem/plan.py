@@ -1,0 +1,693 @@
+"""``cudamem.plan``: the peak of a training step at any batch size, from a few probe steps.
+
+Collection only: it runs the user's step at a few sizes, each inside a span with its peak,
+and hands the peaks to ``cudamem._fit`` (the arithmetic) and ``cudamem.memory_plan`` (the
+frozen ``MemoryPlan``); ``render/plan.py`` draws it.
+
+Each step runs after ``gc.collect()`` and ``empty_cache()``, so that the reserved peak is
+that size's own, with the allocator's peak counters reset, inside a quiet span
+(``span.open_quiet``: its peak, and no history entry, growth check or OOM post-mortem). A
+step that runs out of memory is recorded; the exception's frames (which hold the step's
+tensors) are cleared and the exception dropped before the next step. The largest fitted
+probe also runs under the per-module profile (``cudamem.track_modules``) and two forward
+hooks of cudamem's own (the order of the modules' forwards, the allocated level at each exit,
+the bytes of each output): what checkpointing advice is computed from.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import sys
+import time
+import traceback
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
+from typing import Any, NamedTuple
+
+import torch
+
+from . import _backend
+from ._args import check_bool, check_int
+from ._device_arg import DeviceLike, resolve_device
+from ._fit import ModuleCost, Point, fit, relative_error, terms_for
+from .memory_plan import (
+    LINEAR_TOLERANCE,
+    LineCheck,
+    MemoryPlan,
+    ModuleShare,
+    NotLinearError,
+    Probe,
+    RestoreCost,
+    available_memory,
+)
+from .module_profile import ModuleProfile
+from .modules import track_modules
+from .span import close_quiet, open_quiet
+
+__all__ = ["plan"]
+
+#: The generic cause named when the check fails and nothing more specific was seen.
+SHAPES_CAUSE = (
+    "shapes that depend on n other than through the batch dimension (dynamic shapes, "
+    "padding to the longest sample, a data-dependent branch)"
+)
+
+
+class _Size(NamedTuple):
+    n: int
+    length: int | None
+
+
+# --------------------------------------------------------------------------- arguments
+
+
+def _sizes(name: str, value: Any, *, minimum_count: int) -> tuple[int, ...]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise TypeError(f"{name} must be a sequence of positive ints, not {type(value).__name__}")
+    out = tuple(check_int(f"{name}[{i}]", v, minimum=1) for i, v in enumerate(value))
+    if len(set(out)) != len(out):
+        raise ValueError(f"{name} must be distinct, got {list(out)}")
+    if len(out) < minimum_count:
+        raise ValueError(f"{name} needs at least {minimum_count} values, got {len(out)}")
+    return tuple(sorted(out))
+
+
+def _check_size(
+    value: Any, sizes: tuple[int, ...], lengths: tuple[int, ...] | None
+) -> _Size | None:
+    """The check step's size: ``True`` twice the largest probe (on a length axis: the
+    largest size at twice the largest length), ``False`` none, an int the size, a pair
+    ``(n, length)``."""
+    if value is True:
+        if lengths is None:
+            return _Size(2 * sizes[-1], None)
+        return _Size(sizes[-1], 2 * lengths[-1])
+    if value is False:
+        return None
+    if isinstance(value, tuple) and lengths is not None and len(value) == 2:
+        return _Size(
+            check_int("check[0]", value[0], minimum=1), check_int("check[1]", value[1], minimum=1)
+        )
+    if lengths is not None:
+        raise TypeError("check must be a bool or an (n, length) pair on a plan with lengths=")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"check must be a bool or a batch size (int), not {type(value).__name__}")
+    return _Size(check_int("check", value, minimum=1), None)
+
+
+# --------------------------------------------------------------------------- restore
+
+
+def _to_host(value: Any, counter: list[int]) -> Any:
+    if isinstance(value, torch.Tensor):
+        counter[0] += value.numel() * value.element_size()
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return type(value)((k, _to_host(v, counter)) for k, v in value.items())
+    if isinstance(value, list):
+        return [_to_host(v, counter) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_to_host(v, counter) for v in value)
+    return copy.deepcopy(value)
+
+
+class _Saved(NamedTuple):
+    model: Any
+    optimizer: Any
+    grads: list[torch.Tensor | None]
+    nbytes: int
+    seconds: float
+
+
+def _save(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> _Saved:
+    start = time.perf_counter()
+    counter = [0]
+    model_state = _to_host(model.state_dict(), counter)
+    opt_state = _to_host(optimizer.state_dict(), counter)
+    grads = [None if p.grad is None else _to_host(p.grad, counter) for p in model.parameters()]
+    return _Saved(model_state, opt_state, grads, counter[0], time.perf_counter() - start)
+
+
+def _load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, saved: _Saved) -> float:
+    start = time.perf_counter()
+    model.load_state_dict(saved.model)
+    optimizer.load_state_dict(saved.optimizer)
+    if not saved.optimizer.get("state"):
+        optimizer.state.clear()  # state the probes created (AdamW's moments) goes too
+    with torch.no_grad():
+        for p, g in zip(model.parameters(), saved.grads, strict=True):
+            p.grad = None if g is None else g.to(p.device)
+    return time.perf_counter() - start
+
+
+# --------------------------------------------------------------------------- module order
+
+
+def _output_bytes(value: Any, seen: set[int], depth: int = 0) -> int:
+    if isinstance(value, torch.Tensor):
+        try:
+            storage = value.untyped_storage()
+            key = storage.data_ptr()
+        except Exception:
+            return 0
+        if key in seen:
+            return 0
+        seen.add(key)
+        return int(storage.nbytes())
+    if depth > 4:
+        return 0
+    if isinstance(value, dict):
+        return sum(_output_bytes(v, seen, depth + 1) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_output_bytes(v, seen, depth + 1) for v in value)
+    return 0
+
+
+class _ForwardOrder:
+    """The order of the modules' forward exits in one step, the allocated level at each
+    exit and the bytes of each output; the top-level modules (roots) that ran."""
+
+    def __init__(self, backend: _backend.Backend, device: int) -> None:
+        self._backend = backend
+        self._device = device
+        self._depth = 0
+        self.entry: int | None = None
+        self.exits: dict[int, tuple[int, int, int]] = {}
+        self.roots: list[weakref.ref[torch.nn.Module]] = []
+        self._handles: list[Any] = []
+
+    def _allocated(self) -> int:
+        return self._backend.counters(self._device)[0]
+
+    def _pre(self, module: torch.nn.Module, args: Any) -> None:
+        if torch._C._current_graph_task_id() != -1:  # a recomputation inside backward
+            return
+        if self._depth == 0 and self.entry is None:
+            self.entry = self._allocated()
+        self._depth += 1
+
+    def _post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            return
+        self._depth = max(0, self._depth - 1)
+        if id(module) not in self.exits:
+            out = _output_bytes(output, set())
+            self.exits[id(module)] = (len(self.exits), self._allocated(), out)
+        if self._depth == 0 and all(r() is not module for r in self.roots):
+            self.roots.append(weakref.ref(module))
+
+    def __enter__(self) -> _ForwardOrder:
+        from torch.nn.modules.module import (
+            register_module_forward_hook,
+            register_module_forward_pre_hook,
+        )
+
+        self._handles = [
+            register_module_forward_pre_hook(self._pre),
+            register_module_forward_hook(self._post, always_call=True),
+        ]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def named(self) -> Iterator[tuple[str, torch.nn.Module]]:
+        """Every module of the roots that ran, named as the module profile names them."""
+        for ref in self.roots:
+            root = ref()
+            if root is None:
+                continue
+            base = type(root).__name__
+            for path, module in root.named_modules():
+                yield (f"{base}.{path}" if path else base), module
+
+
+def _module_costs(order: _ForwardOrder, profile: ModuleProfile, n: int) -> tuple[ModuleCost, ...]:
+    rows = {row.name: row for row in profile.modules}
+    out = []
+    entry = order.entry or 0
+    for name, module in order.named():
+        row = rows.get(name)
+        exit_ = order.exits.get(id(module))
+        if row is None or exit_ is None:
+            continue
+        position, allocated, output = exit_
+        out.append(
+            ModuleCost(
+                name=name,
+                type_name=row.type_name,
+                depth=row.depth,
+                order=position,
+                kept=row.kept.mean / n,
+                output=output / n,
+                upto=(allocated - entry) / n,
+                backward_peak=row.backward_peak.mean / n,
+            )
+        )
+    out.sort(key=lambda m: m.order)
+    return tuple(out)
+
+
+def _shares(profile: ModuleProfile, n: int) -> tuple[ModuleShare, ...]:
+    return tuple(
+        ModuleShare(row.name, row.type_name, row.depth, row.kept.mean / n, row.self_kept.mean / n)
+        for row in profile.modules
+        if row.kept.mean > 0
+    )
+
+
+def _fixed_parts(profile: ModuleProfile) -> tuple[tuple[str, int], ...]:
+    roots = [row for row in profile.modules if row.depth == 0]
+    parts = (
+        ("parameters", sum(r.params for r in roots)),
+        ("buffers", sum(r.buffers for r in roots)),
+        ("optimizer state", sum(r.optimizer for r in roots)),
+        ("gradients", sum(r.grads for r in roots)),
+    )
+    return tuple(p for p in parts if p[1] > 0)
+
+
+# --------------------------------------------------------------------------- causes
+
+
+def _compiled_graphs() -> int | None:
+    """Graphs torch.compile has compiled in this process (``None``: dynamo not loaded)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    counters = getattr(utils, "counters", None)
+    if counters is None:
+        return None
+    try:
+        return int(counters["stats"]["unique_graphs"])
+    except Exception:
+        return None
+
+
+def _causes(probes: Sequence[Probe], graphs_before: int | None) -> tuple[str, ...]:
+    causes = []
+    if torch.backends.cudnn.benchmark:
+        causes.append(
+            "cuDNN benchmark mode chooses convolution algorithms, and their workspaces, by "
+            "input shape (torch.backends.cudnn.benchmark=True)"
+        )
+    graphs = _compiled_graphs()
+    if graphs is not None and graphs_before is not None and graphs > graphs_before:
+        causes.append(
+            f"torch.compile compiled {graphs - graphs_before} new graphs during the probes: "
+            "it recompiles per batch size (mark the batch dimension dynamic)"
+        )
+    for p in probes:
+        if p.retries:
+            causes.append(
+                f"the allocator freed its cache to serve a request at batch {p.n}: memory "
+                "pressure, not the step's own peak"
+            )
+            break
+    causes.append(SHAPES_CAUSE)
+    return tuple(causes)
+
+
+# --------------------------------------------------------------------------- probes
+
+
+class _Runner:
+    def __init__(
+        self,
+        step: Callable[..., Any],
+        backend: _backend.Backend,
+        device: int,
+        length_axis: bool,
+    ) -> None:
+        self.step = step
+        self.backend = backend
+        self.device = device
+        self.length_axis = length_axis
+        self.probes: list[Probe] = []
+
+    @staticmethod
+    def _where(size: _Size, role: str) -> str:
+        at = f"batch {size.n}" + ("" if size.length is None else f", length {size.length}")
+        hint = " (check= chooses the check step's size)" if role == "check" else ""
+        return f"cudamem.plan: raised by the {role} step at {at}{hint}"
+
+    def settle(self) -> None:
+        gc.collect()
+        self.backend.empty_cache()
+
+    def run(self, size: _Size, role: str, profiler: Any = None) -> Probe:
+        backend, device = self.backend, self.device
+        self.settle()
+        backend.reset_peak(device)
+        before = backend.read(device)
+        args = (size.n,) if not self.length_axis else (size.n, size.length)
+        name = f"cudamem.plan {role} n={size.n}" + (
+            "" if size.length is None else f" L={size.length}"
+        )
+        start = time.perf_counter()
+        error: str | None = None
+        oom = False
+        # A quiet span: no history entry, no growth check, no OOM post-mortem for a probe
+        # that is allowed to fail; its peak folds in every span the step opens.
+        span = open_quiet(name, device)
+        try:
+            if profiler is None:
+                self.step(*args)
+            else:
+                with profiler:
+                    self.step(*args)
+            backend.synchronize(device)
+        except BaseException as exc:
+            close_quiet(span, exc)
+            if not backend.is_oom(exc):
+                _add_note(exc, self._where(size, role))
+                raise
+            oom = True
+            text = str(exc)
+            error = text.splitlines()[0][:200] if text else type(exc).__name__
+            # The frames of the failed step hold its tensors: clear them, drop the
+            # exception (``except ... as`` unbinds it), and collect before the next step.
+            traceback.clear_frames(exc.__traceback__)
+            exc.__traceback__ = None
+        else:
+            close_quiet(span)
+        seconds = time.perf_counter() - start
+        after = backend.read(device)
+        if oom:
+            self.settle()
+            probe = Probe(
+                size.n,
+                size.length,
+                role,
+                None,
+                None,
+                before.allocated,
+                seconds,
+                True,
+                error,
+                after.alloc_retries - before.alloc_retries,
+            )
+        else:
+            peak = span.peak_total if span.peak_total is not None else after.peak_allocated
+            # Reserved never falls inside a step unless the allocator frees its cache to
+            # retry a request: its level at the end is its peak even where a module
+            # profile's spans reset the peak counters.
+            reserved = max(after.reserved, after.peak_reserved)
+            probe = Probe(
+                size.n,
+                size.length,
+                role,
+                peak,
+                reserved,
+                before.allocated,
+                seconds,
+                False,
+                None,
+                after.alloc_retries - before.alloc_retries,
+            )
+        self.probes.append(probe)
+        return probe
+
+
+def _add_note(exc: BaseException, note: str) -> None:
+    """``exc.add_note(note)`` where Python has it (3.11+)."""
+    add = getattr(exc, "add_note", None)
+    if callable(add):
+        add(note)
+
+
+def _unmeasured_plan(reason: str) -> MemoryPlan:
+    return MemoryPlan(0, (), None, None, 1.0, None, unmeasured=reason)
+
+
+def plan(
+    step: Callable[..., Any],
+    sizes: Sequence[int] = (4, 8),
+    *,
+    lengths: Sequence[int] | None = None,
+    check: bool | int | tuple[int, int] = True,
+    model: torch.nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    restore: bool = False,
+    modules: bool = True,
+    device: DeviceLike | None = None,
+) -> MemoryPlan:
+    """Measure a training step at a few batch sizes and fit its peak as a line in ``n``.
+
+    ``step(n)`` is your own function: one full training step at batch size ``n`` (data,
+    forward, backward, optimizer step). cudamem runs it once at the smallest size as a
+    warm-up (it creates the optimizer state and workspaces; not fitted), then at each of
+    ``sizes`` (fitted), then once at the check size (twice the largest probe) to test the
+    line: four step executions by default. Every step runs in a span that records its
+    peak, after ``gc.collect()`` and ``empty_cache()``.
+
+    With ``lengths=(L1, L2, ...)`` the step is ``step(n, length)`` and the peak is fitted
+    as ``a + n*(b + c*L + d*L**2)``: two lengths fit the ``n*L`` and ``n*L**2`` terms (a
+    sample of length 0 costs nothing), three or more all four. Probes: every size at the
+    shortest length, then the smallest size at each other length; the check runs the
+    largest size at twice the longest length. Eager attention is quadratic in ``L``; SDPA
+    nearly linear.
+
+    Args:
+        step: ``step(n)`` (or ``step(n, length)``), one training step.
+        sizes: the probe batch sizes, at least two distinct positive ints.
+        lengths: probe sequence lengths (a second axis), or ``None``.
+        check: the check step: ``True`` (the default size), ``False`` (none: the plan then
+            cannot tell whether the step is linear), a batch size, or ``(n, length)``.
+        model: the model the step trains; needed for ``restore``. It also names the
+            modules of the per-module profile (without it, every module tree the step
+            calls is profiled).
+        optimizer: the optimizer the step steps; needed for ``restore``.
+        restore: put the model's and the optimizer's state (and gradients) back as they
+            were before the probes: their state is copied to host memory first (the
+            copy's bytes and seconds are in ``MemoryPlan.restore``). RNG state is not
+            restored. Without it the probes are real training steps.
+        modules: profile the largest probe per module (what ``MemoryPlan.modules`` and
+            ``checkpointing()`` read).
+        device: the device to measure (default: the current one).
+
+    A probe that runs out of memory is recorded (larger probes are then skipped); the
+    failed step's frames are cleared before the next. After the plan, nothing of the
+    probes stays allocated beyond what the step itself keeps (``kept_after``). Without a
+    CUDA device nothing runs: the plan says so (``unmeasured``).
+
+    Raises:
+        TypeError, ValueError: a bad argument, named.
+    """
+    if not callable(step):
+        raise TypeError(
+            "step must be callable: a function step(n) that runs one training step at "
+            f"batch size n, not {type(step).__name__}"
+        )
+    fitted = _sizes("sizes", sizes, minimum_count=2)
+    probe_lengths = None if lengths is None else _sizes("lengths", lengths, minimum_count=1)
+    check_size = _check_size(check, fitted, probe_lengths)
+    check_bool("restore", restore)
+    check_bool("modules", modules)
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module or None, not {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer or None, not {type(optimizer).__name__}"
+        )
+    if restore and (model is None or optimizer is None):
+        raise ValueError(
+            "restore=True needs model= and optimizer=: their state is copied to the host "
+            "before the probes and loaded back after them"
+        )
+    backend = _backend.get()
+    if backend.device_count() == 0:
+        return _unmeasured_plan("no CUDA device")
+    index = backend.current_device() if device is None else resolve_device(device)
+    return _collect(
+        step,
+        backend,
+        index,
+        fitted,
+        probe_lengths,
+        check_size,
+        model,
+        optimizer,
+        restore,
+        modules,
+    )
+
+
+def _schedule(sizes: tuple[int, ...], lengths: tuple[int, ...] | None) -> list[_Size]:
+    if lengths is None:
+        return [_Size(n, None) for n in sizes]
+    first = [_Size(n, lengths[0]) for n in sizes]
+    return first + [_Size(sizes[0], length) for length in lengths[1:]]
+
+
+def _collect(
+    step: Callable[..., Any],
+    backend: _backend.Backend,
+    device: int,
+    sizes: tuple[int, ...],
+    lengths: tuple[int, ...] | None,
+    check_size: _Size | None,
+    model: torch.nn.Module | None,
+    optimizer: torch.optim.Optimizer | None,
+    restore: bool,
+    modules: bool,
+) -> MemoryPlan:
+    length_axis = lengths is not None
+    runner = _Runner(step, backend, device, length_axis)
+    runner.settle()
+    start_allocated = backend.read(device).allocated
+    saved = _save(model, optimizer) if restore and model and optimizer else None
+    notes: list[str] = []
+    graphs_before = _compiled_graphs()
+    schedule = _schedule(sizes, lengths)
+    profile: ModuleProfile | None = None
+    order: _ForwardOrder | None = None
+    profiled: tuple[int, int | None] | None = None
+    try:
+        warm = runner.run(schedule[0], "warm-up")
+        if warm.oom:
+            notes.append(f"the warm-up at batch {warm.n} ran out of memory: nothing was fitted")
+        else:
+            profiled_size = max(schedule, key=lambda s: (s.n, s.length or 0))
+            for size in schedule:
+                if modules and size == profiled_size:
+                    order = _ForwardOrder(backend, device)
+                    profiler = track_modules(model, optimizer=optimizer)
+                    with order:
+                        probe = runner.run(size, "probe", profiler)
+                    profile = profiler.profile
+                    profiled = (size.n, size.length)
+                else:
+                    probe = runner.run(size, "probe")
+                if probe.oom:
+                    notes.append(
+                        f"batch {probe.n} ran out of memory: the larger probes were skipped"
+                    )
+                    break
+            else:
+                if check_size is not None:
+                    runner.run(check_size, "check")
+    finally:
+        restored: RestoreCost | None = None
+        if saved is not None and model is not None and optimizer is not None:
+            seconds = _load(model, optimizer, saved)
+            restored = RestoreCost(saved.nbytes, saved.seconds + seconds)
+            del saved
+        runner.settle()
+    kept_after = backend.read(device).allocated - start_allocated
+    return _analyse(
+        device,
+        tuple(runner.probes),
+        length_axis,
+        lengths,
+        profile,
+        order,
+        profiled,
+        restored,
+        kept_after,
+        notes,
+        graphs_before,
+    )
+
+
+def _analyse(
+    device: int,
+    probes: tuple[Probe, ...],
+    length_axis: bool,
+    lengths: tuple[int, ...] | None,
+    profile: ModuleProfile | None,
+    order: _ForwardOrder | None,
+    profiled: tuple[int, int | None] | None,
+    restored: RestoreCost | None,
+    kept_after: int,
+    notes: list[str],
+    graphs_before: int | None,
+) -> MemoryPlan:
+    terms = terms_for(len(lengths) if lengths is not None else 1)
+    fitted = [p for p in probes if p.role == "probe" and not p.oom]
+    allocated_line = reserved_line = None
+    check: LineCheck | None = None
+    causes: tuple[str, ...] = ()
+
+    def points(which: Sequence[Probe], reserved: bool) -> list[Point]:
+        return [
+            Point(p.n, p.length or 1, (p.reserved if reserved else p.allocated) or 0) for p in which
+        ]
+
+    if len(fitted) >= len(terms):
+        try:
+            allocated_line = fit(points(fitted, False), terms)
+            reserved_line = fit(points(fitted, True), terms)
+        except ValueError as exc:
+            notes.append(str(exc))
+    else:
+        notes.append(f"{len(fitted)} probes ran, {len(terms)} are needed to fit {', '.join(terms)}")
+    measured = [p for p in probes if not p.oom and p.allocated]
+    last = max(measured, key=lambda p: (p.n, p.length or 0), default=None)
+    ratio = 1.0 if last is None else max(1.0, (last.reserved or 0) / (last.allocated or 1))
+    checked = [p for p in probes if p.role == "check"]
+    if allocated_line is not None and reserved_line is not None and checked:
+        c = checked[0]
+        at = c.length or 1
+        if c.oom:
+            notes.append(f"the check at batch {c.n} ran out of memory: the line is not tested")
+        else:
+            predicted = allocated_line.at(c.n, at)
+            predicted_reserved = max(reserved_line.at(c.n, at), predicted)
+            error = relative_error(predicted, c.allocated or 0)
+            check = LineCheck(
+                c.n,
+                c.length,
+                round(predicted),
+                c.allocated or 0,
+                error,
+                round(predicted_reserved),
+                c.reserved or 0,
+                relative_error(predicted_reserved, c.reserved or 0),
+                error <= LINEAR_TOLERANCE,
+            )
+            if check.linear:
+                # The check lies on the line: fit through it too (a wider base).
+                allocated_line = fit(points([*fitted, c], False), terms)
+                reserved_line = fit(points([*fitted, c], True), terms)
+            else:
+                causes = _causes(probes, graphs_before)
+    shares: tuple[ModuleShare, ...] = ()
+    costs: tuple[ModuleCost, ...] = ()
+    parts: tuple[tuple[str, int], ...] = ()
+    if profile is not None and profiled is not None:
+        shares = _shares(profile, profiled[0])
+        parts = _fixed_parts(profile)
+        if order is not None:
+            costs = _module_costs(order, profile, profiled[0])
+        if profile.unmeasured:
+            notes.append(f"module profile: {profile.unmeasured}")
+    result = MemoryPlan(
+        device,
+        probes,
+        allocated_line,
+        reserved_line,
+        ratio,
+        check,
+        length_axis,
+        causes,
+        shares,
+        parts,
+        costs,
+        profiled,
+        restored,
+        kept_after,
+        notes=tuple(notes),
+    )
+    available, why = available_memory(device)
+    largest_now = None
+    if available is not None and allocated_line is not None and not length_axis:
+        try:
+            largest_now = result.largest(memory=available)
+        except (NotLinearError, RuntimeError):
+            largest_now = None
+    elif why is not None:
+        notes.append(why)
+    return replace(result, available=available, largest_now=largest_now, notes=tuple(notes))

@@ -1,0 +1,62 @@
+"""The "Will it fit?" guide's example (docs/guide/fit.md): the peak of a GPT-2 small training
+step at any batch size, from four steps.
+
+GPT-2 small (built from a config: nothing is downloaded), sequence length 512, AdamW. Then
+the largest batch that fits, checkpointing advice for a batch that does not, and the
+sequence length as a second axis with eager attention.
+"""
+
+import sys
+import warnings
+
+import torch
+import transformers
+
+import cudamem
+
+if not torch.cuda.is_available():
+    sys.exit("fit.py: this example needs a CUDA GPU")
+
+transformers.logging.set_verbosity_error()
+warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' renames
+torch.manual_seed(0)
+
+
+def build(attn: str = "sdpa"):
+    config = transformers.GPT2Config(use_cache=False)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+    model = model.cuda()
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+model, opt = build()
+
+
+def step(n: int, length: int = 512) -> None:
+    """One training step at batch size n: data, forward, backward, optimizer."""
+    ids = torch.randint(0, 50257, (n, length), device="cuda")
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+plan = cudamem.plan(step, sizes=(4, 8), model=model, optimizer=opt)
+print("=== plan ===")
+print(plan)
+
+print("=== predict ===")
+print(plan.predict(64))
+print(plan.predict(128))
+print("largest batch, 5 % margin:", plan.largest(margin=0.05))
+print("largest batch, 10 % margin:", plan.largest(margin=0.10))
+
+print("=== checkpointing ===")
+print(plan.checkpointing(256))
+
+del model, opt, plan
+model, opt = build(attn="eager")
+print("=== lengths ===")
+by_length = cudamem.plan(step, sizes=(4, 8), lengths=(128, 256))
+print(by_length)
+print(by_length.predict(8, 1024))
+print("largest batch at length 1024:", by_length.largest(length=1024))

@@ -1,0 +1,460 @@
+"""``cudamem.plan`` through the fake allocator: the fit, the check and its refusals, OOM
+probes, what stays allocated, restore, the length axis, per-module shares and checkpointing
+advice, argument errors, no CUDA device, rendering. (On an H200:
+``tests/gpu/test_plan_cuda.py``.)"""
+
+from __future__ import annotations
+
+import json
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import cudamem
+from cudamem import _backend
+from cudamem._fit import checkpoint_per_sample
+from cudamem.memory_plan import MemoryPlan, NotLinearError
+from cudamem.plan import SHAPES_CAUSE
+from cudamem.render.json import to_json
+
+from ..fakes import FakeAllocator
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+class Device(FakeAllocator):
+    """The fake allocator with a size: CUDA's free memory is what its reserved leaves."""
+
+    total = 140 * GiB
+
+    def mem_get_info(self, device: int) -> tuple[int, int] | None:
+        return (self.total - self.reserved[device], self.total)
+
+
+class RoundingDevice(Device):
+    """Reserves 25 % more than it allocates (block rounding, fragmentation)."""
+
+    def alloc(self, nbytes: int, device: int = 0) -> None:
+        super().alloc(nbytes, device)
+        with self.lock:
+            self.reserved[device] = max(self.reserved[device], self.allocated[device] * 5 // 4)
+
+
+@pytest.fixture
+def fake() -> Iterator[Device]:
+    device = Device()
+    with _backend.use(device):
+        yield device
+
+
+class Step:
+    """A training step on the fake device: ``state`` bytes of optimizer state made by the
+    first call and kept, then ``peak(n)`` bytes of activations held at once and freed."""
+
+    def __init__(self, fake: FakeAllocator, peak: Callable[..., int], state: int = 300 * MiB):
+        self.fake, self.peak, self.state = fake, peak, state
+        self.calls: list[tuple[int, ...]] = []
+
+    def __call__(self, *args: int) -> None:
+        self.calls.append(args)
+        if len(self.calls) == 1:
+            self.fake.alloc(self.state)
+        nbytes = self.peak(*args)
+        self.fake.alloc(nbytes)
+        self.fake.free(nbytes)
+
+
+def linear(n: int) -> int:
+    return 1000 * MiB + 50 * MiB * n
+
+
+def test_a_linear_step_is_fitted_exactly_from_four_steps(fake: Device) -> None:
+    fake.alloc(500 * MiB)  # the model
+    step = Step(fake, linear)
+    plan = cudamem.plan(step)
+    assert step.calls == [(4,), (4,), (8,), (16,)]  # warm-up, two probes, the check
+    assert [p.role for p in plan.probes] == ["warm-up", "probe", "probe", "check"]
+    assert not any(p.oom for p in plan.probes)
+    assert plan.fixed == 1800 * MiB  # model + optimizer state + the step's own fixed part
+    assert plan.per_sample() == 50 * MiB
+    assert plan.linear is True and plan.check is not None and plan.check.error == 0.0
+    assert plan.predict(128).allocated == 1800 * MiB + 128 * 50 * MiB
+    assert plan.predict(128).reserved == plan.predict(128).allocated
+    assert not plan.predict(128).measured_range and plan.predict(8).measured_range
+    # The largest batch under memory less the margin: (0.9 * 10 GiB - 1800 MiB) / 50 MiB.
+    assert plan.largest(0.10, memory=10 * GiB) == int((0.9 * 10 * GiB - 1800 * MiB) // (50 * MiB))
+    assert plan.largest(memory=1000 * MiB) == 0  # not even one sample
+    # Nothing of the probes stays: only the optimizer state the step keeps.
+    assert plan.kept_after == 300 * MiB
+    assert fake.allocated[0] == 800 * MiB
+    assert fake.reserved[0] == fake.allocated[0]  # the cache was emptied
+
+
+def test_largest_reads_the_memory_free_now(fake: Device) -> None:
+    fake.alloc(500 * MiB)
+    plan = cudamem.plan(Step(fake, linear))
+    fake.alloc(2 * GiB)  # something else took memory since
+    usable = Device.total - fake.reserved[0] + fake.reserved[0]  # free + this process's
+    expected = int((0.95 * usable - 1800 * MiB) // (50 * MiB))
+    assert plan.largest() == expected
+    assert plan.available == Device.total  # free + reserved when the plan finished
+    assert plan.largest_now == expected
+
+
+def test_reserved_over_allocated_is_counted_in() -> None:
+    device = RoundingDevice()
+    with _backend.use(device):
+        device.alloc(500 * MiB)
+        plan = cudamem.plan(Step(device, linear))
+    assert plan.ratio == pytest.approx(1.25)
+    prediction = plan.predict(100)
+    assert prediction.reserved == round(prediction.allocated * 1.25)
+    budget = 0.95 * 20 * GiB
+    assert plan.largest(memory=20 * GiB) == int((budget / 1.25 - 1800 * MiB) // (50 * MiB))
+
+
+def quadratic(n: int) -> int:
+    return 1000 * MiB + 50 * MiB * n + 2 * MiB * n * n
+
+
+def test_a_step_off_the_line_is_not_extrapolated(fake: Device) -> None:
+    plan = cudamem.plan(Step(fake, quadratic))
+    assert plan.linear is False
+    assert plan.check is not None and plan.check.error > 0.02
+    assert plan.causes[-1] == SHAPES_CAUSE
+    with pytest.raises(NotLinearError, match=r"not linear in n: at batch 16 .* past batch 16"):
+        plan.predict(17)
+    with pytest.raises(NotLinearError, match="largest"):
+        plan.largest(memory=100 * GiB)
+    assert plan.predict(16).allocated > 0  # within what it measured: answered
+    assert "NOT LINEAR in n" in str(plan)
+
+
+def test_cudnn_benchmark_is_named_as_a_cause(fake: Device, monkeypatch: Any) -> None:
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
+    plan = cudamem.plan(Step(fake, quadratic))
+    assert "cuDNN benchmark" in plan.causes[0]
+    linear_plan = cudamem.plan(Step(fake, linear))
+    assert linear_plan.causes == ()  # named only when the check fails
+
+
+class Activations:
+    """Fake activations: freed on the fake device when the object dies."""
+
+    def __init__(self, fake: FakeAllocator, nbytes: int) -> None:
+        fake.alloc(nbytes)
+        self.fake, self.nbytes = fake, nbytes
+
+    def __del__(self) -> None:
+        self.fake.free(self.nbytes)
+
+
+def test_a_probe_out_of_memory_is_reported_and_its_frames_freed(fake: Device) -> None:
+    kept: list[Any] = []
+    alive: list[weakref.ref[Activations]] = []
+
+    def step(n: int) -> None:
+        acts = Activations(fake, 100 * MiB * n)
+        alive.append(weakref.ref(acts))
+        if n >= 16:
+            try:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            except torch.OutOfMemoryError as exc:
+                kept.append(exc.__traceback__)  # someone keeps the traceback (a logger)
+                raise
+
+    plan = cudamem.plan(step)
+    check = plan.probes[-1]
+    assert (check.role, check.n, check.oom) == ("check", 16, True)
+    assert check.error == "CUDA out of memory. Tried to allocate 2.00 GiB"
+    assert plan.smallest_oom == 16
+    assert plan.check is None and plan.linear is None
+    assert any("the check at batch 16 ran out of memory" in n for n in plan.notes)
+    # The failed step's frame is cleared although its traceback lives on.
+    assert kept and all(ref() is None for ref in alive)
+    assert fake.allocated[0] == 0
+    assert plan.largest(memory=100 * GiB) == 15  # never at or past a size that failed
+
+
+@pytest.mark.usefixtures("span_path")
+def test_a_probe_is_quiet_and_its_peak_covers_the_spans_inside(
+    fake: Device, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cudamem.clear_history()
+
+    def step(n: int) -> None:
+        with cudamem.track("forward"):  # resets the peak counter on entry
+            fake.alloc(100 * MiB * n)
+            fake.free(100 * MiB * n)
+        fake.alloc(MiB)
+        fake.free(MiB)
+        if n >= 16:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    plan = cudamem.plan(step)
+    assert plan.per_sample() == 100 * MiB  # the inner span's reset folded into the probe's
+    assert capsys.readouterr().err == ""  # no post-mortem for a probe allowed to fail
+    assert {s.name for s in cudamem.history().spans} == {"forward"}  # no probe in history
+
+
+def test_a_probe_out_of_memory_skips_the_larger_ones(fake: Device) -> None:
+    calls: list[int] = []
+
+    def step(n: int) -> None:
+        calls.append(n)
+        if n >= 8:
+            raise torch.OutOfMemoryError("CUDA out of memory.")
+        fake.alloc(n * MiB)
+        fake.free(n * MiB)
+
+    plan = cudamem.plan(step)
+    assert calls == [4, 4, 8]  # no check after a failed probe
+    assert plan.allocated_line is None
+    with pytest.raises(RuntimeError, match="the probes gave no fit: batch 8 ran out of memory"):
+        plan.predict(4)
+    assert "out of memory" in str(plan)
+
+
+def test_a_step_that_raises_something_else_propagates(fake: Device) -> None:
+    def step(n: int) -> None:
+        raise KeyError("labels")
+
+    with pytest.raises(KeyError, match="labels") as raised:
+        cudamem.plan(step)
+    if hasattr(raised.value, "__notes__"):  # Python 3.11+
+        assert raised.value.__notes__ == ["cudamem.plan: raised by the warm-up step at batch 4"]
+
+    def too_long(n: int, length: int) -> None:
+        if length > 256:
+            raise IndexError("index out of range in self")  # past the position embeddings
+
+    with pytest.raises(IndexError) as raised:
+        cudamem.plan(too_long, lengths=(128, 256))
+    if hasattr(raised.value, "__notes__"):
+        assert raised.value.__notes__ == [
+            "cudamem.plan: raised by the check step at batch 8, length 512 "
+            "(check= chooses the check step's size)"
+        ]
+
+
+def test_restore_puts_the_model_and_optimizer_back(fake: Device) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def step(n: int) -> None:
+        loss = model(torch.ones(n, 8)).square().sum()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        fake.alloc(linear(n))
+        fake.free(linear(n))
+
+    plan = cudamem.plan(step, model=model, optimizer=optimizer, restore=True)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert optimizer.state_dict()["state"] == {}  # the probes' AdamW moments are gone
+    assert all(p.grad is None for p in model.parameters())
+    assert plan.restore is not None
+    assert plan.restore.nbytes == (8 * 4 + 4) * 4  # the parameters, copied to the host
+    assert "restored the model and optimizer: 144 B" in str(plan)
+    unrestored = cudamem.plan(step, model=model, optimizer=optimizer)
+    assert unrestored.restore is None
+    parts = dict(unrestored.fixed_parts)  # what the module profile read at the probe
+    assert parts["parameters"] == 144 and parts["optimizer state"] >= 2 * 144
+    assert "fixed part 1000.0 MiB: parameters 144 B" in str(unrestored)
+    assert not torch.equal(before["weight"], model.state_dict()["weight"])  # real steps
+
+
+def test_lengths_fit_the_quadratic_attention_term(fake: Device) -> None:
+    def peak(n: int, length: int) -> int:
+        return 900 * MiB + n * (4096 * length + 48 * length * length)
+
+    step = Step(fake, peak, state=0)
+    plan = cudamem.plan(step, lengths=(128, 256))
+    # Warm-up, both sizes at 128, the smallest at 256, the check at twice the length.
+    assert step.calls == [(4, 128), (4, 128), (8, 128), (4, 256), (8, 512)]
+    assert plan.allocated_line is not None
+    assert plan.allocated_line.terms == ("1", "n*L", "n*L^2")
+    assert plan.linear is True
+    assert plan.predict(16, 1024).allocated == peak(16, 1024)
+    budget = 0.95 * 100 * GiB
+    expected = int((budget - 900 * MiB) // (4096 * 1024 + 48 * 1024 * 1024))
+    assert plan.largest(length=1024, memory=100 * GiB) == expected
+    with pytest.raises(ValueError, match="length is required"):
+        plan.predict(16)
+    flat = cudamem.plan(Step(fake, linear, state=0))
+    with pytest.raises(ValueError, match="length is only for a plan with lengths="):
+        flat.predict(16, 1024)
+
+
+def test_three_lengths_fit_four_terms(fake: Device) -> None:
+    def peak(n: int, length: int) -> int:
+        return 900 * MiB + n * (2 * MiB + 4096 * length + 48 * length * length)
+
+    step = Step(fake, peak, state=0)
+    plan = cudamem.plan(step, lengths=(64, 128, 256))
+    assert len(step.calls) == 6  # warm-up, four probes, the check
+    assert plan.allocated_line is not None and len(plan.allocated_line.terms) == 4
+    assert plan.predict(32, 2048).allocated == pytest.approx(peak(32, 2048), rel=1e-9)
+
+
+class Block(nn.Module):
+    """Keeps ``per_sample`` fake bytes per sample until the step frees them."""
+
+    def __init__(self, fake: FakeAllocator, per_sample: int, held: list[int]) -> None:
+        super().__init__()
+        self.fake, self.per_sample, self.held = fake, per_sample, held
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        nbytes = self.per_sample * x.shape[0]
+        self.fake.alloc(nbytes)
+        self.held.append(nbytes)
+        return x
+
+
+class Head(Block):
+    pass
+
+
+class Net(nn.Module):
+    def __init__(self, fake: FakeAllocator, held: list[int]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(fake, 10 * MiB, held) for _ in range(4))
+        self.head = Head(fake, 30 * MiB, held)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_modules_name_the_per_sample_bytes_and_checkpointing_advice(fake: Device) -> None:
+    held: list[int] = []
+    model = Net(fake, held)
+    fake.alloc(600 * MiB)  # the model and its optimizer state
+
+    def step(n: int) -> None:
+        model(torch.ones(n, 4))
+        fake.alloc(20 * MiB * n)  # the loss's backward
+        fake.free(20 * MiB * n + sum(held))
+        held.clear()
+
+    plan = cudamem.plan(step, model=model)
+    assert plan.fixed == 600 * MiB and plan.per_sample() == 90 * MiB
+    assert plan.profiled == (8, None)
+    shares = {m.name: m.kept for m in plan.modules}
+    assert shares["Net.blocks.0"] == 10 * MiB and shares["Net.head"] == 30 * MiB
+    assert shares["Net"] == 70 * MiB  # what the whole forward kept per sample
+    costs = {m.name: m for m in plan.module_costs}
+    assert [m.name for m in plan.module_costs] == [
+        *(f"Net.blocks.{i}" for i in range(4)),
+        "Net.head",
+        "Net",
+    ]
+    assert costs["Net.blocks.2"].upto == 30 * MiB  # every activation alive at its exit
+    assert costs["Net.blocks.2"].output == 16  # the output tensor: 4 float32 per sample
+    text = str(plan)
+    assert "activations kept per sample, by module (profiled at n=8):" in text
+    assert "30.0 MiB  Net.head" in text
+
+    # Batch 10 without checkpointing: 600 + 900 MiB; under 1350 MiB two blocks do.
+    advice = plan.checkpointing(10, margin=0.0, memory=1350 * MiB)
+    assert advice.modules == ("Net.blocks.0", "Net.blocks.1")
+    per_sample = 90 * MiB - 2 * (10 * MiB - 16)
+    assert advice.predicted.allocated == round(600 * MiB + 10 * per_sample)
+    assert advice.fits and advice.without.allocated == 1500 * MiB
+    chosen = [costs["Net.blocks.0"], costs["Net.blocks.1"]]
+    assert checkpoint_per_sample(90 * MiB, chosen) == per_sample
+    assert plan.predict_checkpointed(10, advice.modules) == advice.predicted
+    assert "checkpoint 2 modules (Net.blocks.0, Net.blocks.1)" in str(advice)
+    roomy = plan.checkpointing(10, memory=100 * GiB)
+    assert roomy.modules == () and roomy.fits
+    tight = plan.checkpointing(10, margin=0.0, memory=700 * MiB)
+    assert not tight.fits and len(tight.modules) == 4
+    with pytest.raises(KeyError, match=r"Net\.nothing"):
+        plan.predict_checkpointed(10, ["Net.nothing"])
+
+
+def test_without_a_cuda_device_it_says_so_and_runs_nothing() -> None:
+    class NoGpu(FakeAllocator):
+        def device_count(self) -> int:
+            return 0
+
+    calls: list[int] = []
+    with _backend.use(NoGpu(devices=0, contexts=())):
+        plan = cudamem.plan(calls.append)
+    assert calls == []
+    assert plan.unmeasured == "no CUDA device"
+    assert str(plan) == "cudamem.plan: nothing measured (no CUDA device)"
+    with pytest.raises(RuntimeError, match="measured nothing: no CUDA device"):
+        plan.predict(8)
+    with pytest.raises(RuntimeError, match="measured nothing: no CUDA device"):
+        plan.largest(memory=GiB)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"step": 3}, TypeError, "step must be callable"),
+        ({"sizes": 8}, TypeError, "sizes must be a sequence of positive ints, not int"),
+        ({"sizes": (4, 8.0)}, TypeError, r"sizes\[1\] must be an int, not float"),
+        ({"sizes": (4, True)}, TypeError, r"sizes\[1\] must be an int, not bool"),
+        ({"sizes": (0, 8)}, ValueError, r"sizes\[0\] must be >= 1, got 0"),
+        ({"sizes": (4, 4)}, ValueError, "sizes must be distinct"),
+        ({"sizes": (4,)}, ValueError, "sizes needs at least 2 values"),
+        ({"lengths": (128, -1)}, ValueError, r"lengths\[1\] must be >= 1"),
+        ({"check": 2.5}, TypeError, "check must be a bool or a batch size"),
+        ({"restore": 1}, TypeError, "restore must be a bool"),
+        ({"restore": True}, ValueError, "restore=True needs model= and optimizer="),
+        ({"model": "gpt2"}, TypeError, "model must be a torch.nn.Module"),
+        ({"optimizer": object()}, TypeError, "optimizer must be a torch.optim.Optimizer"),
+    ],
+)
+def test_bad_arguments_are_named(
+    fake: Device, kwargs: dict[str, Any], error: type, match: str
+) -> None:
+    args = {"step": lambda n: None, **kwargs}
+    with pytest.raises(error, match=match):
+        cudamem.plan(**args)
+
+
+def test_bad_question_arguments_are_named(fake: Device) -> None:
+    plan = cudamem.plan(Step(fake, linear))
+    with pytest.raises(ValueError, match=r"margin must be >= 0 and < 1 .*got 1.5"):
+        plan.largest(1.5, memory=GiB)
+    with pytest.raises(TypeError, match="margin must be a number, not str"):
+        plan.largest("5%", memory=GiB)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="n must be >= 1, got 0"):
+        plan.predict(0)
+    with pytest.raises(TypeError, match="memory must be an int"):
+        plan.largest(memory=1.5)  # type: ignore[arg-type]
+
+
+def test_the_plan_as_text_html_and_json(fake: Device) -> None:
+    fake.alloc(500 * MiB)
+    plan = cudamem.plan(Step(fake, linear))
+    text = str(plan)
+    assert text.startswith("cudamem.plan on cuda:0: 4 steps run")
+    assert "peak allocated = 1.8 GiB + 50.0 MiB × n" in text
+    assert "line said 2.5 GiB: 0.00% off, on the line" in text
+    assert "after the plan: +300.0 MiB allocated" in text
+    html = plan._repr_html_()
+    assert html.startswith("<p><b>cudamem.plan</b> on cuda:0</p><table")
+    assert '<td style="padding:0 0.6em">check</td>' in html
+    data = json.loads(to_json(plan))
+    assert data["allocated_line"] == {"terms": ["1", "n"], "coefs": [1800.0 * MiB, 50.0 * MiB]}
+    assert data["linear"] is True and data["largest_measured"] == 16
+    assert [p["role"] for p in data["probes"]] == ["warm-up", "probe", "probe", "check"]
+    assert data["fragmentation"] is None
+    assert (
+        str(plan.predict(64))
+        == "batch 64: peak allocated 4.9 GiB, reserved 4.9 GiB (predicted, past the probes)"
+    )
+    assert isinstance(plan, MemoryPlan)
