@@ -19,6 +19,7 @@ from ._args import check_int
 from ._fit import Line, ModuleCost, checkpoint_per_sample, choose_checkpoint, largest_under
 from ._format import format_bytes, plural
 from ._present import Presented, PresentedHtml
+from .fragmentation import Fragmentation
 
 __all__ = [
     "LINEAR_TOLERANCE",
@@ -212,7 +213,9 @@ class MemoryPlan(PresentedHtml):
     largest_now: int | None = None
     notes: tuple[str, ...] = ()
     #: Fragmentation of the cache as measured on the probes, when measured.
-    fragmentation: object | None = None
+    #: The cache right after the largest step (``cudamem.fragmentation``): the bytes
+    #: stranded at that size's peak, the largest free block, the last OOM judged.
+    fragmentation: Fragmentation | None = None
     #: Why nothing was measured (``'no CUDA device'``), or ``None``.
     unmeasured: str | None = None
 

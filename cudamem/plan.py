@@ -32,6 +32,8 @@ from . import _backend
 from ._args import check_bool, check_int
 from ._device_arg import DeviceLike, resolve_device
 from ._fit import ModuleCost, Point, fit, relative_error, terms_for
+from .fragmentation import Fragmentation
+from .ledger import fragmentation
 from .memory_plan import (
     LINEAR_TOLERANCE,
     LineCheck,
@@ -540,6 +542,7 @@ def _collect(
     start_allocated = backend.read(device).allocated
     saved = _save(model, optimizer) if restore and model and optimizer else None
     notes: list[str] = []
+    frag: Fragmentation | None = None
     graphs_before = _compiled_graphs()
     schedule = _schedule(sizes, lengths)
     profile: ModuleProfile | None = None
@@ -569,6 +572,9 @@ def _collect(
             else:
                 if check_size is not None:
                     runner.run(check_size, "check")
+        # The cache as the largest step left it (its peaks still in the counters): what
+        # fragmentation costs at that size, before the cache is emptied below.
+        frag = _fragmentation_after(device, notes)
     finally:
         restored: RestoreCost | None = None
         if saved is not None and model is not None and optimizer is not None:
@@ -577,7 +583,7 @@ def _collect(
             del saved
         runner.settle()
     kept_after = backend.read(device).allocated - start_allocated
-    return _analyse(
+    plan = _analyse(
         device,
         tuple(runner.probes),
         length_axis,
@@ -590,6 +596,17 @@ def _collect(
         notes,
         graphs_before,
     )
+    return plan if frag is None else replace(plan, fragmentation=frag)
+
+
+def _fragmentation_after(device: int, notes: list[str]) -> Fragmentation | None:
+    """``cudamem.fragmentation`` of the device right after the last step; ``None`` (and a
+    note) where the allocator's snapshot cannot be read."""
+    try:
+        return fragmentation(device)
+    except Exception as exc:  # a snapshot torch cannot take must not lose the plan
+        notes.append(f"fragmentation not measured: {type(exc).__name__}: {exc}")
+        return None
 
 
 def _analyse(

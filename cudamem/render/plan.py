@@ -112,7 +112,7 @@ def plan_lines(plan: MemoryPlan) -> list[str]:
             if m.depth == 0 and m.self_kept >= 1:
                 out.append(f"  {_mib(m.self_kept):>10}  {m.name}'s own code (outside its modules)")
     if plan.fragmentation is not None:
-        out.append(f"fragmentation: {plan.fragmentation}")
+        out.append(str(plan.fragmentation))
     if plan.restore is not None:
         out.append(
             f"restored the model and optimizer: {format_bytes(plan.restore.nbytes)} copied to "

@@ -452,7 +452,9 @@ def test_the_plan_as_text_html_and_json(fake: Device) -> None:
     assert data["allocated_line"] == {"terms": ["1", "n"], "coefs": [1800.0 * MiB, 50.0 * MiB]}
     assert data["linear"] is True and data["largest_measured"] == 16
     assert [p["role"] for p in data["probes"]] == ["warm-up", "probe", "probe", "check"]
-    assert data["fragmentation"] is None
+    # the cache as the check step (the largest) left it, its peaks from the counters
+    assert data["fragmentation"]["peak_allocated"] == 1800 * MiB + 16 * 50 * MiB
+    assert "cuda:0 fragmentation:" in text and "at peak: peak reserved 2.5 GiB" in text
     assert (
         str(plan.predict(64))
         == "batch 64: peak allocated 4.9 GiB, reserved 4.9 GiB (predicted, past the probes)"
