@@ -12,7 +12,7 @@ path per shape of the container that holds it, the shortest.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -187,6 +187,11 @@ def _shape(seg: Seg) -> tuple[str, str, str]:
     return (seg.kind, "*" if _collapsible(seg) else seg.text, seg.extra)
 
 
+#: A walk down the recorded edges, run by ``PathReader._drive`` (see ``PathReader._walk``).
+_Walk = Generator[int, bool | None, list[Path]]
+#: Funnel walks waiting on each other, at most, before a walk goes on without funnels.
+_NESTED = 256
+
 #: Holders no root explains (``cudamem._search``): kept only while there is room.
 _UNROOTED = frozenset({"unknown", "cycle", "partial"})
 
@@ -225,6 +230,8 @@ class PathReader:
         #: over (whose objects it reached too).
         self._reached: dict[int, tuple[set[int], int | None]] = {}
         self._walking: set[int] = set()
+        #: Funnel walks that may wait on each other (``_drive``); 0: no funnels.
+        self.nested = _NESTED
         #: ``add``'s worst kept group of a full ``per`` (by ``id``): key and rank.
         self._worst: dict[int, tuple[tuple[Any, ...], tuple[bool, bool, bool, int]]] = {}
 
@@ -272,17 +279,62 @@ class PathReader:
         computed once per start."""
         walked = self._walked.get(oid)
         if walked is None:
-            walked = self._walked[oid] = self._walk(oid)
+            walked = self._walked[oid] = self._drive(oid)
         return walked
 
-    def _walk(self, oid: int, reached: list[Any] | None = None) -> list[Path]:
+    def _drive(self, oid: int) -> list[Path]:
+        """The walk from ``oid`` and the funnel walks it waits on (``_walk`` asks for them),
+        run from an explicit stack, not the C stack: a walk down a 100,000-deep chain
+        narrows at every level. Past ``nested`` walks waiting on each other the nested ones
+        are dropped and the walk from ``oid`` goes on without funnels (its own BFS: the same
+        paths, unshared), so a deep chain costs one walk down it, not one per level."""
+        stack: list[tuple[int, _Walk, list[Any]]] = [(oid, self._walk(oid), [])]
+        send: bool | None = None  # what the waiting walk's ``yield`` gets
+        try:
+            while True:
+                f, gen, found = stack[-1]
+                try:
+                    ask = gen.send(send)
+                except StopIteration as stop:
+                    paths: list[Path] = stop.value
+                    stack.pop()
+                    if not stack:
+                        return paths
+                    self._walking.discard(f)
+                    self._reached[f] = (found[0], found[1])
+                    self._walked.setdefault(f, paths)
+                    send = True
+                    continue
+                if ask in self._walking:
+                    send = False  # a cycle: the walk from ``ask`` is one under way
+                elif len(stack) > self.nested:
+                    for g, waiting, _ in stack[1:]:
+                        self._walking.discard(g)
+                        waiting.close()
+                    del stack[1:]
+                    send = None
+                else:
+                    self._walking.add(ask)
+                    found = []
+                    stack.append((ask, self._walk(ask, found), found))
+                    send = None  # starts it
+        finally:
+            for g, _, _ in stack[1:]:
+                self._walking.discard(g)
+
+    def _walk(self, oid: int, reached: list[Any] | None = None) -> _Walk:
         """``walk_down``'s BFS; ``reached`` receives what ``_reached`` keeps for ``oid``.
 
         Where the walk narrows to one object (the queue holds only it, as every module's
         ``__spec__`` narrows to its loader, pytest's assertion rewriter, that reaches the
         whole test session), the rest of the walk is that object's own walk below the path
         down to it, when nothing reached before lies below it: that walk is done once and
-        shared by every start that narrows to it (``_funnel``)."""
+        shared by every start that narrows to it (``_funnel``).
+
+        A generator run by ``_drive``: where the walk from a funnel is still to be done, it
+        yields the funnel and gets back ``True`` once that walk is done, ``False`` where it
+        cannot stand for the rest (a cycle: that walk is under way), ``None`` where no
+        funnel can (too many walks wait on each other: this one goes on alone)."""
         prev: dict[int, tuple[int, Ref] | None] = {oid: None}
         level = {oid: 0}
         sig = {oid: 0}
@@ -294,6 +346,7 @@ class PathReader:
         queue = deque([oid])
         n = 0
         rest: list[Path] = []  # the paths below a funnel, when the walk narrowed to one
+        funnels = True
         while queue:
             n += 1
             if not n & 0x3FF and self.late():
@@ -301,9 +354,12 @@ class PathReader:
             cur = queue.popleft()
             if cur in start:
                 holders.append(cur)
-            elif not queue and cur != oid and cur in edges:
-                below_funnel = self._funnel(cur, prev, oid)
-                if below_funnel is not None:
+            elif not queue and cur != oid and funnels and cur in edges:
+                done = cur in self._reached or (yield cur)
+                below_funnel = self._funnel(cur, prev, oid) if done else None
+                if done is None:
+                    funnels = False
+                elif below_funnel is not None:
                     rest = self._shifted(below_funnel, prev, cur, level[cur], mult.get(cur))
                     if reached is not None:
                         reached[:] = [set(prev), cur]
@@ -377,28 +433,21 @@ class PathReader:
     def _funnel(
         self, f: int, prev: dict[int, tuple[int, Ref] | None], oid: int
     ) -> list[Path] | None:
-        """The walk from ``f``, where it can stand for the rest of the walk from ``oid`` that
-        narrowed to ``f`` (``prev``: what that walk reached so far): nothing it reaches was
-        reached before, so every object below ``f`` gets the same first path and the same
-        parents of its shape as in one long walk. (The start itself may be reached again
-        when ``f`` is its only child and it holds no target: it then adds nothing below
-        ``f``, as objects often refer back to what refers to them.) ``None`` where that is
-        not so."""
-        if f not in self._reached:
-            if f in self._walking:
-                return None  # a cycle: the walk from ``f`` is the one under way
-            self._walking.add(f)
-            try:
-                found: list[Any] = []
-                paths = self._walk(f, found)
-            finally:
-                self._walking.discard(f)
-            self._reached[f] = (found[0], found[1])
-            self._walked.setdefault(f, paths)
+        """The walk from ``f`` (done), where it can stand for the rest of the walk from
+        ``oid`` that narrowed to ``f`` (``prev``: what that walk reached so far): nothing it
+        reaches was reached before, so every object below ``f`` gets the same first path
+        and the same parents of its shape as in one long walk. (The start itself may be
+        reached again when ``f`` is its only child and it holds no target: it then adds
+        nothing below ``f``, as objects often refer back to what refers to them.) ``None``
+        where that is not so, or the time is up."""
         keys = prev.keys()
         back = len(self.edges.get(oid, ())) == 1 and oid not in self.start
         below: int | None = f
+        k = 0
         while below is not None:  # the objects reached below ``f``, funnel by funnel
+            k += 1
+            if not k & 0x3FF and self.late():
+                return None
             own, below = self._reached[below]
             if keys.isdisjoint(own):
                 continue

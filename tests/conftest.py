@@ -103,6 +103,7 @@ _OWN = "tests/integration/test_own_process.py::test_file_in_its_own_process"
 _FRAMEWORK = "tests/integration/test_frameworks.py::test_framework_file"
 _DOCS = "tests/integration/test_cli_docs.py"
 SLOW = {
+    f"{_OWN}[test_deep_paths.py]": 40,
     f"{_FRAMEWORK}[test_transformers.py]": 30,
     f"{_OWN}[test_leaks.py]": 30,
     f"{_OWN}[test_leaks_order.py]": 28,

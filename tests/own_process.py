@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 FILES = (
     "tests/integration/test_culprits.py",
+    "tests/integration/test_deep_paths.py",
     "tests/integration/test_integration_memviz.py",
     "tests/integration/test_integration_pytest.py",
     "tests/integration/test_leaks.py",

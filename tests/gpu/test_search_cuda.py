@@ -55,6 +55,22 @@ def test_census_of_many_cuda_storages_names_each() -> None:
         _clear("pool")
 
 
+def test_a_cuda_tensor_100000_lists_deep_gets_its_path() -> None:
+    # Reading the path recurses per level nowhere (a RecursionError before).
+    global deep
+    t = torch.ones(MiB // 4, device="cuda")
+    deep = [t]
+    for _ in range(100_000):
+        deep = [deep]
+    try:
+        result = cudamem.who_holds(t, max_depth=101_000, timeout=60.0)
+        assert result.complete, result.notes
+        assert f"{M}.deep" + "[0]" * 100_001 in result.paths
+        assert result.holders[0].device == "cuda:0"
+    finally:
+        _clear("deep")
+
+
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_after_torch_compile_on_cuda_no_scan_warns(backend: str) -> None:
     global model, outputs

@@ -20,7 +20,7 @@ def _reader(edges: Edges, holders: set[int], *, funnels: bool) -> PathReader:
     start = {h: [(h % 3, Seg("storage", "t"), "itself")] for h in holders}
     reader = PathReader(edges, nodes, start, max_paths=64, late=lambda: False)
     if not funnels:
-        reader._funnel = lambda f, prev, oid: None  # type: ignore[method-assign]
+        reader.nested = 0  # one long walk: no walk below a funnel stands for its rest
     return reader
 
 
@@ -105,3 +105,54 @@ def test_module_specs_narrowing_to_one_loader_walk_below_it_once() -> None:
     # holder's parent (the holder itself is no funnel: it ends the walk).
     assert walked.count(loader) == 1
     assert len(walked) == len(set(walked)) == 20 + 2 + len(chain) - 1
+
+
+# --------------------------------------------------------------------------- deep chains
+
+
+def _chain(n: int) -> Edges:
+    """``0 -> 1 -> ... -> n``, each step a list index: ``[0][0]...[0]``."""
+    return {a: {a + 1: Ref((Seg("index", "0"),))} for a in range(n)}
+
+
+def test_a_100000_deep_chain_is_read_without_recursion() -> None:
+    # Every level narrows to one object (a funnel): the walks waiting on each other are
+    # driven from a list, never the C stack, and past a few hundred the walk goes on alone.
+    n = 100_000
+    reader = _reader(_chain(n), {n}, funnels=True)
+    (path,) = reader.walk_down(0)
+    assert path.ids == list(range(n + 1))
+    assert [r.seg.text for r in path.refs] == ["0"] * n + ["t"]
+    assert (path.times, path.ranges, path.stars) == (1, {i: (0, 0) for i in range(n)}, set())
+    # A walk from further down, and again from the top (each answered once, then kept).
+    (lower,) = reader.walk_down(n // 2)
+    assert lower.ids == list(range(n // 2, n + 1))
+    assert reader.walk_down(0)[0] is path
+    assert not reader._walking
+
+
+def test_a_deep_walk_stops_when_the_time_for_reading_is_up() -> None:
+    n = 100_000
+    reader = _reader(_chain(n), {n}, funnels=True)
+    reader.late = lambda: True
+    assert reader.walk_down(0) == []  # what it found by then: nothing, and no error
+    assert not reader._walking
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_deep_chains_with_branches_give_the_paths_of_one_long_walk(seed: int) -> None:
+    # A chain deeper than the walks that may wait on each other (``_NESTED``), with side
+    # branches, references back up and holders along it: the same paths as one long walk.
+    rng = random.Random(seed)
+    n = 400
+    edges = _chain(n)
+    for a in range(n):
+        if rng.random() < 0.05:
+            edges[a][rng.randrange(n + 1, n + 40)] = _ref(rng)  # a branch off the chain
+        if rng.random() < 0.03:
+            edges[a][rng.randrange(0, a + 1)] = _ref(rng)  # back up: a cycle
+    holders = {n} | {h for h in range(n) if rng.random() < 0.01}
+    shared = _reader(edges, holders, funnels=True)
+    plain = _reader(edges, holders, funnels=False)
+    for s in [0, *rng.sample(range(n), 3)]:
+        assert _key(shared.walk_down(s)) == _key(plain.walk_down(s)), s
