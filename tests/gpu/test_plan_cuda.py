@@ -1,5 +1,5 @@
 """``cudamem.plan`` on a GPU: GPT-2 small @512, BERT-base @512 and ResNet-50 @224 with AdamW
-(models from configs, no download), probes at 4 and 8 predicting 64–128; the largest batch
+(models from configs, no download), probes at 4 and 8 predicting 128–256 (16–32× the largest probe); the largest batch
 runs; the length axis on GPT-2 with eager attention; checkpointing advice measured.
 
 Goals (issue 34): allocated within 2 %, reserved within 5 %; checkpointing within 5 %."""
@@ -30,6 +30,15 @@ def measure(step: Callable[..., Any], *args: int) -> tuple[int, int]:
     step(*args)
     torch.cuda.synchronize()
     return torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+
+
+def cublas_workspaces() -> int:
+    """The bytes cuBLAS's workspaces hold now (freed to measure them: the next matmul makes
+    them again)."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch._C._cuda_clearCublasWorkspaces()
+    return before - torch.cuda.memory_allocated()
 
 
 def gpt2(attn: str = "sdpa") -> tuple[torch.nn.Module, torch.optim.Optimizer, Callable[..., None]]:
@@ -92,10 +101,11 @@ def _empty_after() -> Any:
 
 @pytest.mark.parametrize(
     ("build", "targets"),
-    [(gpt2, (64, 128)), (bert, (64,)), (resnet50, (64, 128))],
+    # 16-32x the largest probe where the H200 holds it (GPT-2 small @512 tops out near 170)
+    [(gpt2, (128, 160)), (bert, (128, 224)), (resnet50, (128, 256))],
     ids=["gpt2-small-512", "bert-base-512", "resnet50-224"],
 )
-def test_four_steps_predict_the_peak_at_8_to_16_times_the_probes(
+def test_four_steps_predict_the_peak_at_16_to_32_times_the_probes(
     build: Callable[[], Any], targets: tuple[int, ...]
 ) -> None:
     model, opt, step = build()
@@ -109,8 +119,9 @@ def test_four_steps_predict_the_peak_at_8_to_16_times_the_probes(
     plan = cudamem.plan(counted, sizes=(4, 8), model=model, optimizer=opt)
     assert calls == [4, 4, 8, 16] and plan.smallest_oom is None
     assert plan.linear is True, str(plan)
-    # What stays is the step's own: AdamW's two moments (and cuBLAS workspaces).
-    assert plan.kept_after <= 2 * params + 64 * MiB, str(plan)
+    # What stays is the step's own: AdamW's two moments and the cuBLAS (and cuBLASLt)
+    # workspaces its first matmuls made, one per handle and stream (32 MiB each on an H200).
+    assert plan.kept_after <= 2 * params + cublas_workspaces() + 1 * MiB, str(plan)
     for n in targets:
         predicted = plan.predict(n)
         allocated, reserved = measure(step, n)
