@@ -1,6 +1,7 @@
 """``cudamem.plan`` on a GPU: GPT-2 small @512, BERT-base @512 and ResNet-50 @224 with AdamW
-(models from configs, no download), probes at 4 and 8 predicting 128–256 (16–32× the largest probe); the largest batch
-runs; the length axis on GPT-2 with eager attention; checkpointing advice measured.
+(models from configs, no download), probes at 4 and 8 predicting 128–256 (16–32× the largest
+probe); the largest batch runs; the length axis on GPT-2 with eager attention; checkpointing
+advice measured.
 
 Goals (issue 34): allocated within 2 %, reserved within 5 %; checkpointing within 5 %."""
 
