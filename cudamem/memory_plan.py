@@ -67,6 +67,10 @@ class Probe:
     error: str | None = None
     #: Times the allocator freed its cache and retried a request during the step.
     retries: int = 0
+    #: The step's peak allocated split where each outermost module forward returned
+    #: (``(forward, the rest)`` for a model whose forward computes the loss); ``()`` when
+    #: no module ran or the step ran out of memory.
+    phases: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,12 +216,15 @@ class MemoryPlan(PresentedHtml):
     #: or unknown).
     largest_now: int | None = None
     notes: tuple[str, ...] = ()
-    #: Fragmentation of the cache as measured on the probes, when measured.
     #: The cache right after the largest step (``cudamem.fragmentation``): the bytes
     #: stranded at that size's peak, the largest free block, the last OOM judged.
     fragmentation: Fragmentation | None = None
     #: Why nothing was measured (``'no CUDA device'``), or ``None``.
     unmeasured: str | None = None
+    #: One line per phase of the step (``Probe.phases``) where every fitted step had the
+    #: same phases: the predicted peak is the largest of them (the peak moves from the end
+    #: of the forward to the backward as samples grow longer); ``()``: the one line.
+    phase_lines: tuple[Line, ...] = ()
 
     # -- derived ------------------------------------------------------------------------
 
@@ -261,7 +268,7 @@ class MemoryPlan(PresentedHtml):
         inside = n <= self.largest_measured
         if not inside and self.linear is False:
             raise NotLinearError(self._refusal(f"predict({n})"))
-        allocated = line.at(n, at)
+        allocated = self._allocated_at(line, n, at)
         reserved = allocated * self.ratio
         if self.reserved_line is not None:
             reserved = max(reserved, self.reserved_line.at(n, at))
@@ -365,9 +372,15 @@ class MemoryPlan(PresentedHtml):
             n, length, round(allocated), round(allocated * self.ratio), n <= self.largest_measured
         )
 
+    def _allocated_at(self, line: Line, n: int, length: int) -> float:
+        """The predicted peak allocated: the largest phase's where phases were fitted."""
+        if self.phase_lines:
+            return max(p.at(n, length) for p in self.phase_lines)
+        return line.at(n, length)
+
     def _reserved_at(self, n: int, length: int) -> float:
         line = self._line()
-        allocated = line.at(n, length)
+        allocated = self._allocated_at(line, n, length)
         reserved = allocated * self.ratio
         if self.reserved_line is not None:
             reserved = max(reserved, self.reserved_line.at(n, length))

@@ -31,7 +31,7 @@ import torch
 from . import _backend
 from ._args import check_bool, check_int
 from ._device_arg import DeviceLike, resolve_device
-from ._fit import ModuleCost, Point, fit, relative_error, terms_for
+from ._fit import Line, ModuleCost, Point, fit, relative_error, terms_for
 from .fragmentation import Fragmentation
 from .ledger import fragmentation
 from .memory_plan import (
@@ -315,6 +315,49 @@ def _causes(probes: Sequence[Probe], graphs_before: int | None) -> tuple[str, ..
 # --------------------------------------------------------------------------- probes
 
 
+class _Phases:
+    """A step's peak split where each outermost module forward returns: a quiet span per
+    phase (nested in the probe's), cut by two global forward hooks while the step runs.
+    Recomputation inside the backward (checkpointing) cuts nothing."""
+
+    def __init__(self, device: int) -> None:
+        self._device = device
+        self._depth = 0
+        self.peaks: list[int] = []
+        self._span = open_quiet("cudamem.plan phase", device)
+        self._handles = [
+            torch.nn.modules.module.register_module_forward_pre_hook(self._pre),
+            torch.nn.modules.module.register_module_forward_hook(self._post, always_call=True),
+        ]
+
+    def _pre(self, module: torch.nn.Module, args: Any) -> None:
+        if torch._C._current_graph_task_id() == -1:
+            self._depth += 1
+
+    def _post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            return
+        self._depth = max(0, self._depth - 1)
+        if self._depth == 0:
+            self._cut()
+
+    def _cut(self) -> None:
+        close_quiet(self._span)
+        self.peaks.append(self._span.peak_total or 0)
+        self._span = open_quiet("cudamem.plan phase", self._device)
+
+    def finish(self, exc: BaseException | None = None) -> tuple[int, ...]:
+        """Remove the hooks, close the last phase; the phases' peaks (``()`` when no module
+        ran, or the step failed: one phase is the step's own peak)."""
+        for handle in self._handles:
+            handle.remove()
+        close_quiet(self._span, exc)
+        if exc is not None or not self.peaks:
+            return ()
+        self.peaks.append(self._span.peak_total or 0)
+        return tuple(self.peaks)
+
+
 class _Runner:
     def __init__(
         self,
@@ -354,6 +397,8 @@ class _Runner:
         # A quiet span: no history entry, no growth check, no OOM post-mortem for a probe
         # that is allowed to fail; its peak folds in every span the step opens.
         span = open_quiet(name, device)
+        phases = _Phases(device)
+        phase_peaks: tuple[int, ...] = ()
         try:
             if profiler is None:
                 self.step(*args)
@@ -362,6 +407,7 @@ class _Runner:
                     self.step(*args)
             backend.synchronize(device)
         except BaseException as exc:
+            phases.finish(exc)
             close_quiet(span, exc)
             if not backend.is_oom(exc):
                 _add_note(exc, self._where(size, role))
@@ -374,6 +420,7 @@ class _Runner:
             traceback.clear_frames(exc.__traceback__)
             exc.__traceback__ = None
         else:
+            phase_peaks = phases.finish()
             close_quiet(span)
         seconds = time.perf_counter() - start
         after = backend.read(device)
@@ -408,6 +455,7 @@ class _Runner:
                 False,
                 None,
                 after.alloc_retries - before.alloc_retries,
+                phase_peaks if len(phase_peaks) > 1 else (),
             )
         self.probes.append(probe)
         return probe
@@ -609,6 +657,18 @@ def _fragmentation_after(device: int, notes: list[str]) -> Fragmentation | None:
         return None
 
 
+def _phase_lines(steps: Sequence[Probe], terms: Sequence[str]) -> tuple[Line, ...]:
+    """A line per phase of the step, where every step had the same number of phases (two
+    or more); ``()`` otherwise."""
+    counts = {len(p.phases) for p in steps}
+    if len(counts) != 1 or counts == {0}:
+        return ()
+    (count,) = counts
+    return tuple(
+        fit([Point(p.n, p.length or 1, p.phases[k]) for p in steps], terms) for k in range(count)
+    )
+
+
 def _analyse(
     device: int,
     probes: tuple[Probe, ...],
@@ -633,10 +693,12 @@ def _analyse(
             Point(p.n, p.length or 1, (p.reserved if reserved else p.allocated) or 0) for p in which
         ]
 
+    phase_lines: tuple[Line, ...] = ()
     if len(fitted) >= len(terms):
         try:
             allocated_line = fit(points(fitted, False), terms)
             reserved_line = fit(points(fitted, True), terms)
+            phase_lines = _phase_lines(fitted, terms)
         except ValueError as exc:
             notes.append(str(exc))
     else:
@@ -651,7 +713,11 @@ def _analyse(
         if c.oom:
             notes.append(f"the check at batch {c.n} ran out of memory: the line is not tested")
         else:
-            predicted = allocated_line.at(c.n, at)
+            predicted = (
+                max(line.at(c.n, at) for line in phase_lines)
+                if phase_lines
+                else allocated_line.at(c.n, at)
+            )
             predicted_reserved = max(reserved_line.at(c.n, at), predicted)
             error = relative_error(predicted, c.allocated or 0)
             check = LineCheck(
@@ -669,6 +735,7 @@ def _analyse(
                 # The check lies on the line: fit through it too (a wider base).
                 allocated_line = fit(points([*fitted, c], False), terms)
                 reserved_line = fit(points([*fitted, c], True), terms)
+                phase_lines = _phase_lines([*fitted, c], terms)
             else:
                 causes = _causes(probes, graphs_before)
     shares: tuple[ModuleShare, ...] = ()
@@ -697,6 +764,7 @@ def _analyse(
         restored,
         kept_after,
         notes=tuple(notes),
+        phase_lines=phase_lines,
     )
     available, why = available_memory(device)
     largest_now = None

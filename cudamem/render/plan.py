@@ -74,6 +74,14 @@ def plan_lines(plan: MemoryPlan) -> list[str]:
     out: list[str] = []
     if plan.allocated_line is not None:
         out.append(f"peak allocated = {formula(plan.allocated_line)}")
+        if plan.phase_lines:
+            out.append(
+                "  predicted as the larger of the step's phases "
+                "(cut where the model's forward returns):"
+            )
+            out.extend(
+                f"    phase {k + 1}: {formula(line)}" for k, line in enumerate(plan.phase_lines)
+            )
         if plan.reserved_line is not None:
             out.append(
                 f"peak reserved  = {formula(plan.reserved_line)} "

@@ -460,3 +460,47 @@ def test_the_plan_as_text_html_and_json(fake: Device) -> None:
         == "batch 64: peak allocated 4.9 GiB, reserved 4.9 GiB (predicted, past the probes)"
     )
     assert isinstance(plan, MemoryPlan)
+
+
+class TwoPhaseStep:
+    """A model's forward holding ``1000 MiB + 60 MiB·n`` at its end, then a backward whose
+    peak is ``500 MiB + 80 MiB·n``: the forward's peak is the step's at the probes (n ≤ 16),
+    the backward's from n = 26 on."""
+
+    def __init__(self, fake: FakeAllocator) -> None:
+        self.fake = fake
+        fake_ = fake
+
+        class Model(torch.nn.Module):
+            def forward(self, n: int) -> int:
+                nbytes = 1000 * MiB + 60 * MiB * n
+                fake_.alloc(nbytes)
+                fake_.free(nbytes)
+                return n
+
+        self.model = Model()
+
+    def __call__(self, n: int) -> None:
+        self.model(n)
+        nbytes = 500 * MiB + 80 * MiB * n
+        self.fake.alloc(nbytes)
+        self.fake.free(nbytes)
+
+
+def test_the_peak_past_the_probes_is_the_larger_phase_s(fake: Device) -> None:
+    """One line through the step's peaks (the forward's at every probe) would say
+    1000 MiB + 60 MiB·n at n = 64; the backward holds 500 MiB + 80 MiB·n there."""
+    plan = cudamem.plan(TwoPhaseStep(fake), sizes=(4, 8))
+    assert [p.phases for p in plan.probes] == [
+        (1000 * MiB + 60 * MiB * n, 500 * MiB + 80 * MiB * n) for n in (4, 4, 8, 16)
+    ]
+    assert plan.allocated_line is not None
+    assert round(plan.allocated_line.at(64)) == 1000 * MiB + 60 * MiB * 64
+    assert plan.linear is True
+    assert plan.predict(8).allocated == 1000 * MiB + 60 * MiB * 8
+    assert plan.predict(64).allocated == 500 * MiB + 80 * MiB * 64
+    text = str(plan)
+    assert "predicted as the larger of the step's phases" in text
+    assert "phase 2: 500.0 MiB + 80.0 MiB × n" in text
+    # a step that runs no module has no phases: one line
+    assert cudamem.plan(Step(fake, linear)).phase_lines == ()
