@@ -24,7 +24,7 @@ collection (``gc.callbacks``: profiled minus bare, a part of the rows above, sho
 the cost of allocation churn); ``other``: the total less the rows, the autograd engine's calls
 into Python among it. Host time: CPU time of the process on the CPU, wall time on a GPU.
 
-Usage: ``python benchmarks/module_cost.py [--quick] [--json benchmarks/results/module-cost.json]``
+Usage: ``python benchmarks/module_cost.py [--quick] [--case resnet|gpt2] [--step-span] [--json PATH]``
 (about a minute on the CPU machine with ``--quick``; on an H200 well under two).
 """
 
@@ -51,6 +51,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 import _modules_before as before  # noqa: E402
 from _common import ConstantReader, machine  # noqa: E402
 
+import cudamem  # noqa: E402
 from cudamem import _backend, span  # noqa: E402
 from cudamem import modules as after  # noqa: E402
 from cudamem.render.text import render_table  # noqa: E402
@@ -149,6 +150,18 @@ def gpt2_case() -> Case | None:
         opt.zero_grad()
 
     return "GPT-2 2x64, batch 2x32", model, [opt], step
+
+
+def in_step_span(case: Case) -> Case:
+    """``case`` with each step inside a ``cudamem.track("step")`` span."""
+    label, model, external, step = case
+    track = cudamem.track
+
+    def spanned() -> None:
+        with track("step"):
+            step()
+
+    return f"{label}, each step in a track() span", model, external, spanned
 
 
 def module_calls(step: Callable[[], None]) -> int:
@@ -301,6 +314,10 @@ ROWS = [
 timer_ns = time.perf_counter_ns
 
 
+#: Not a row of µs: span opens per module call that the Python open served.
+PY_OPENS = "span opens on the Python path"
+
+
 class Timers:
     """Exclusive nanoseconds per label of wrapped functions (a callee's time is its own),
     and how many wrapped calls each label made (their timers' cost lands in it)."""
@@ -410,6 +427,16 @@ def breakdown(case: Case, impl: str, steps: int, calls: int, blocks: int) -> dic
     inner, outer = timer_cost()
     timers = Timers()
     samples: dict[str, list[float]] = {}
+    py_opens = [0]
+    py_open = span._py_open
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        py_opens[0] += 1
+        return py_open(*args, **kwargs)
+
+    # The compiled span core hands a span it cannot serve (several devices visible and not
+    # all of them settled, a reader that is not the C++ one) to span._py_open: count them.
+    span._py_open = counted  # type: ignore[assignment]
     with instrumented(impl, timers):
         prof = profiled(IMPLS[impl], model, external).start()
         step()  # the first steps' state reads and first-use work, outside the figures
@@ -424,8 +451,11 @@ def breakdown(case: Case, impl: str, steps: int, calls: int, blocks: int) -> dic
                 for label, ns in timers.ns.items():
                     own = ns - inner * timers.calls[label] - outer * timers.kids[label]
                     samples.setdefault(label, []).append(max(0.0, own) / 1e3 / steps / calls)
+                samples.setdefault(PY_OPENS, []).append(py_opens[0] / steps / calls)
+                py_opens[0] = 0
         finally:
             prof.stop()
+            span._py_open = py_open  # type: ignore[assignment]
     return {label: statistics.median(xs) for label, xs in samples.items()}
 
 
@@ -442,9 +472,12 @@ def measure(case: Case, backend: str, rounds: int, steps: int) -> dict[str, Any]
         step()
     calls = module_calls(step)
     times = time_case(case, rounds, steps)
+    active = _backend.get()
     result: dict[str, Any] = {
         "case": label,
         "backend": backend,
+        "devices_visible": active.device_count(),
+        "settled_devices": active.settled_devices,
         "module_calls": calls,
         "bare_ms_per_step": _stats([t * 1e3 for t in times["bare"]["step"]]),
         "impls": {},
@@ -464,15 +497,19 @@ def measure(case: Case, backend: str, rounds: int, steps: int) -> dict[str, Any]
             for p, b in zip(times[impl]["gc"], times["bare"]["gc"], strict=True)
         ]
         parts = breakdown(case, impl, steps, calls, rounds)
+        py_opens = parts.pop(PY_OPENS, 0.0)
         parts["torch's hook dispatch (no-op hooks)"] = dispatch
         total = statistics.median(per_call)
         parts["other (engine's calls into Python, ...)"] = total - sum(parts.values())
+        best = (min(times[impl]["step"]) - min(times["bare"]["step"])) / calls * 1e6
         result["impls"][impl] = {
             "us_per_module_call": _stats(per_call),
+            "us_per_module_call_best": best,
             "overhead_percent": _stats(pct),
             "gc_us_per_module_call": _stats(gc_us),
             "ms_per_step": _stats([t * 1e3 for t in times[impl]["step"]]),
             "breakdown_us_per_module_call": {row: parts.get(row, 0.0) for row in ROWS},
+            "python_path_span_opens_per_module_call": py_opens,
         }
     return result
 
@@ -494,11 +531,19 @@ def table(result: dict[str, Any]) -> str:
         ]
     )
     rows.append(
+        ["  best block less best bare block"]
+        + [f"{impls[i]['us_per_module_call_best']:.1f}" for i in IMPLS]
+    )
+    rows.append(
         ["over bare per step"]
         + [
             "{median:+.1f} % ({min:+.1f} to {max:+.1f})".format(**impls[i]["overhead_percent"])
             for i in IMPLS
         ]
+    )
+    rows.append(
+        ["span opens per module call on the Python path (count)"]
+        + [f"{impls[i]['python_path_span_opens_per_module_call']:.1f}" for i in IMPLS]
     )
     bare = result["bare_ms_per_step"]
     title = (
@@ -528,8 +573,18 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer rounds, one CPU backend")
     parser.add_argument("--json", metavar="PATH", help="write the figures there too")
     parser.add_argument("--case", choices=["resnet", "gpt2"], action="append")
+    parser.add_argument(
+        "--step-span",
+        action="store_true",
+        help="each step inside cudamem.track('step'), as `cudamem run` and the trainer "
+        "callbacks run it (on a GPU the backward's spans then open on the engine's thread "
+        "while the step's span is open on the main one)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)  # one host thread: the CPU's figures are the hooks', not BLAS's
+    if CUDA:  # the C++ counter reader serves, as in a user's run once it is built
+        torch.empty(1, device="cuda")
+        _backend.build_reader()
     span.span_core_status(wait=60)  # the compiled span core serves, as in a user's run
     rounds, steps = (5, 5) if args.quick else (9, 8)
     backends = ["cuda"] if CUDA else (["constant"] if args.quick else ["constant", "fake"])
@@ -542,11 +597,17 @@ def main() -> None:
                 if case is None:
                     print(f"{name}: transformers is not installed, skipped")
                     continue
+                if args.step_span:
+                    case = in_step_span(case)
                 result = measure(case, backend, rounds, steps)
                 results.append(result)
                 print(table(result))
                 print()
-    print(f"span core: {span.span_core_status()}")
+    core = span.span_core_status()
+    print(f"span core: {core.state} ({core.reason})")
+    if CUDA:
+        reader = _backend.reader_status()
+        print(f"counter reader: {reader.reader} ({reader.state}: {reader.reason})")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as fh:
