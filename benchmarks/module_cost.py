@@ -24,7 +24,7 @@ collection (``gc.callbacks``: profiled minus bare, a part of the rows above, sho
 the cost of allocation churn); ``other``: the total less the rows, the autograd engine's calls
 into Python among it. Host time: CPU time of the process on the CPU, wall time on a GPU.
 
-Usage: ``python benchmarks/module_cost.py [--quick] [--case resnet|gpt2] [--step-span] [--json PATH]``
+Usage: ``python benchmarks/module_cost.py [--quick] [--case resnet|gpt2|chain] [--step-span] [--json PATH]``
 (about a minute on the CPU machine with ``--quick``; on an H200 well under two).
 """
 
@@ -162,6 +162,24 @@ def in_step_span(case: Case) -> Case:
             step()
 
     return f"{label}, each step in a track() span", model, external, spanned
+
+
+class Scale(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 1.0
+
+
+def chain_case() -> Case:
+    """60 modules in a row, one multiply each: the least work a module call can carry, so
+    that the profile's cost stands out of a noisy machine's timings (not in the default
+    run: ``--case chain``)."""
+    model = nn.Sequential(*[Scale() for _ in range(60)]).to(DEVICE)
+    x = torch.ones(4, device=DEVICE, requires_grad=True)
+
+    def step() -> None:
+        model(x).sum().backward()
+
+    return "a chain of 60 one-multiply modules", model, [], step
 
 
 def module_calls(step: Callable[[], None]) -> int:
@@ -572,7 +590,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds, one CPU backend")
     parser.add_argument("--json", metavar="PATH", help="write the figures there too")
-    parser.add_argument("--case", choices=["resnet", "gpt2"], action="append")
+    parser.add_argument("--case", choices=["resnet", "gpt2", "chain"], action="append")
     parser.add_argument(
         "--step-span",
         action="store_true",
@@ -588,7 +606,11 @@ def main() -> None:
     span.span_core_status(wait=60)  # the compiled span core serves, as in a user's run
     rounds, steps = (5, 5) if args.quick else (9, 8)
     backends = ["cuda"] if CUDA else (["constant"] if args.quick else ["constant", "fake"])
-    makers = {"resnet": resnet_case, "gpt2": gpt2_case}
+    makers: dict[str, Callable[[], Case | None]] = {
+        "resnet": resnet_case,
+        "gpt2": gpt2_case,
+        "chain": chain_case,
+    }
     results = []
     for backend in backends:
         with backend_named(backend):
