@@ -109,7 +109,8 @@ _GATE_KEY = "cudamem.modules.gate"
 # Indices of a module call's record, a list made by the forward pre-hook and carried to the
 # backward: the module's node, its open span (the forward's, then the backward's), whether it
 # runs inside a backward (recomputation), bytes its submodules' forwards kept, its first
-# grad-requiring input's ``grad_fn`` (where its backward ends), its backward's graph task.
+# grad-requiring input's ``grad_fn`` (where its backward ends; dropped at the forward's exit,
+# once a gate holds the call: the record keeps no node alive), its backward's graph task.
 _N, _SPAN, _INBW, _CHILD, _SOURCE, _TASK = range(6)
 
 
