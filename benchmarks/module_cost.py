@@ -566,7 +566,8 @@ def table(result: dict[str, Any]) -> str:
     bare = result["bare_ms_per_step"]
     title = (
         f"{result['case']} ({result['module_calls']} module calls, bare "
-        f"{bare['median']:.2f} ms a step), counters: {result['backend']}"
+        f"{bare['median']:.2f} ms a step), counters: {result['backend']}; devices visible: "
+        f"{result['devices_visible']}, settled: {result['settled_devices']}"
     )
     return render_table(["µs per module call", *IMPLS], rows, title=title)
 
