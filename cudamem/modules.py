@@ -15,12 +15,16 @@ dispatch mode):
   and the activations autograd saved. The forward's peak is the span's: PyTorch's peak
   counter is reset at each entry and what a reset discards folds into every open span, so
   a parent's peak covers its children's.
-- **Backward.** When the forward returned a tensor that requires grad, a pre-hook on that
-  tensor's ``grad_fn`` opens the module's backward span (its output's gradient is ready)
-  and a pre-hook on the ``grad_fn`` of its first input that requires grad closes it (the
+- **Backward.** When the forward returned a tensor that requires grad, the module call's
+  backward span opens when its output's ``grad_fn`` is about to run (its output's gradient
+  is ready) and closes when the ``grad_fn`` of its first input that requires grad is (the
   input's gradient is ready). A module whose inputs need no gradient (an embedding, the
-  first convolution) ends with the backward pass itself (an autograd engine callback),
-  as every span still open then does.
+  first convolution) ends with the backward pass itself (an autograd engine callback), as
+  every span still open then does. Each autograd node that bounds a call gets one pre-hook
+  (a ``_Gate``, kept in the node's ``metadata``), however many calls start or end there: a
+  module's input node is its predecessor's output node, a parent's output node its last
+  child's, so a step registers about one hook per leaf call instead of two per call; the
+  gate runs its calls' edges in the order they were registered.
 - **Recomputation.** A forward that runs inside the backward (activation checkpointing
   re-running it) is counted apart: ``recomputes`` and ``recomputed`` (bytes kept at its
   exit), inside the backward spans around it.
@@ -99,41 +103,56 @@ class _Node:
         self.cur: list[int] | None = None
 
 
-class _Backward:
-    """One forward call's backward: the span between its output's gradient and its
-    input's, opened and closed by autograd node pre-hooks."""
+#: Where a node keeps its gate (``grad_fn.metadata``, a dict of the node's own).
+_GATE_KEY = "cudamem.modules.gate"
 
-    __slots__ = ("__weakref__", "handles", "node", "owner", "span", "task")
+# Indices of a module call's record, a list made by the forward pre-hook and carried to the
+# backward: the module's node, its open span (the forward's, then the backward's), whether it
+# runs inside a backward (recomputation), bytes its submodules' forwards kept, its first
+# grad-requiring input's ``grad_fn`` (where its backward ends; dropped at the forward's exit,
+# once a gate holds the call: the record keeps no node alive), its backward's graph task.
+_N, _SPAN, _INBW, _CHILD, _SOURCE, _TASK = range(6)
 
-    def __init__(self, owner: ModuleProfiler, node: _Node) -> None:
+
+class _Gate:
+    """The pre-hook of one autograd node: the module calls whose backward starts (its
+    output's ``grad_fn``) or ends (its input's) at that node, run in registration order.
+
+    One gate per node per step: a gate of an earlier step (or profiler) found on a node is
+    left to its own calls, and a new one takes the new ones, so that every call's hook lives
+    until the second step end after its forward, as it would with a hook of its own."""
+
+    __slots__ = ("edges", "handle", "key", "owner")
+
+    def __init__(self, owner: ModuleProfiler, key: object) -> None:
         self.owner = owner
-        self.node = node
-        self.span: RawSpan | None = None
-        self.task = -1
-        self.handles: list[Any] = []
+        self.key = key
+        #: ``(True, call)``: the call's backward starts here; ``(False, call)``: it ends.
+        self.edges: list[tuple[bool, list[Any]]] = []
+        self.handle: Any = None
 
-    def start(self, grad_outputs: Any) -> None:
+    def fire(self, grad_outputs: Any) -> None:
         owner = self.owner
-        if self.span is None and owner._active:
-            task = _task_id()
-            owner._backward_started(task)
-            self.task = task
-            owner._open_backward[id(self)] = self
-            self.span = open_quiet(self.node.name)
-
-    def end(self, grad_inputs: Any) -> None:
-        span = self.span
-        if span is not None:
-            close_quiet(span)
-            self.span = None
-            owner = self.owner
-            owner._open_backward.pop(id(self), None)
-            owner._record_backward(self.node, span)
+        for starts, call in self.edges:
+            if starts:
+                if call[_SPAN] is None and owner._active:
+                    task = _task_id()
+                    if owner._callback_task != task:
+                        owner._backward_started(task)
+                    call[_TASK] = task
+                    owner._open_backward[id(call)] = call
+                    call[_SPAN] = open_quiet(call[_N].name)
+            else:
+                span = call[_SPAN]
+                if span is not None:
+                    owner._end_backward(call, span)
 
     def remove(self) -> None:
-        for handle in self.handles:
+        self.key = None  # found on its node later, it takes no more calls
+        self.edges = []
+        handle, self.handle = self.handle, None
+        if handle is not None:
             handle.remove()
-        self.handles = []
 
 
 def _grad_tensor(value: Any, depth: int = 0) -> torch.Tensor | None:
@@ -166,9 +185,13 @@ class ModuleProfiler(PresentedHtml):
         self._order: list[tuple[str, weakref.ref[torch.nn.Module], str | None]] = []
         self._handles: list[Any] = []
         self._stack: list[list[Any]] = []
-        self._open_backward: dict[int, _Backward] = {}
-        self._pending: list[_Backward] = []
-        self._pending_old: list[_Backward] = []
+        #: Module calls whose backward span is open, by ``id`` of the call's record.
+        self._open_backward: dict[int, list[Any]] = {}
+        #: Gates registered in this step and in the one before (removed a step later).
+        self._pending: list[_Gate] = []
+        self._pending_old: list[_Gate] = []
+        #: Which gates take new calls: a new key per step (see ``_Gate``).
+        self._gate_key = object()
         self._touched: list[_Node] = []
         self._callback_task = -1
         self._backward_done = False
@@ -216,8 +239,8 @@ class ModuleProfiler(PresentedHtml):
         while self._stack:  # forwards left open (the profile closed inside one)
             close_quiet(self._stack.pop()[1])
         self._drop_backward()
-        for call in (*self._pending_old, *self._pending):
-            call.remove()
+        for gate in (*self._pending_old, *self._pending):
+            gate.remove()
         self._pending_old, self._pending = [], []
         self._end_step()
         self._read_state()
@@ -253,9 +276,7 @@ class ModuleProfiler(PresentedHtml):
     @property
     def hooks(self) -> int:
         """Hooks this profiler has installed now (0 once stopped)."""
-        return len(self._handles) + sum(
-            len(c.handles) for c in (*self._pending_old, *self._pending)
-        )
+        return len(self._handles) + len(self._pending_old) + len(self._pending)
 
     @property
     def running(self) -> bool:
@@ -336,12 +357,14 @@ class ModuleProfiler(PresentedHtml):
                 self._end_step()
         source = None
         if not in_backward and _grad_enabled():
-            first = _grad_tensor(args)
-            if first is None and kwargs:
-                first = _grad_tensor(kwargs)
+            first = args[0] if args else None  # the usual case: the first argument
+            if first.__class__ is not _Tensor or not first.requires_grad:
+                first = _grad_tensor(args)
+                if first is None and kwargs:
+                    first = _grad_tensor(kwargs)
             if first is not None:
                 source = first.grad_fn
-        stack.append([node, open_quiet(node.name), in_backward, 0, source])
+        stack.append([node, open_quiet(node.name), in_backward, 0, source, -1])
 
     def _post(self, node: _Node, module: torch.nn.Module, args: Any, output: Any) -> None:
         if _is_compiling():
@@ -353,8 +376,9 @@ class ModuleProfiler(PresentedHtml):
             return
         entry = stack.pop()
         exc = sys.exc_info()[1] if output is None else None
-        span = entry[1]
+        span = entry[_SPAN]
         close_quiet(span, exc)
+        entry[_SPAN] = None  # the record's span slot is its backward's from here
         cur = node.cur
         if cur is None:
             cur = node.cur = [0] * 11
@@ -364,24 +388,30 @@ class ModuleProfiler(PresentedHtml):
         if peak is None:
             peak = 0
             self._unmeasured = getattr(span, "unmeasured", None) or "not measured"
-        if entry[2]:  # re-run inside the backward (activation checkpointing)
+        if entry[_INBW]:  # re-run inside the backward (activation checkpointing)
             cur[_RECALLS] += 1
             cur[_REKEPT] += kept
         else:
             cur[_CALLS] += 1
             cur[_KEPT] += kept
-            cur[_SELF] += kept - entry[3]
+            cur[_SELF] += kept - entry[_CHILD]
             if peak > cur[_FPEAK]:
                 cur[_FPEAK] = peak
             cur[_FNS] += span.end_ns - span.start_ns
             if stack:
-                stack[-1][3] += kept
+                stack[-1][_CHILD] += kept
         if exc is not None:
             node.raised += 1
-        elif not entry[2] and output is not None:
-            out = _grad_tensor(output)
-            if out is not None and out.grad_fn is not None:
-                self._watch(node, out.grad_fn, entry[4])
+        elif not entry[_INBW] and output is not None:
+            out = output if output.__class__ is _Tensor else _grad_tensor(output)
+            if out is not None and out.requires_grad:
+                start = out.grad_fn
+                if start is not None:
+                    end = entry[_SOURCE]
+                    entry[_SOURCE] = None  # the record outlives the forward: no node in it
+                    self._gate(start).edges.append((True, entry))
+                    if end is not None:
+                        self._gate(end).edges.append((False, entry))
 
     def _unwind(self, node: _Node) -> bool:
         """The innermost open forward is not ``node``'s (an exception that skipped the
@@ -396,12 +426,22 @@ class ModuleProfiler(PresentedHtml):
 
     # -- backward -----------------------------------------------------------------------
 
-    def _watch(self, node: _Node, start: Any, end: Any) -> None:
-        call = _Backward(self, node)
-        call.handles.append(start.register_prehook(call.start))
-        if end is not None:
-            call.handles.append(end.register_prehook(call.end))
-        self._pending.append(call)
+    def _gate(self, fn: Any) -> _Gate:
+        """The gate of autograd node ``fn`` for this step's calls, registered on first use
+        (kept in the node's own ``metadata``: the profile holds no reference to a node, so
+        a graph dies when the code drops it)."""
+        try:
+            meta = fn.metadata
+        except Exception:  # a node without metadata: a gate of its own each time
+            meta = None
+        gate = None if meta is None else meta.get(_GATE_KEY)
+        if gate is None or gate.key is not self._gate_key:
+            gate = _Gate(self, self._gate_key)
+            gate.handle = fn.register_prehook(gate.fire)
+            if meta is not None:
+                meta[_GATE_KEY] = gate
+            self._pending.append(gate)
+        return gate
 
     def _backward_started(self, task: int) -> None:
         if self._callback_task != task:
@@ -413,8 +453,8 @@ class ModuleProfiler(PresentedHtml):
     def _backward_ended(self, task: int) -> None:
         """The engine's callback at the end of a backward pass: every backward span of that
         pass still open ends here."""
-        for call in [c for c in self._open_backward.values() if c.task == task]:
-            call.end(None)
+        for call in [c for c in self._open_backward.values() if c[_TASK] == task]:
+            self._end_backward(call, call[_SPAN])
         if self._callback_task == task:
             self._callback_task = -1
         self._backward_done = True
@@ -426,13 +466,18 @@ class ModuleProfiler(PresentedHtml):
         """Close, unrecorded, the backward spans a failed backward pass left open (else
         every later span would fold its peak into them)."""
         for call in list(self._open_backward.values()):
-            if call.span is not None:
-                close_quiet(call.span)
-                call.span = None
+            if call[_SPAN] is not None:
+                close_quiet(call[_SPAN])
+                call[_SPAN] = None
         self._open_backward.clear()
         self._callback_task = -1
 
-    def _record_backward(self, node: _Node, span: RawSpan) -> None:
+    def _end_backward(self, call: list[Any], span: RawSpan) -> None:
+        """Close a call's backward span and add it to its module's figures."""
+        close_quiet(span)
+        call[_SPAN] = None
+        self._open_backward.pop(id(call), None)
+        node = call[_N]
         cur = node.cur
         if cur is None:
             cur = node.cur = [0] * 11
@@ -458,9 +503,10 @@ class ModuleProfiler(PresentedHtml):
             if self._state_reads < _STATE_READS:
                 self._read_state()
         # Backward hooks of forwards two steps old will not fire any more: drop them.
-        for call in self._pending_old:
-            call.remove()
+        for gate in self._pending_old:
+            gate.remove()
         self._pending_old, self._pending = self._pending, []
+        self._gate_key = object()
 
     def _read_state(self) -> None:
         self._state_reads += 1

@@ -494,3 +494,40 @@ def test_pause_leaves_calls_out_until_resume(fake: FakeAllocator) -> None:
     outer = prof.profile.module("Outer")
     assert outer.calls.max == 2  # one step (no backward ended one): two calls, not three
     assert outer.kept.max == 2 * 140 * KiB
+
+
+def test_one_backward_hook_per_node_and_no_graph_kept_alive(fake: FakeAllocator) -> None:
+    """A node that bounds several calls' backwards gets one hook (a module's input node is
+    its predecessor's output node, a parent's output node its last child's), and the profile
+    holds no autograd node: a graph whose output the code drops dies with it."""
+    import weakref
+
+    class Box:
+        def __init__(self, t: torch.Tensor) -> None:
+            self.t = t
+
+    saved: list[weakref.ref[Box]] = []
+
+    def pack(t: torch.Tensor) -> Box:
+        box = Box(t.detach())  # the saved tensor's own grad_fn would make a cycle
+        saved.append(weakref.ref(box))
+        return box
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh())
+    x = torch.ones(2, 4, requires_grad=True)
+    with cudamem.track_modules(model) as prof:
+        base = prof.hooks
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda box: box.t):
+            out = model(x)
+        # Nodes: the first addmm (0's start, 1's end), the first tanh (1's start, 2's
+        # end), the second addmm (2's start, 3's end), the second tanh (3's start and the
+        # Sequential's): 4 hooks for 9 call edges.
+        assert prof.hooks - base == 4
+        assert saved and all(ref() is not None for ref in saved)
+        del out
+        assert [ref() for ref in saved] == [None] * len(saved)
+        out = model(x)
+        out.sum().backward()
+    p = prof.profile
+    assert [p.module(f"Sequential.{i}").backward_calls.max for i in range(4)] == [1] * 4
+    assert p.module("Sequential").backward_calls.max == 1
