@@ -37,10 +37,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
-from . import _backend, _nvml, census
+from . import _backend, _nvml, census, host_ledger
+from ._args import check_bool
 from ._device_arg import DeviceLike, resolve_device
 from ._format import format_bytes
 from ._present import Presented, PresentedHtml
+from .host_ledger import HostLedger
 from .snapshot import (
     CacheSplit,
     PrivatePool,
@@ -220,6 +222,9 @@ class Explanation(PresentedHtml):
     devices: tuple[DeviceLedger, ...]
     nvml: _nvml.NvmlStatus
     notes: tuple[str, ...] = ()
+    #: The host half: RSS/PSS/USS, the pinned pool, CPU tensors, DataLoader workers
+    #: (``explain(host=False)``: ``None``).
+    host: HostLedger | None = None
 
     def __getitem__(self, device: int) -> DeviceLedger:
         for ledger in self.devices:
@@ -919,12 +924,14 @@ def _ledger_for(device: int, status: _nvml.NvmlStatus) -> DeviceLedger:
     return ledger
 
 
-def explain(device: DeviceLike | None = None) -> Explanation:
+def explain(device: DeviceLike | None = None, *, host: bool = True) -> Explanation:
     """Reconcile nvidia-smi with PyTorch for each device this process uses (or ``device``).
 
     Args:
         device: one CUDA device to explain; by default every device this process has a
             CUDA context on.
+        host: add the host section (``Explanation.host``: this process's RSS/PSS/USS, the
+            pinned pool, CPU tensors with their largest holders, DataLoader workers).
 
     Returns:
         An ``Explanation``; ``print()`` it for a table, ``render.json.to_json()`` it for
@@ -933,6 +940,7 @@ def explain(device: DeviceLike | None = None) -> Explanation:
     Creates no CUDA context, synchronizes nothing and never turns allocator history
     recording on; with no driver or no GPU it explains that in one line instead of raising.
     """
+    check_bool("host", host)
     be = _backend.get()
     notes: list[str] = []
     status = _nvml.status()
@@ -944,7 +952,7 @@ def explain(device: DeviceLike | None = None) -> Explanation:
             resolve_device(device)  # the argument's TypeError, not a device-count message
         reason = "a CPU build of torch" if torch.version.cuda is None else "no GPU or no driver"
         notes.append(f"{device} cannot be explained: torch sees no CUDA device ({reason})")
-        return Explanation(devices=(), nvml=status, notes=tuple(notes))
+        return Explanation(devices=(), nvml=status, notes=tuple(notes), host=_host(host))
     devices = be.initialized_devices() if device is None else (resolve_device(device),)
     if not devices:
         notes.append(
@@ -962,7 +970,11 @@ def explain(device: DeviceLike | None = None) -> Explanation:
                 f"{device_name(d)}: could not build the ledger: {type(exc).__name__}: {exc}"
             )
     notes.extend(_process_notes())
-    return Explanation(devices=tuple(ledgers), nvml=status, notes=tuple(notes))
+    return Explanation(devices=tuple(ledgers), nvml=status, notes=tuple(notes), host=_host(host))
+
+
+def _host(wanted: bool) -> HostLedger | None:
+    return host_ledger.measure_host() if wanted else None
 
 
 # --------------------------------------------------------------------------- status

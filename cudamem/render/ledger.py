@@ -8,6 +8,7 @@ from .._present import renders
 from ..ledger import DeviceLedger, Explanation, LedgerLine, MachineStatus
 from ..release import DeviceRelease, ReleaseResult
 from ..snapshot import CacheSplit
+from .host import render_host_ledger, render_host_release
 from .text import render_table
 
 __all__ = [
@@ -102,6 +103,8 @@ def render_explanation(explanation: Explanation) -> str:
     if not explanation.nvml.available:
         parts.append(f"NVML unavailable: {explanation.nvml.reason}")
     parts.extend(f"note: {n}" for n in explanation.notes)
+    if explanation.host is not None:
+        parts.append(render_host_ledger(explanation.host))
     return "\n\n".join(parts) if parts else "nothing to explain"
 
 
@@ -180,7 +183,8 @@ def render_release(result: ReleaseResult) -> str:
     head = f"gc collected {result.gc_collected} objects; cuBLAS workspaces " + (
         "cleared" if result.cublas_cleared else "not cleared"
     )
-    return "\n".join([head, *parts, *(f"note: {n}" for n in result.notes)])
+    host = [] if result.host is None else [render_host_release(result.host)]
+    return "\n".join([head, *parts, *host, *(f"note: {n}" for n in result.notes)])
 
 
 @renders(MachineStatus)
