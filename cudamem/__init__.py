@@ -19,6 +19,7 @@ from .census import live_tensors, unaccounted
 from .diff import diff
 from .holders import find_graph_holders, who_holds
 from .host import to_host
+from .workers import HostMemoryWarning
 from .leaks import LeakWarning, configure_leaks, leak_settings, leaks
 from .ledger import explain, machine_status
 from .memviz import dump_snapshot
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 __all__ = [
+    "HostMemoryWarning",
     "LeakWarning",
     "MemorySpan",
     "ScalarLogger",

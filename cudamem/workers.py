@@ -68,7 +68,7 @@ class WatchSettings(Presented):
 
     #: Seconds between the cheap fault reads.
     interval: float = 1.0
-    #: Share of one core the ``smaps_rollup`` reads may take.
+    #: Share of one core the ``smaps_rollup`` reads may take (1: no limit).
     budget: float = 0.005
     #: Mean USS growth per worker that warns when the dataset holds large Python containers.
     min_growth: int = 8 * MiB
@@ -283,7 +283,8 @@ class WorkerWatcher:
         spent = time.perf_counter() - t0
         self.cost += spent
         self.full_reads += 1
-        self._next_full = time.monotonic() + spent / self.settings.budget
+        if self.settings.budget < 1:  # 1: a whole core, no wait
+            self._next_full = time.monotonic() + spent / self.settings.budget
         return memory
 
     def tick(self, *, force: bool = False) -> None:
