@@ -211,3 +211,24 @@ def test_the_hook_registers_new_iterators_and_is_removed_by_stop() -> None:
 def test_host_memory_warning_is_exported() -> None:
     assert cudamem.HostMemoryWarning is HostMemoryWarning
     assert issubclass(HostMemoryWarning, UserWarning)
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_the_start_method_is_read_off_the_workers_process_objects(method: str) -> None:
+    import multiprocessing
+
+    class Iter:
+        _dataset = Arrays()
+        _workers = [multiprocessing.get_context(method).Process(target=print)]
+
+    assert workers._start_method(Iter()) == method
+
+
+def test_the_default_context_reads_the_default_start_method() -> None:
+    import multiprocessing
+
+    class Iter:
+        _dataset = Arrays()
+        _workers = [multiprocessing.Process(target=print)]  # _start_method is None
+
+    assert workers._start_method(Iter()) == multiprocessing.get_start_method()
