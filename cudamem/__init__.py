@@ -19,7 +19,6 @@ from .census import live_tensors, unaccounted
 from .diff import diff
 from .holders import find_graph_holders, who_holds
 from .host import to_host
-from .workers import HostMemoryWarning
 from .leaks import LeakWarning, configure_leaks, leak_settings, leaks
 from .ledger import explain, machine_status
 from .memviz import dump_snapshot
@@ -29,6 +28,7 @@ from .release import release
 from .scalars import ScalarLogger, log_scalar
 from .snapshot import UnsafeSnapshotError, load_snapshot
 from .span import MemorySpan, StepSpan, max_allocated, track
+from .workers import HostMemoryWarning
 
 if TYPE_CHECKING:
     from .render.plot import plot

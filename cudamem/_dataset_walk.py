@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = ["ContainerAttr", "large_containers"]
 
@@ -59,12 +60,12 @@ def _is_builtin(obj: object) -> bool:
     return type(obj) in _CONTAINERS or type(obj) in _LEAVES
 
 
-def _children(obj: object) -> list[object]:
+def _children(obj: Any) -> list[object]:
     """Direct children of a built-in container or an object's ``__dict__`` values."""
     if type(obj) is dict:
-        return [*obj.keys(), *obj.values()]  # type: ignore[attr-defined]
+        return [*obj.keys(), *obj.values()]
     if type(obj) in (list, tuple, set, frozenset):
-        return list(obj)  # type: ignore[call-overload]
+        return list(obj)
     d = _instance_dict(obj)
     return [] if d is None else list(d.values())
 
@@ -77,25 +78,24 @@ def _instance_dict(obj: object) -> dict[str, object] | None:
     return d if type(d) is dict else None
 
 
-def _sample(container: object, count: int) -> list[object]:
+def _sample(container: Any, count: int) -> list[object]:
     if type(container) is dict:
-        values = container.values()  # type: ignore[attr-defined]
+        values = container.values()
         if count <= SAMPLE:
             return list(values)
         step = count // SAMPLE
         return [v for i, v in enumerate(values) if i % step == 0][:SAMPLE]
     if type(container) in (set, frozenset):
         out = []
-        for i, v in enumerate(container):  # type: ignore[attr-defined]
+        for i, v in enumerate(container):
             if i >= SAMPLE:
                 break
             out.append(v)
         return out
-    seq = container
     if count <= SAMPLE:
-        return list(seq)  # type: ignore[call-overload]
-    step = count / SAMPLE
-    return [seq[int(i * step)] for i in range(SAMPLE)]  # type: ignore[index]
+        return list(container)
+    spread = count / SAMPLE
+    return [container[int(i * spread)] for i in range(SAMPLE)]
 
 
 def _estimate(container: object, count: int) -> tuple[int, str]:

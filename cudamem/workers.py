@@ -326,7 +326,7 @@ class WorkerWatcher:
                 step = (faults - (worker.faults or 0)) * PAGE
                 if force or step >= self.settings.fault_step:
                     due.append((worker.read_at, entry, worker))
-        for _, entry, worker in sorted(due, key=lambda d: d[0]):
+        for _, _entry, worker in sorted(due, key=lambda d: d[0]):
             if not force and time.monotonic() < self._next_full:
                 break
             faults = _procfs.read_faults(worker.pid)
@@ -344,7 +344,9 @@ class WorkerWatcher:
     def _judge(self, entry: _Loader) -> None:
         if entry.warned or entry.key in self._warned_keys:
             return
-        growths = [w.last.uss - w.first.uss for w in entry.workers.values() if w.last.uss and w.first.uss]
+        growths = [
+            w.last.uss - w.first.uss for w in entry.workers.values() if w.last.uss and w.first.uss
+        ]
         if not growths:
             return
         mean = sum(growths) / len(growths)
@@ -392,7 +394,7 @@ def _install_hook() -> bool:
         return False
     if _original_init is not None:
         return True
-    original = cls.__init__
+    original = cls.__dict__["__init__"]
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
@@ -433,7 +435,9 @@ def watch_workers(
     with _hook_lock:
         if _watcher is not None:
             return _watcher
-        settings = WatchSettings(interval=float(interval), budget=float(budget), min_growth=min_growth)
+        settings = WatchSettings(
+            interval=float(interval), budget=float(budget), min_growth=min_growth
+        )
         current = WorkerWatcher(settings)
         _install_hook()
         _watcher = current.start()

@@ -143,7 +143,7 @@ def render_pinned(pool: PinnedPool) -> str:
     if pool.cached:
         how = pool.free_call or "nothing on this torch (only the process exiting)"
         lines.append(
-            f"  the cache is freed by cudamem.release(host=True)"
+            "  the cache is freed by cudamem.release(host=True)"
             + (f" / {pool.free_call}" if pool.free_call else f"; {how}")
         )
     lines.extend(f"  note: {n}" for n in pool.notes)
@@ -162,9 +162,7 @@ def render_host_ledger(ledger: HostLedger) -> str:
     if cpu is None:
         lines.append("  CPU tensors: the census failed")
     else:
-        lines.append(
-            f"  CPU tensors: {format_bytes(cpu.nbytes)} in {plural(cpu.count, 'storage')}"
-        )
+        lines.append(f"  CPU tensors: {format_bytes(cpu.nbytes)} in {plural(cpu.count, 'storage')}")
         if cpu.largest:
             rows = [
                 [format_bytes(s.nbytes), s.describe(), "; ".join(s.paths[:3]) or "not searched"]
@@ -195,9 +193,7 @@ def render_host_release(result: HostRelease) -> str:
     if result.after is not None:
         text += f", {format_bytes(result.after.in_use)} stays in use"
     if result.rss_before is not None and result.rss_after is not None:
-        text += (
-            f"; RSS {format_bytes(result.rss_before)} → {format_bytes(result.rss_after)}"
-        )
+        text += f"; RSS {format_bytes(result.rss_before)} → {format_bytes(result.rss_after)}"
     return text
 
 

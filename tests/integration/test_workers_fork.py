@@ -114,9 +114,7 @@ def test_numpy_backed_workers_do_not_grow_and_never_warn(watch: workers.WorkerWa
 
 
 def test_persistent_workers_are_one_loader_across_epochs(watch: workers.WorkerWatcher) -> None:
-    loader = DataLoader(
-        ArrayItems(20_000), batch_size=512, num_workers=2, persistent_workers=True
-    )
+    loader = DataLoader(ArrayItems(20_000), batch_size=512, num_workers=2, persistent_workers=True)
     for _ in range(2):
         for _ in loader:
             pass

@@ -47,7 +47,12 @@ class Trapped:
 def test_a_list_of_dicts_is_named_with_its_count_and_bytes() -> None:
     ds = Items(20_000)
     (found,) = large_containers(ds)
-    assert (found.path, found.kind, found.count, found.element) == ("dataset.items", "list", 20_000, "dict")
+    assert (found.path, found.kind, found.count, found.element) == (
+        "dataset.items",
+        "list",
+        20_000,
+        "dict",
+    )
     exact = sys.getsizeof(ds.items) + sum(sys.getsizeof(d) for d in ds.items)
     # the dicts themselves at least, and at most twice that with their keys and values
     assert exact <= found.nbytes <= 2 * exact

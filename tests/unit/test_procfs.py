@@ -4,7 +4,7 @@ for every way it can fail."""
 from __future__ import annotations
 
 from cudamem import _procfs
-from tests.procfs_fakes import MiB, FakeProc, rollup, stat
+from tests.procfs_fakes import FakeProc, MiB, rollup, stat
 
 SMAPS_TWO_MAPPINGS = """\
 00400000-00452000 r-xp 00000000 08:02 173521      /usr/bin/python3

@@ -13,7 +13,7 @@ import pytest
 import cudamem
 from cudamem import _procfs, workers
 from cudamem.workers import HostMemoryWarning, WatchSettings, WorkerWatcher
-from tests.procfs_fakes import MiB, FakeProc
+from tests.procfs_fakes import FakeProc, MiB
 
 PAGE = workers.PAGE
 
@@ -27,7 +27,9 @@ class Proc:
 class FakeIter:
     """What the watcher reads of a ``_MultiProcessingDataLoaderIter``."""
 
-    def __init__(self, dataset: object, pids: list[int], method: str = "fork", persistent: bool = False) -> None:
+    def __init__(
+        self, dataset: object, pids: list[int], method: str = "fork", persistent: bool = False
+    ) -> None:
         self._dataset = dataset
         self._workers = [Proc(p, method) for p in pids]
         self._persistent_workers = persistent
@@ -217,18 +219,14 @@ def test_host_memory_warning_is_exported() -> None:
 def test_the_start_method_is_read_off_the_workers_process_objects(method: str) -> None:
     import multiprocessing
 
-    class Iter:
-        _dataset = Arrays()
-        _workers = [multiprocessing.get_context(method).Process(target=print)]
-
-    assert workers._start_method(Iter()) == method
+    it = FakeIter(Arrays(), [])
+    it._workers = [multiprocessing.get_context(method).Process(target=print)]  # type: ignore[list-item]
+    assert workers._start_method(it) == method
 
 
 def test_the_default_context_reads_the_default_start_method() -> None:
     import multiprocessing
 
-    class Iter:
-        _dataset = Arrays()
-        _workers = [multiprocessing.Process(target=print)]  # _start_method is None
-
-    assert workers._start_method(Iter()) == multiprocessing.get_start_method()
+    it = FakeIter(Arrays(), [])
+    it._workers = [multiprocessing.Process(target=print)]  # type: ignore[list-item]  # no method
+    assert workers._start_method(it) == multiprocessing.get_start_method()
