@@ -28,9 +28,11 @@ __all__ = [
     "CpuTensors",
     "HostLedger",
     "HostRelease",
+    "HostRun",
     "PinnedPool",
     "build_pinned",
     "empty_pinned_cache",
+    "host_run",
     "measure_host",
     "round_pinned",
 ]
@@ -205,3 +207,28 @@ def empty_pinned_cache() -> HostRelease:
     after, _ = _pinned()
     note = "" if call is not None else "this torch has no call that empties the pinned cache"
     return HostRelease(call, before, after, rss_before, _procfs.read_memory().rss, note)
+
+
+@dataclass(frozen=True, slots=True)
+class HostRun(Presented):
+    """The host half of ``cudamem run``: this process at exit, the pinned pool, and every
+    DataLoader the watcher saw, with the ``HostMemoryWarning`` texts shown."""
+
+    json_properties: ClassVar[tuple[str, ...]] = ("workers_growth",)
+
+    process: ProcessMemory
+    pinned: PinnedPool | None
+    pinned_reason: str
+    loaders: tuple[LoaderReport, ...]
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def workers_growth(self) -> int:
+        """Total USS growth of every loader's workers."""
+        return sum(loader.growth for loader in self.loaders)
+
+
+def host_run(loaders: tuple[LoaderReport, ...], texts: tuple[str, ...]) -> HostRun:
+    """``HostRun`` now, for these loaders and warning texts. Never raises."""
+    pinned, reason = _pinned()
+    return HostRun(_procfs.read_memory(os.getpid()), pinned, reason, loaders, texts)

@@ -24,6 +24,7 @@ import contextlib
 import itertools
 import multiprocessing
 import os
+import sys
 import threading
 import time
 import warnings
@@ -35,6 +36,7 @@ from typing import Any, ClassVar
 from . import _backend, _procfs
 from ._args import check_seconds
 from ._dataset_walk import ContainerAttr, large_containers
+from ._frames import is_library_file
 from ._present import Presented, present
 from ._procfs import ProcessMemory
 
@@ -150,6 +152,17 @@ class LoaderReport(Presented):
 
 
 # --------------------------------------------------------------------------- the watcher
+
+
+def _stacklevel() -> int:
+    """The first frame outside cudamem and torch: the user's loop when the loader's end is
+    judged in its thread; the watcher thread's own frame otherwise."""
+    frame = sys._getframe(1)
+    level = 1
+    while frame.f_back is not None and is_library_file(frame.f_code.co_filename):
+        frame = frame.f_back
+        level += 1
+    return level
 
 
 @dataclass
@@ -341,7 +354,7 @@ class WorkerWatcher:
             for key in [k for k, e in self._loaders.items() if e.ended]:
                 self._finished.append(self._loaders.pop(key))
 
-    def _judge(self, entry: _Loader) -> None:
+    def _judge(self, entry: _Loader, it: Any = None) -> None:
         if entry.warned or entry.key in self._warned_keys:
             return
         growths = [
@@ -353,7 +366,7 @@ class WorkerWatcher:
         if mean < self.settings.min_growth:
             return
         if not entry.walked:
-            it = entry.ref()
+            it = entry.ref() if it is None else it
             dataset = getattr(it, "_dataset", None) if it is not None else None
             del it
             if dataset is None:
@@ -367,7 +380,32 @@ class WorkerWatcher:
         self._warned_keys.add(entry.key)
         report = entry.value()
         with contextlib.suppress(Exception):
-            warnings.warn(HostMemoryWarning(present(report), report), stacklevel=2)
+            warnings.warn(HostMemoryWarning(present(report), report), stacklevel=_stacklevel())
+
+    def final(self, it: Any) -> None:
+        """Read ``it``'s workers now, outside the budget where their faults say pages changed
+        (torch is about to end them), and judge the loader."""
+        with self._lock:
+            entry = self._loaders.get(id(it))
+        if entry is None:
+            return
+        with self._tick_lock:
+            for worker in entry.workers.values():
+                if worker.exited:
+                    continue
+                faults = _procfs.read_faults(worker.pid)
+                if faults is None:
+                    worker.exited = True
+                    continue
+                if (faults - (worker.faults or 0)) * PAGE < self.settings.fault_step:
+                    continue
+                t0 = time.perf_counter()
+                memory = _procfs.read_memory(worker.pid)
+                self.cost += time.perf_counter() - t0
+                self.full_reads += 1
+                if memory.measured:
+                    worker.last, worker.faults = memory, faults
+            self._judge(entry, it)
 
     # -- results -----------------------------------------------------------------------
     def reports(self, *, refresh: bool = False) -> tuple[LoaderReport, ...]:
@@ -384,37 +422,54 @@ class WorkerWatcher:
 
 _watcher: WorkerWatcher | None = None
 _hook_lock = threading.Lock()
-_original_init: Any = None
+_originals: dict[str, Any] = {}
 
 
 def _install_hook() -> bool:
-    global _original_init
+    """Wrap the iterator's ``__init__`` (register it) and ``_shutdown_workers`` (read its
+    workers one last time, before torch ends them: at the end of an epoch without persistent
+    workers, or when the loop is left mid-epoch)."""
+    global _originals
     cls = _iter_class()
     if cls is None:
         return False
-    if _original_init is not None:
+    if _originals:
         return True
-    original = cls.__dict__["__init__"]
+    init = cls.__dict__["__init__"]
+    shutdown = cls.__dict__.get("_shutdown_workers")
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
+        init(self, *args, **kwargs)
         current = _watcher
         if current is not None:
             with contextlib.suppress(Exception):
                 current.register(self)
 
-    __init__.__wrapped__ = original  # type: ignore[attr-defined]
+    __init__.__wrapped__ = init  # type: ignore[attr-defined]
     cls.__init__ = __init__  # type: ignore[misc]
-    _original_init = original
+    _originals = {"__init__": init}
+    if shutdown is not None:
+
+        def _shutdown_workers(self: Any, *args: Any, **kwargs: Any) -> Any:
+            current = _watcher
+            if current is not None and getattr(self, "_shutdown", True) is False:
+                with contextlib.suppress(Exception):
+                    current.final(self)
+            return shutdown(self, *args, **kwargs)
+
+        _shutdown_workers.__wrapped__ = shutdown  # type: ignore[attr-defined]
+        cls._shutdown_workers = _shutdown_workers  # type: ignore[attr-defined]
+        _originals["_shutdown_workers"] = shutdown
     return True
 
 
 def _remove_hook() -> None:
-    global _original_init
+    global _originals
     cls = _iter_class()
-    if cls is not None and _original_init is not None:
-        cls.__init__ = _original_init  # type: ignore[misc]
-    _original_init = None
+    if cls is not None:
+        for name, original in _originals.items():
+            setattr(cls, name, original)
+    _originals = {}
 
 
 def watch_workers(

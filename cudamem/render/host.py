@@ -7,7 +7,7 @@ from .._dataset_walk import ContainerAttr
 from .._format import format_bytes, plural
 from .._present import renders
 from .._procfs import ProcessMemory
-from ..host_ledger import HostLedger, HostRelease, PinnedPool
+from ..host_ledger import HostLedger, HostRelease, HostRun, PinnedPool
 from ..workers import LoaderReport, WatchSettings
 from .text import render_table
 
@@ -15,6 +15,7 @@ __all__ = [
     "render_container",
     "render_host_ledger",
     "render_host_release",
+    "render_host_run",
     "render_loader",
     "render_pinned",
     "render_process_memory",
@@ -203,3 +204,24 @@ def render_watch_settings(s: WatchSettings) -> str:
         f"worker watch: every {s.interval:g} s, at most {s.budget:.1%} of a core; warns at "
         f"{format_bytes(s.min_growth)} per worker"
     )
+
+
+@renders(HostRun)
+def render_host_run(run: HostRun) -> str:
+    """``cudamem run``'s host section: this process at exit, the pinned pool, each loader."""
+    lines = [f"host at exit ({render_process_memory(run.process)})"]
+    if run.pinned is None:
+        lines.append(f"  pinned pool: {run.pinned_reason}")
+    else:
+        lines.extend("  " + line for line in render_pinned(run.pinned).splitlines())
+    if not run.loaders:
+        lines.append("  DataLoader workers: none seen (num_workers=0, or no DataLoader)")
+    else:
+        lines.append(
+            f"  DataLoader workers: {plural(len(run.loaders), 'loader')}, "
+            f"{plural(sum(len(r.workers) for r in run.loaders), 'worker')}; "
+            f"{plural(len(run.warnings), 'host memory warning')}"
+        )
+        for report in run.loaders:
+            lines.extend("    " + line for line in render_loader(report).splitlines())
+    return "\n".join(lines)

@@ -9,7 +9,7 @@ import pytest
 
 import cudamem
 from cudamem import _backend, _procfs, host_ledger
-from cudamem.host_ledger import HostLedger, PinnedPool, build_pinned, round_pinned
+from cudamem.host_ledger import HostLedger, build_pinned, round_pinned
 from cudamem.workers import LoaderReport, WorkerMemory
 from tests.fakes import FakeAllocator
 from tests.procfs_fakes import FakeProc, rollup

@@ -201,13 +201,16 @@ def test_the_hook_registers_new_iterators_and_is_removed_by_stop() -> None:
 
     cls = dataloader._MultiProcessingDataLoaderIter
     original = cls.__init__
+    shutdown = cls._shutdown_workers
     watcher = workers.watch_workers(interval=60)
     try:
         assert cls.__init__ is not original and cls.__init__.__wrapped__ is original
+        assert cls._shutdown_workers.__wrapped__ is shutdown
         assert workers.watch_workers() is watcher and watcher.running
     finally:
         assert workers.stop_watching() == ()
-    assert cls.__init__ is original and not watcher.running and workers.watcher() is None
+    assert cls.__init__ is original and cls._shutdown_workers is shutdown
+    assert not watcher.running and workers.watcher() is None
 
 
 def test_host_memory_warning_is_exported() -> None:

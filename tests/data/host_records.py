@@ -1,0 +1,18 @@
+from torch.utils.data import DataLoader, Dataset
+
+
+class Records(Dataset):
+    def __init__(self, n):
+        self.records = [{"id": i, "path": f"img_{i:07d}.jpg", "label": i % 10} for i in range(n)]
+
+    def __len__(self):
+        return len(self.records)
+
+    def __getitem__(self, i):
+        return self.records[i]["label"]
+
+
+loader = DataLoader(Records(200_000), batch_size=256, num_workers=2, shuffle=True)
+for step, labels in enumerate(loader):
+    if step == 300:
+        break
