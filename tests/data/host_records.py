@@ -1,3 +1,6 @@
+"""A training loop's data side: labels in a list of 200 k dicts, read by 2 forked workers
+(``tests/integration/test_cli_run.py``, ``cudamem run``)."""
+
 from torch.utils.data import DataLoader, Dataset
 
 
@@ -13,6 +16,8 @@ class Records(Dataset):
 
 
 loader = DataLoader(Records(200_000), batch_size=256, num_workers=2, shuffle=True)
+seen = 0
 for step, labels in enumerate(loader):
+    seen += len(labels)
     if step == 300:
         break
