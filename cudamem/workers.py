@@ -243,6 +243,11 @@ class WorkerWatcher:
         #: Seconds spent reading ``/proc`` (both kinds of reads), and how many full reads.
         self.cost = 0.0
         self.full_reads = 0
+        #: This process's latest reading, when ``sample_self`` is on (the trainer callbacks'
+        #: host columns read it instead of ``/proc``).
+        self.process: ProcessMemory | None = None
+        self.sample_self = False
+        self._self_faults: int | None = None
 
     # -- life --------------------------------------------------------------------------
     def start(self) -> WorkerWatcher:
@@ -348,6 +353,8 @@ class WorkerWatcher:
                 worker.exited = True
                 continue
             worker.last, worker.faults, worker.read_at = memory, faults, time.monotonic()
+        if self.sample_self:
+            self._read_self(force)
         for entry in loaders:
             self._judge(entry)
         with self._lock:
@@ -381,6 +388,25 @@ class WorkerWatcher:
         report = entry.value()
         with contextlib.suppress(Exception):
             warnings.warn(HostMemoryWarning(present(report), report), stacklevel=_stacklevel())
+
+    def _read_self(self, force: bool) -> None:
+        pid = os.getpid()
+        faults = _procfs.read_faults(pid)
+        if self.process is not None and not force:
+            if (
+                faults is None
+                or (faults - (self._self_faults or 0)) * PAGE < self.settings.fault_step
+            ):
+                return
+            if time.monotonic() < self._next_full:
+                return
+        self.process, self._self_faults = self._full(pid), faults
+
+    def workers_uss(self) -> int:
+        """Sum of the live loaders' live workers' latest USS."""
+        with self._lock:
+            entries = list(self._loaders.values())
+        return sum(w.last.uss or 0 for e in entries for w in e.workers.values() if not w.exited)
 
     def final(self, it: Any) -> None:
         """Read ``it``'s workers now, outside the budget where their faults say pages changed
