@@ -156,7 +156,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     from .render.json import to_json
     from .span import span_core_status
 
-    status = machine_status()
+    status = machine_status(pids=args.pid or ())
     reader = _backend.reader_status()
     core = span_core_status(wait=STATUS_WAIT_S)
     heap = _heapscan.wait(STATUS_WAIT_S)
@@ -257,6 +257,13 @@ def _build() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         "status", help="this machine's GPUs as NVML sees them, reconciled (all processes)"
     )
     status.add_argument("--json", action="store_true", help="print the status as JSON")
+    status.add_argument(
+        "--pid",
+        type=int,
+        action="append",
+        metavar="PID",
+        help="also read this process's host memory and its children's (DataLoader workers)",
+    )
     status.set_defaults(func=_cmd_status)
     build = sub.add_parser(
         "build-reader",

@@ -27,8 +27,10 @@ __all__ = [
     "ProcessMemory",
     "get",
     "parse_rollup",
+    "read_children",
     "read_faults",
     "read_memory",
+    "read_name",
     "use",
 ]
 
@@ -187,3 +189,21 @@ def read_faults(pid: int) -> int | None:
     if len(fields) < 8 or not fields[7].isdigit() or fields[0] in ("Z", "X"):
         return None
     return int(fields[7])
+
+
+def read_children(pid: int) -> tuple[int, ...]:
+    """The child processes of ``pid``'s main thread (``/proc/<pid>/task/<pid>/children``,
+    Linux 3.5+): a DataLoader's workers are started from it. Empty when unreadable."""
+    try:
+        text = _active.read(pid, f"task/{pid}/children")
+    except OSError:
+        return ()
+    return tuple(int(p) for p in text.split() if p.isdigit())
+
+
+def read_name(pid: int) -> str | None:
+    """The command name of ``pid`` (``/proc/<pid>/comm``), ``None`` when unreadable."""
+    try:
+        return _active.read(pid, "comm").strip() or None
+    except OSError:
+        return None

@@ -30,10 +30,12 @@ __all__ = [
     "HostRelease",
     "HostRun",
     "PinnedPool",
+    "ProcessTree",
     "build_pinned",
     "empty_pinned_cache",
     "host_run",
     "measure_host",
+    "process_tree",
     "round_pinned",
 ]
 
@@ -232,3 +234,31 @@ def host_run(loaders: tuple[LoaderReport, ...], texts: tuple[str, ...]) -> HostR
     """``HostRun`` now, for these loaders and warning texts. Never raises."""
     pinned, reason = _pinned()
     return HostRun(_procfs.read_memory(os.getpid()), pinned, reason, loaders, texts)
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessTree(Presented):
+    """A process and its children (a training process and its DataLoader workers), as
+    ``cudamem status`` reads them from outside."""
+
+    json_properties: ClassVar[tuple[str, ...]] = ("children_uss", "children_pss")
+
+    process: ProcessMemory
+    name: str | None
+    children: tuple[ProcessMemory, ...]
+
+    @property
+    def children_uss(self) -> int:
+        """Sum of the children's USS (those measured)."""
+        return sum(c.uss or 0 for c in self.children)
+
+    @property
+    def children_pss(self) -> int:
+        """Sum of the children's PSS (those measured)."""
+        return sum(c.pss or 0 for c in self.children)
+
+
+def process_tree(pid: int) -> ProcessTree:
+    """``pid``'s memory and its children's. Never raises."""
+    children = tuple(_procfs.read_memory(c) for c in _procfs.read_children(pid))
+    return ProcessTree(_procfs.read_memory(pid), _procfs.read_name(pid), children)

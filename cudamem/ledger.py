@@ -42,7 +42,7 @@ from ._args import check_bool
 from ._device_arg import DeviceLike, resolve_device
 from ._format import format_bytes
 from ._present import Presented, PresentedHtml
-from .host_ledger import HostLedger
+from .host_ledger import HostLedger, ProcessTree
 from .snapshot import (
     CacheSplit,
     PrivatePool,
@@ -1003,6 +1003,9 @@ class MachineStatus(Presented):
     nvml: _nvml.NvmlStatus
     devices: tuple[_nvml.NvmlDevice, ...]
     pid: int
+    #: Host memory of the GPU processes NVML lists that run on this machine (and of
+    #: ``machine_status(pids=)``), each with its children: DataLoader workers.
+    host: tuple[ProcessTree, ...] = ()
 
     @property
     def device_lines(self) -> tuple[tuple[StatusLine, ...], ...]:
@@ -1035,11 +1038,20 @@ class MachineStatus(Presented):
         return rows
 
 
-def machine_status() -> MachineStatus:
-    """The whole machine's GPUs, every process included, from NVML. Never raises."""
+def machine_status(pids: Sequence[int] = ()) -> MachineStatus:
+    """The whole machine's GPUs, every process included, from NVML, and the host memory of
+    the GPU processes on this machine and of ``pids`` (RSS/PSS/USS, their children's USS and
+    PSS). Never raises but for a bad ``pids``."""
+    if isinstance(pids, (str, bytes)) or not all(
+        isinstance(p, int) and not isinstance(p, bool) and p > 0 for p in pids
+    ):
+        raise TypeError(f"pids must be a sequence of positive int process ids, not {pids!r}")
     status = _nvml.status()
     found = _nvml.query_all() if status.available else status
     devices = found if isinstance(found, tuple) else ()
     if isinstance(found, _nvml.NvmlStatus) and status.available:
         status = found
-    return MachineStatus(status, devices, os.getpid())
+    wanted = list(dict.fromkeys([*pids, *(p.pid for d in devices for p in d.processes or ())]))
+    trees = tuple(host_ledger.process_tree(p) for p in wanted)
+    local = tuple(t for t in trees if t.process.rss is not None or t.process.pid in pids)
+    return MachineStatus(status, devices, os.getpid(), local)

@@ -7,7 +7,7 @@ from .._dataset_walk import ContainerAttr
 from .._format import format_bytes, plural
 from .._present import renders
 from .._procfs import ProcessMemory
-from ..host_ledger import HostLedger, HostRelease, HostRun, PinnedPool
+from ..host_ledger import HostLedger, HostRelease, HostRun, PinnedPool, ProcessTree
 from ..workers import LoaderReport, WatchSettings
 from .text import render_table
 
@@ -19,6 +19,7 @@ __all__ = [
     "render_loader",
     "render_pinned",
     "render_process_memory",
+    "render_process_trees",
     "render_watch_settings",
 ]
 
@@ -225,3 +226,35 @@ def render_host_run(run: HostRun) -> str:
         for report in run.loaders:
             lines.extend("    " + line for line in render_loader(report).splitlines())
     return "\n".join(lines)
+
+
+def render_process_trees(trees: tuple[ProcessTree, ...]) -> str:
+    """``cudamem status``'s host table: each process, then its children summed."""
+    if not trees:
+        return "host: no GPU process of this machine to read (pass --pid PID for one)"
+    rows = []
+    for t in trees:
+        m = t.process
+        who = f"pid {m.pid}" + (f" {t.name}" if t.name else "")
+        if m.rss is None:
+            rows.append([who, "n/a", "n/a", "n/a", m.reason])
+            continue
+        rows.append([who, format_bytes(m.rss), format_bytes(m.pss), format_bytes(m.uss), ""])
+        if t.children:
+            rows.append(
+                [
+                    f"  its {plural(len(t.children), 'child', 'children')} (DataLoader workers?)",
+                    "",
+                    format_bytes(t.children_pss),
+                    format_bytes(t.children_uss),
+                    "sums",
+                ]
+            )
+    return render_table(
+        ["process", "RSS", "PSS", "USS", ""], rows, align="lrrrl", title="host memory"
+    )
+
+
+@renders(ProcessTree)
+def render_process_tree(tree: ProcessTree) -> str:
+    return render_process_trees((tree,))

@@ -8,7 +8,7 @@ from .._present import renders
 from ..ledger import DeviceLedger, Explanation, LedgerLine, MachineStatus
 from ..release import DeviceRelease, ReleaseResult
 from ..snapshot import CacheSplit
-from .host import render_host_ledger, render_host_release
+from .host import render_host_ledger, render_host_release, render_process_trees
 from .text import render_table
 
 __all__ = [
@@ -189,7 +189,15 @@ def render_release(result: ReleaseResult) -> str:
 
 @renders(MachineStatus)
 def render_machine_status(status: MachineStatus) -> str:
-    """``cudamem status``: one table per GPU whose lines add up to NVML's used."""
+    """``cudamem status``: one table per GPU whose lines add up to NVML's used, then the
+    GPU processes' host memory."""
+    gpus = _render_gpus(status)
+    if not status.host and not status.nvml.available:
+        return gpus
+    return f"{gpus}\n\n{render_process_trees(status.host)}"
+
+
+def _render_gpus(status: MachineStatus) -> str:
     if not status.nvml.available:
         return f"cudamem status: {status.nvml}"
     if not status.devices:

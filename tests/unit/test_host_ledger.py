@@ -145,3 +145,26 @@ def test_the_host_section_without_proc_or_cuda_says_why() -> None:
     assert "not measured: no /proc on this system" in text
     assert "pinned pool: not measured: CUDA is not initialised in this process" in text
     assert "DataLoader workers: none running" in text
+
+
+def test_status_reads_a_process_and_sums_its_children() -> None:
+    fake = FakeProc({(100, "comm"): "python\n", (100, "task/100/children"): "101 102"})
+    fake.set(100, uss=300 * MiB, pss=400 * MiB, rss=800 * MiB, minflt=0)
+    fake.set(101, uss=226 * MiB, pss=300 * MiB, rss=800 * MiB, minflt=0)
+    fake.set(102, uss=232 * MiB, pss=310 * MiB, rss=800 * MiB, minflt=0)
+    with _procfs.use(fake):
+        status = cudamem.machine_status(pids=[100, 7])
+    tree, gone = status.host
+    assert [c.pid for c in tree.children] == [101, 102] and tree.name == "python"
+    assert (tree.children_uss, tree.children_pss) == (458 * MiB, 610 * MiB)
+    assert gone.process.reason == "pid 7 has exited" and gone.children == ()
+    text = str(status)
+    assert "pid 100 python" in text and "its 2 children (DataLoader workers?)" in text
+    assert "610.0 MiB  458.0 MiB" in text and "pid 7 has exited" in text
+
+
+def test_status_names_bad_pids() -> None:
+    with pytest.raises(TypeError, match="pids must be a sequence of positive int"):
+        cudamem.machine_status(pids=["12"])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match="pids"):
+        cudamem.machine_status(pids=[0])
