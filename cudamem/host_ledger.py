@@ -260,5 +260,6 @@ class ProcessTree(Presented):
 
 def process_tree(pid: int) -> ProcessTree:
     """``pid``'s memory and its children's. Never raises."""
-    children = tuple(_procfs.read_memory(c) for c in _procfs.read_children(pid))
+    me = os.getpid()  # `cudamem status --pid` run by the process it reads: not its child
+    children = tuple(_procfs.read_memory(c) for c in _procfs.read_children(pid) if c != me)
     return ProcessTree(_procfs.read_memory(pid), _procfs.read_name(pid), children)

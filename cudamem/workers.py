@@ -282,6 +282,10 @@ class WorkerWatcher:
             watched=watched,
         )
         with self._lock:
+            stale = self._loaders.pop(id(it), None)
+            if stale is not None:  # its iterator is gone: a new one took its address
+                stale.ended = True
+                self._finished.append(stale)
             self._loaders[id(it)] = entry
         self._wake.set()
 
@@ -378,10 +382,13 @@ class WorkerWatcher:
             del it
             if dataset is None:
                 return
-            entry.containers = large_containers(dataset)
+            entry.containers = tuple(c for c in large_containers(dataset) if c.nbytes >= MiB)
             entry.walked = True
             del dataset
-        if not entry.containers and mean < self.settings.min_growth_unexplained:
+        # Copy-on-read explains the growth only where the containers are at least that large
+        # (a list of 1,000 class names does not; a worker's start-up allocates a few MiB).
+        explained = sum(c.nbytes for c in entry.containers) >= self.settings.min_growth
+        if not explained and mean < self.settings.min_growth_unexplained:
             return
         entry.warned = True
         self._warned_keys.add(entry.key)

@@ -37,7 +37,7 @@ class FakeIter:
 
 class Dicts:
     def __init__(self) -> None:
-        self.items = [{"id": i, "label": i % 10} for i in range(20_000)]
+        self.items = [{"id": i, "label": i % 10} for i in range(60_000)]
 
 
 class Arrays:
@@ -78,7 +78,7 @@ def test_growing_forked_workers_warn_copy_on_read_naming_the_attribute() -> None
     text = str(warning)
     assert "grew by 428.0 MiB in all (+214.0 MiB, +214.0 MiB per worker)" in text
     assert "cause: copy-on-read" in text
-    assert "dataset.items: list of 20,000 dicts" in text
+    assert "dataset.items: list of 60,000 dicts" in text
     assert "numpy arrays or tensors" in text and "serialized bytes" in text
     assert "RSS stays flat" in text
     # Once per dataset: more growth does not warn again.
@@ -233,3 +233,40 @@ def test_the_default_context_reads_the_default_start_method() -> None:
     it = FakeIter(Arrays(), [])
     it._workers = [multiprocessing.Process(target=print)]  # type: ignore[list-item]  # no method
     assert workers._start_method(it) == multiprocessing.get_start_method()
+
+
+def test_a_new_iterator_at_a_dead_ones_address_keeps_both_reports() -> None:
+    fake = FakeProc()
+    _grow(fake, [81, 82], 12 * MiB, 0)
+    first, second = FakeIter(Arrays(), [81]), FakeIter(Arrays(), [82])
+    watcher = WorkerWatcher(WatchSettings(budget=1.0))
+    with _procfs.use(fake):
+        watcher.register(first)
+        watcher.tick()
+        watcher._loaders[id(second)] = watcher._loaders.pop(id(first))  # as if freed, reused
+        watcher.register(second)
+        watcher.tick()
+    one, two = watcher.reports()
+    assert (one.number, one.ended, [w.pid for w in one.workers]) == (1, True, [81])
+    assert (two.number, two.ended, [w.pid for w in two.workers]) == (2, False, [82])
+
+
+class ArraysAndNames(Arrays):
+    """Numpy data plus a small list (class names): too small to explain 20 MiB of growth."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.classes = [f"class {i}" for i in range(1000)]
+
+
+def test_growth_that_the_containers_are_too_small_to_explain_does_not_warn() -> None:
+    fake = FakeProc()
+    _grow(fake, [91], 8 * MiB, 0)
+    it = FakeIter(ArraysAndNames(), [91])
+    with _procfs.use(fake), warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        watcher = _watch(fake, it)
+        _grow(fake, [91], 28 * MiB, (20 * MiB) // PAGE)
+        watcher.tick()
+    assert _warnings(record) == []
+    assert watcher.reports()[0].containers == ()  # 1,000 short strings: under 1 MiB
