@@ -8,7 +8,10 @@ The thread reads each worker's minor page faults (``/proc/<pid>/stat``: microsec
 ``interval`` seconds, and its USS/PSS (``smaps_rollup``: a walk of every page table, tens of
 milliseconds for a process mapping a large dataset) only when the faults say pages changed,
 and no more often than ``budget`` allows: after a read that took ``c`` seconds the next waits
-``c / budget``. The watcher's share of one core stays at ``budget`` (0.5 %) or below.
+``c / budget``. A dataset's first loader is read at its start and once more as torch shuts its
+workers down; later loaders of the same dataset (each epoch without persistent workers)
+only as the budget allows. The watcher's share of one core stays at ``budget`` (0.5 %) or
+below, plus those few reads of each new dataset's first loader.
 
 A loader is judged by its workers' USS growth since their first reading, never by RSS (a
 forked worker's RSS counts the parent's shared pages and stays flat while they are copied).
@@ -236,6 +239,8 @@ class WorkerWatcher:
         self._tick_lock = threading.Lock()
         self._numbers = itertools.count(1)
         self._warned_keys: set[tuple[int, str]] = set()
+        #: Datasets whose loader was read at its start and again later.
+        self._judged_keys: set[tuple[int, str]] = set()
         self._wake = threading.Event()
         self._stopping = False
         self._next_full = 0.0
@@ -337,6 +342,8 @@ class WorkerWatcher:
                 if worker is None:
                     if faults is None:
                         continue  # gone before its first reading
+                    if self._budgeted(entry) and not force:
+                        continue  # a dataset already judged: read only as the budget allows
                     first = self._full(pid)
                     entry.workers[pid] = _Worker(
                         index, pid, first, first, faults, time.monotonic(), not first.measured
@@ -361,6 +368,8 @@ class WorkerWatcher:
             self._read_self(force)
         for entry in loaders:
             self._judge(entry)
+            if any(w.last is not w.first for w in entry.workers.values()):
+                self._judged_keys.add(entry.key)
         with self._lock:
             for key in [k for k, e in self._loaders.items() if e.ended]:
                 self._finished.append(self._loaders.pop(key))
@@ -415,6 +424,16 @@ class WorkerWatcher:
             entries = list(self._loaders.values())
         return sum(w.last.uss or 0 for e in entries for w in e.workers.values() if not w.exited)
 
+    def _budgeted(self, entry: _Loader) -> bool:
+        """Whether reading ``entry``'s workers must wait for the budget now: its dataset was
+        judged on an earlier loader (a new epoch without persistent workers), and the last
+        read's wait has not passed. A dataset's first loader is read in full."""
+        return (
+            (entry.key in self._judged_keys or entry.key in self._warned_keys)
+            and self.settings.budget < 1
+            and time.monotonic() < self._next_full
+        )
+
     def final(self, it: Any) -> None:
         """Read ``it``'s workers now, outside the budget where their faults say pages changed
         (torch is about to end them), and judge the loader."""
@@ -424,7 +443,7 @@ class WorkerWatcher:
             return
         with self._tick_lock:
             for worker in entry.workers.values():
-                if worker.exited:
+                if worker.exited or self._budgeted(entry):
                     continue
                 faults = _procfs.read_faults(worker.pid)
                 if faults is None:
@@ -439,6 +458,8 @@ class WorkerWatcher:
                 if memory.measured:
                     worker.last, worker.faults = memory, faults
             self._judge(entry, it)
+            if any(w.last is not w.first for w in entry.workers.values()):
+                self._judged_keys.add(entry.key)
 
     # -- results -----------------------------------------------------------------------
     def reports(self, *, refresh: bool = False) -> tuple[LoaderReport, ...]:

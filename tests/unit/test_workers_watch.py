@@ -270,3 +270,23 @@ def test_growth_that_the_containers_are_too_small_to_explain_does_not_warn() -> 
         watcher.tick()
     assert _warnings(record) == []
     assert watcher.reports()[0].containers == ()  # 1,000 short strings: under 1 MiB
+
+
+def test_later_loaders_of_a_judged_dataset_wait_for_the_budget() -> None:
+    fake = FakeProc()
+    _grow(fake, [111, 112], 12 * MiB, 0)
+    dataset = Arrays()
+    epoch1, epoch2 = FakeIter(dataset, [111]), FakeIter(dataset, [112])
+    watcher = WorkerWatcher(WatchSettings(budget=1e-9))  # any read's wait outlasts the test
+    with _procfs.use(fake):
+        watcher.register(epoch1)
+        watcher.tick()  # a new dataset's first loader: read at its start ...
+        _grow(fake, [111], 14 * MiB, MiB // PAGE + 1)
+        watcher.final(epoch1)  # ... and as torch shuts it down
+        watcher.register(epoch2)
+        watcher.tick()  # the same dataset again: the budget decides, and says wait
+        watcher.final(epoch2)
+    one, two = watcher.reports()
+    assert one.workers[0].growth == 2 * MiB
+    assert two.workers == ()
+    assert watcher.full_reads == 2
