@@ -192,7 +192,7 @@ def render_machine_status(status: MachineStatus) -> str:
     """``cudamem status``: one table per GPU whose lines add up to NVML's used, then the
     GPU processes' host memory."""
     gpus = _render_gpus(status)
-    if not status.host and not status.nvml.available:
+    if not status.host:
         return gpus
     return f"{gpus}\n\n{render_process_trees(status.host)}"
 
