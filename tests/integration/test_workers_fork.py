@@ -157,4 +157,6 @@ def test_explain_lists_live_workers_without_a_watcher() -> None:
     assert host.workers_uss == sum(w.last.uss or 0 for w in report.workers) > 0
     text = str(host)
     assert "DataLoader workers: 2 live workers" in text and "one reading" in text
+    html = cudamem.explain()._repr_html_()  # a notebook cell shows the host section too
+    assert "host, this process (pid " in html and "DataLoader workers: 2 live workers" in html
     del it
