@@ -213,6 +213,9 @@ def test_cuda_metrics_are_the_allocator_figures(tmp_path: Path) -> None:
         assert float(r["cudamem/peak_mib"]) >= allocated
         # The weights (1 MiB) are on the GPU for the whole run.
         assert allocated >= (256 * 1024 + 1024) * 4 / MiB
+        # Host columns on CUDA include the pinned pool (in use + cached, possibly 0).
+        assert float(r["cudamem/pinned_mib"]) >= 0
+        assert float(r["cudamem/host_rss_mib"]) >= float(r["cudamem/host_uss_mib"]) > 10
     assert cb.meter.mode == "cuda"
 
 
