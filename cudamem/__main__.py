@@ -148,6 +148,13 @@ def _html(report: object) -> str:
     return render_html(report)
 
 
+def _pid(text: str) -> int:
+    """``--pid``'s value: a positive process id."""
+    if not text.isdigit() or int(text) <= 0:
+        raise argparse.ArgumentTypeError(f"a process id is a positive integer, not {text!r}")
+    return int(text)
+
+
 def _cmd_status(args: argparse.Namespace) -> int:
     from . import _backend, _heapscan
     from ._data import to_data
@@ -259,7 +266,7 @@ def _build() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     status.add_argument("--json", action="store_true", help="print the status as JSON")
     status.add_argument(
         "--pid",
-        type=int,
+        type=_pid,
         action="append",
         metavar="PID",
         help="also read this process's host memory and its children's (DataLoader workers)",

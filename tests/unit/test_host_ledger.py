@@ -168,3 +168,15 @@ def test_status_names_bad_pids() -> None:
         cudamem.machine_status(pids=["12"])  # type: ignore[list-item]
     with pytest.raises(TypeError, match="pids"):
         cudamem.machine_status(pids=[0])
+
+
+def test_the_reading_process_is_never_counted_as_a_child() -> None:
+    import os
+
+    me = os.getpid()
+    fake = FakeProc({(100, "task/100/children"): f"{me} 101"})
+    for pid in (100, 101, me):
+        fake.set(pid, uss=MiB, pss=MiB, rss=MiB, minflt=0)
+    with _procfs.use(fake):
+        tree = host_ledger.process_tree(100)
+    assert [c.pid for c in tree.children] == [101]
