@@ -29,6 +29,7 @@ from .release import release
 from .scalars import ScalarLogger, log_scalar
 from .snapshot import UnsafeSnapshotError, load_snapshot
 from .span import MemorySpan, StepSpan, max_allocated, track
+from .workers import HostMemoryWarning
 
 if TYPE_CHECKING:
     from .render.plot import plot
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 __all__ = [
+    "HostMemoryWarning",
     "LeakWarning",
     "MemorySpan",
     "ScalarLogger",

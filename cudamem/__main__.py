@@ -148,6 +148,13 @@ def _html(report: object) -> str:
     return render_html(report)
 
 
+def _pid(text: str) -> int:
+    """``--pid``'s value: a positive process id."""
+    if not text.isdigit() or int(text) <= 0:
+        raise argparse.ArgumentTypeError(f"a process id is a positive integer, not {text!r}")
+    return int(text)
+
+
 def _cmd_status(args: argparse.Namespace) -> int:
     from . import _backend, _heapscan
     from ._data import to_data
@@ -156,7 +163,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     from .render.json import to_json
     from .span import span_core_status
 
-    status = machine_status()
+    status = machine_status(pids=args.pid or ())
     reader = _backend.reader_status()
     core = span_core_status(wait=STATUS_WAIT_S)
     heap = _heapscan.wait(STATUS_WAIT_S)
@@ -257,6 +264,13 @@ def _build() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         "status", help="this machine's GPUs as NVML sees them, reconciled (all processes)"
     )
     status.add_argument("--json", action="store_true", help="print the status as JSON")
+    status.add_argument(
+        "--pid",
+        type=_pid,
+        action="append",
+        metavar="PID",
+        help="also read this process's host memory and its children's (DataLoader workers)",
+    )
     status.set_defaults(func=_cmd_status)
     build = sub.add_parser(
         "build-reader",

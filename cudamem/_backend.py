@@ -250,6 +250,22 @@ class Backend:
         return None
 
     # -- private pools (CUDA graphs) --
+    def host_pool_stats(self) -> dict[str, Any] | None:
+        """The pinned-memory (caching host) allocator's counters, ``host_memory_stats()``'s
+        flat dict; ``None`` without CUDA, before CUDA is initialised, or on a torch without
+        them."""
+        return None
+
+    def pinned_sizes(self) -> tuple[int, ...] | None:
+        """Bytes of each live pinned CPU storage (each once), ``None`` when unknown (no
+        CUDA context yet: asking would create one)."""
+        return None
+
+    def empty_host_cache(self) -> str | None:
+        """Give the pinned pool's cached blocks back to CUDA; returns the call that did it
+        (``host_cache_call()``), ``None`` when there is none or nothing was pinned."""
+        return None
+
     def private_pool_owners(self) -> PoolOwners | None:
         """The live CUDA graphs, MemPools and cudagraph-tree managers per private pool,
         ``None`` when they cannot be searched. Costs one ``gc.get_referrers`` heap scan."""
@@ -571,6 +587,43 @@ class TorchBackend(Backend):
         return snap if isinstance(snap, dict) else None
 
     # -- private pools (CUDA graphs) --
+    def host_pool_stats(self) -> dict[str, Any] | None:
+        reader = getattr(torch.cuda, "host_memory_stats", None)
+        if reader is None or not self._compiled or not self._initialized():
+            return None
+        try:
+            return dict(reader())
+        except Exception:
+            return None
+
+    def pinned_sizes(self) -> tuple[int, ...] | None:
+        if not self._compiled or not self._initialized():
+            return None
+        import gc
+
+        sizes: dict[int, int] = {}
+        tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+        for t in tensors:
+            try:
+                if t.device.type != "cpu" or not t.is_pinned():
+                    continue
+                storage = t.untyped_storage()
+                sizes[storage.data_ptr()] = storage.nbytes()
+            except Exception:
+                continue
+        return tuple(sizes.values())
+
+    def empty_host_cache(self) -> str | None:
+        call = host_cache_call()
+        if call is None or not self._compiled or not self._initialized():
+            return None
+        accelerator = getattr(torch, "accelerator", None)
+        if call.startswith("torch.accelerator"):
+            accelerator.empty_host_cache()  # type: ignore[union-attr]
+        else:
+            torch._C._host_emptyCache()
+        return call
+
     def private_pool_owners(self) -> PoolOwners | None:
         if not self._compiled or not self._initialized():
             return None
@@ -679,6 +732,17 @@ def build_reader(*, validate: bool = True) -> _fastread.ReaderStatus:
         backend.counters(0)  # validates it: equal to the dict read, or dropped
         del probe
     return backend.reader.status()
+
+
+def host_cache_call() -> str | None:
+    """The call that empties the pinned pool on the installed torch:
+    ``torch.accelerator.empty_host_cache()`` (newer releases), else
+    ``torch._C._host_emptyCache()``; ``None`` when neither exists."""
+    if callable(getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)):
+        return "torch.accelerator.empty_host_cache()"
+    if callable(getattr(torch._C, "_host_emptyCache", None)):
+        return "torch._C._host_emptyCache()"
+    return None
 
 
 def expandable_segments() -> bool:

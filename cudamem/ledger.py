@@ -42,11 +42,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
-from . import _backend, _nvml, census
+from . import _backend, _nvml, census, host_ledger
+from ._args import check_bool
 from ._device_arg import DeviceLike, resolve_device
 from ._format import format_bytes, plural
 from ._present import Presented, PresentedHtml
 from .fragmentation import Fragmentation, OomFacts, analyze
+from .host_ledger import HostLedger, ProcessTree
 from .oom import last_event, parse_oom_message
 from .snapshot import (
     CacheSplit,
@@ -230,6 +232,9 @@ class Explanation(PresentedHtml):
     devices: tuple[DeviceLedger, ...]
     nvml: _nvml.NvmlStatus
     notes: tuple[str, ...] = ()
+    #: The host half: RSS/PSS/USS, the pinned pool, CPU tensors, DataLoader workers
+    #: (``explain(host=False)``: ``None``).
+    host: HostLedger | None = None
 
     def __getitem__(self, device: int) -> DeviceLedger:
         for ledger in self.devices:
@@ -944,12 +949,14 @@ def _ledger_for(device: int, status: _nvml.NvmlStatus) -> DeviceLedger:
     return ledger
 
 
-def explain(device: DeviceLike | None = None) -> Explanation:
+def explain(device: DeviceLike | None = None, *, host: bool = True) -> Explanation:
     """Reconcile nvidia-smi with PyTorch for each device this process uses (or ``device``).
 
     Args:
         device: one CUDA device to explain; by default every device this process has a
             CUDA context on.
+        host: add the host section (``Explanation.host``: this process's RSS/PSS/USS, the
+            pinned pool, CPU tensors with their largest holders, DataLoader workers).
 
     Returns:
         An ``Explanation``; ``print()`` it for a table, ``render.json.to_json()`` it for
@@ -958,6 +965,7 @@ def explain(device: DeviceLike | None = None) -> Explanation:
     Creates no CUDA context, synchronizes nothing and never turns allocator history
     recording on; with no driver or no GPU it explains that in one line instead of raising.
     """
+    check_bool("host", host)
     be = _backend.get()
     notes: list[str] = []
     status = _nvml.status()
@@ -969,7 +977,7 @@ def explain(device: DeviceLike | None = None) -> Explanation:
             resolve_device(device)  # the argument's TypeError, not a device-count message
         reason = "a CPU build of torch" if torch.version.cuda is None else "no GPU or no driver"
         notes.append(f"{device} cannot be explained: torch sees no CUDA device ({reason})")
-        return Explanation(devices=(), nvml=status, notes=tuple(notes))
+        return Explanation(devices=(), nvml=status, notes=tuple(notes), host=_host(host))
     devices = be.initialized_devices() if device is None else (resolve_device(device),)
     if not devices:
         notes.append(
@@ -987,7 +995,11 @@ def explain(device: DeviceLike | None = None) -> Explanation:
                 f"{device_name(d)}: could not build the ledger: {type(exc).__name__}: {exc}"
             )
     notes.extend(_process_notes())
-    return Explanation(devices=tuple(ledgers), nvml=status, notes=tuple(notes))
+    return Explanation(devices=tuple(ledgers), nvml=status, notes=tuple(notes), host=_host(host))
+
+
+def _host(wanted: bool) -> HostLedger | None:
+    return host_ledger.measure_host() if wanted else None
 
 
 # --------------------------------------------------------------------------- fragmentation
@@ -1124,6 +1136,9 @@ class MachineStatus(Presented):
     nvml: _nvml.NvmlStatus
     devices: tuple[_nvml.NvmlDevice, ...]
     pid: int
+    #: Host memory of the GPU processes NVML lists that run on this machine (and of
+    #: ``machine_status(pids=)``), each with its children: DataLoader workers.
+    host: tuple[ProcessTree, ...] = ()
 
     @property
     def device_lines(self) -> tuple[tuple[StatusLine, ...], ...]:
@@ -1156,11 +1171,20 @@ class MachineStatus(Presented):
         return rows
 
 
-def machine_status() -> MachineStatus:
-    """The whole machine's GPUs, every process included, from NVML. Never raises."""
+def machine_status(pids: Sequence[int] = ()) -> MachineStatus:
+    """The whole machine's GPUs, every process included, from NVML, and the host memory of
+    the GPU processes on this machine and of ``pids`` (RSS/PSS/USS, their children's USS and
+    PSS). Never raises but for a bad ``pids``."""
+    if isinstance(pids, (str, bytes)) or not all(
+        isinstance(p, int) and not isinstance(p, bool) and p > 0 for p in pids
+    ):
+        raise TypeError(f"pids must be a sequence of positive int process ids, not {pids!r}")
     status = _nvml.status()
     found = _nvml.query_all() if status.available else status
     devices = found if isinstance(found, tuple) else ()
     if isinstance(found, _nvml.NvmlStatus) and status.available:
         status = found
-    return MachineStatus(status, devices, os.getpid())
+    wanted = list(dict.fromkeys([*pids, *(p.pid for d in devices for p in d.processes or ())]))
+    trees = tuple(host_ledger.process_tree(p) for p in wanted)
+    local = tuple(t for t in trees if t.process.rss is not None or t.process.pid in pids)
+    return MachineStatus(status, devices, os.getpid(), local)

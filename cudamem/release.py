@@ -18,6 +18,7 @@ from ._args import check_bool, check_int
 from ._device_arg import DeviceLike, resolve_device
 from ._present import Presented
 from .census import LiveStorage
+from .host_ledger import HostRelease, empty_pinned_cache
 from .snapshot import CacheSplit, PoolBlocks, has_private_pools, pool_blocks_of, split_cache
 from .stats import AllocatorStats, device_name
 
@@ -95,6 +96,8 @@ class ReleaseResult(Presented):
     gc_collected: int
     cublas_cleared: bool
     notes: tuple[str, ...] = ()
+    #: What emptying the pinned cache gave back (``release(host=True)``), else ``None``.
+    host: HostRelease | None = None
 
     def __getitem__(self, device: int) -> DeviceRelease:
         for d in self.devices:
@@ -185,6 +188,7 @@ def release(
     clear_cublas: bool = True,
     top: int = 5,
     holders: bool = True,
+    host: bool = False,
 ) -> ReleaseResult:
     """Give this process's unused GPU memory back, and say what could not be freed and why.
 
@@ -198,6 +202,8 @@ def release(
         clear_cublas: free the cuBLAS/cuBLASLt workspaces (one per handle and stream).
         top: how many of the largest remaining storages to name.
         holders: search who holds those storages (``False`` skips the search).
+        host: also empty the pinned-memory (host) cache and say what that freed
+            (``ReleaseResult.host``).
 
     Returns:
         A ``ReleaseResult``: per device the bytes freed, what the cuBLAS clear gave
@@ -208,6 +214,7 @@ def release(
     Call it between runs, not inside a training step: it synchronizes and empties the cache.
     """
     _validate(top, clear_cublas, holders)
+    check_bool("host", host)
     be = _backend.get()
     devices = be.initialized_devices() if device is None else (resolve_device(device),)
     notes: list[str] = []
@@ -263,5 +270,9 @@ def release(
             "above), then call release() again"
         )
     return ReleaseResult(
-        devices=tuple(records), gc_collected=collected, cublas_cleared=cleared, notes=tuple(notes)
+        devices=tuple(records),
+        gc_collected=collected,
+        cublas_cleared=cleared,
+        notes=tuple(notes),
+        host=empty_pinned_cache() if host else None,
     )

@@ -27,18 +27,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
-from . import _backend, _history
+from . import _backend, _history, workers
 from ._args import check_bool, check_int
 from ._frames import own_frame
 from ._history import History
 from ._present import Presented
 from .census import Census, listing_order, live_storages, live_tensors
 from .culprits import group_culprits
+from .host_ledger import HostRun, host_run
 from .leaks import LeakWarning
 from .ledger import Explanation, explain
 from .modules import track_modules
 from .oom import OomReport, oom_report
 from .span import ExceptionInfo, StepSpan, max_allocated
+from .workers import HostMemoryWarning
 
 __all__ = ["RunReport", "ScriptError", "StepWatcher", "Unlisted", "run_script"]
 
@@ -101,6 +103,9 @@ class RunReport(Presented):
     cuda_devices: int = 0
     #: The per-module profile (``cudamem run --modules``), or None.
     modules: Any = None
+    #: The host half: this process's RSS/PSS/USS at exit, the pinned pool, every DataLoader
+    #: whose workers were watched, and the ``HostMemoryWarning`` texts.
+    host: HostRun | None = None
 
     @property
     def cuda_used(self) -> bool:
@@ -155,6 +160,7 @@ class _LeakCollector:
     def __init__(self) -> None:
         self.messages: list[str] = []
         self.names: list[str] = []
+        self.host: list[str] = []
         self._show: Callable[..., None] = warnings.showwarning
 
     def install(self) -> None:
@@ -167,6 +173,8 @@ class _LeakCollector:
 
     def _record(self, message: Any, category: Any, *args: Any, **kwargs: Any) -> None:
 
+        if isinstance(category, type) and issubclass(category, HostMemoryWarning):
+            self.host.append(str(message))
         if isinstance(category, type) and issubclass(category, LeakWarning):
             self.messages.append(str(message))
             growth = getattr(message, "growth", None)
@@ -238,7 +246,7 @@ def _collect(top: int, with_ledger: bool, notes: list[str]) -> _Collected:
             notes.append(f"peak of cuda:{d} unavailable: {exc}")
     if with_ledger and backend.initialized_devices():
         try:
-            ledger = explain()
+            ledger = explain(host=False)  # the host half is the report's own section
         except Exception as exc:
             notes.append(f"explain() failed: {type(exc).__name__}: {exc}")
     return _Collected(live, ledger, tuple(peaks), groups, unlisted)
@@ -348,6 +356,7 @@ def run_script(
     old_argv = sys.argv
     old_path = list(sys.path)
     collector = _LeakCollector()
+    host: HostRun | None = None
     profiler = track_modules() if modules else None
     # With --modules a profile step is a training step: optimizer.step() to optimizer.step().
     watcher = StepWatcher(on_step=None if profiler is None else profiler.step)
@@ -372,7 +381,7 @@ def run_script(
         if profiler is not None:
             profiler.start()
         t0 = time.perf_counter()
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), workers.watching() as loaders:
             warnings.simplefilter("always", LeakWarning)
             collector.install()
             try:
@@ -395,6 +404,7 @@ def run_script(
             finally:
                 # The step in progress at exit is not a finished call: dropped, not recorded.
                 watcher.uninstall()
+                host = _host_at_exit(loaders, collector, notes)
                 collector.uninstall()
                 if profiler is not None:
                     profile = profiler.stop()
@@ -429,7 +439,20 @@ def run_script(
         unlisted=collected.unlisted,
         cuda_devices=_backend.get().device_count(),
         modules=profile,
+        host=host,
     )
+
+
+def _host_at_exit(
+    loaders: workers.WorkerWatcher, collector: _LeakCollector, notes: list[str]
+) -> HostRun | None:
+    """The watched loaders read one last time (a final judgement may warn), then the host."""
+    try:
+        seen = loaders.reports(refresh=True)
+        return host_run(seen, tuple(collector.host))
+    except Exception as exc:
+        notes.append(f"host memory not measured: {type(exc).__name__}: {exc}")
+        return None
 
 
 def _set_path0(entry: str) -> None:

@@ -14,6 +14,11 @@ An example whose first lines hold ``# docs: cudamem run [options]`` is run as
 ``python -m cudamem run [options] docs/examples/<example>.py`` instead: the output is the
 command line's (the script's and cudamem's, interleaved as on a terminal).
 
+A section whose name starts with ``measured-`` holds figures the operating system measures
+(RSS, PSS, USS, growth of DataLoader workers): two honest runs differ in them, so ``normalise``
+compares its byte figures as ``<bytes>`` and the workers' pids in their tables as ``<pid>``
+(names, counts and the text stay compared).
+
 Absolute paths of this checkout are written relative to it, so the files do not depend on
 where the docs were built. ``docs/output/environment[-gpu].json`` records where the outputs
 came from (Python and torch versions, NVML, GPUs): a fresh run elsewhere may honestly differ,
@@ -195,9 +200,18 @@ _VARYING = [
 ]
 
 
+_BYTES = re.compile(r"[-+]?\d+(?:\.\d+)? (?:B|KiB|MiB|GiB|TiB)\b")
+_WORKER_PID = re.compile(r"^(\s*\d+\s+)\d+(?=\s+<bytes>)", re.M)  # worker tables: index, pid
+_MEASURED = re.compile(r"(--8<-- \[start:measured-[^\]]*\])(.*?)(--8<-- \[end:)", re.S)
+
+
 def normalise(text: str) -> str:
     """``text`` with what differs between two honest runs (timings, addresses, pids, column
-    widths) replaced, and nothing else: byte counts, holder paths and counts stay."""
+    widths, the byte figures of ``measured-`` sections) replaced, and nothing else: byte
+    counts, holder paths and counts stay."""
+    text = _MEASURED.sub(
+        lambda m: m[1] + _WORKER_PID.sub(r"\1<pid>", _BYTES.sub("<bytes>", m[2])) + m[3], text
+    )
     for pattern, replacement in _VARYING:
         text = pattern.sub(replacement, text)
     return "\n".join(line.rstrip() for line in text.splitlines()).strip() + "\n"

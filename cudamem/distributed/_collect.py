@@ -235,7 +235,7 @@ def collect_rank(
         ledgers: dict[int, Any] = {}
         if ledger and used:
             try:
-                explanation = explain()
+                explanation = explain(host=False)  # the rows carry the device lines only
                 ledgers = {lg.device: lg for lg in explanation.devices}
             except Exception as exc:
                 errors.append(failure("ledger (cudamem.explain)", exc))

@@ -18,6 +18,9 @@ The metric set, per measured step (bytes shown in MiB, ``1 MiB = 1024**2`` bytes
                           (0 until one is issued; not logged when growth detection is off)
 ========================  ==================================================================
 
+and, with ``host=True`` (the default), the host columns of ``cudamem.integrations._host``:
+``host_rss_mib``, ``host_uss_mib``, ``workers_uss_mib`` and ``pinned_mib``.
+
 Modes: ``cuda`` reads the model's GPU; ``cpu`` counts live CPU storages instead (see
 ``cudamem.integrations._cpu``: ``allocated_mib``, ``retained_mib`` and ``leak_culprits``
 only, since the CPU has no cache and no peak counter); ``auto`` is ``cuda`` for a model on a
@@ -38,6 +41,7 @@ from ..leaks import add_growth_hook, leak_settings, remove_growth_hook
 from ..modules import ModuleProfiler, track_modules
 from ..span import MemorySpan, StepSpan
 from ._cpu import CpuStorageBackend
+from ._host import HOST_METRICS, HostMeter
 
 if TYPE_CHECKING:
     from ..leaks import Growth
@@ -47,7 +51,14 @@ __all__ = ["METRICS", "MODES", "Meters", "ModuleMeter", "StepMeter"]
 
 MODES = ("auto", "cuda", "cpu")
 #: Metric names (without prefix and stage) in the order they are logged.
-METRICS = ("allocated_mib", "reserved_mib", "peak_mib", "retained_mib", "leak_culprits")
+METRICS = (
+    "allocated_mib",
+    "reserved_mib",
+    "peak_mib",
+    "retained_mib",
+    "leak_culprits",
+    *HOST_METRICS,
+)
 MiB = 1024**2
 
 
@@ -69,6 +80,7 @@ class StepMeter:
         peak: bool = True,
         span_names: dict[str, str],
         stage_prefixes: dict[str, str],
+        host: bool = True,
     ) -> None:
         if not isinstance(device, str) or device not in MODES:
             raise ValueError(f"device must be one of {MODES}, got {device!r}")
@@ -76,6 +88,9 @@ class StepMeter:
             raise TypeError(f"prefix must be a str, not {type(prefix).__name__}")
         check_int("every_n_steps", every_n_steps, minimum=1)
         check_bool("peak", peak)
+        check_bool("host", host)
+        #: The host columns' source, when ``host`` (started with each run).
+        self.host = HostMeter() if host else None
         self.requested = device
         self.prefix = prefix
         self.every_n_steps = every_n_steps
@@ -119,6 +134,9 @@ class StepMeter:
         if mode != "off":
             add_growth_hook(self._on_growth)
             self._stack.callback(remove_growth_hook, self._on_growth)
+            if self.host is not None:
+                self.host.begin()
+                self._stack.callback(self.host.end)
 
     def end_run(self) -> None:
         """The run ended (or failed): close what is open, restore the backend."""
@@ -191,6 +209,8 @@ class StepMeter:
         values["retained_mib"] = record.allocated_delta / MiB
         if leak_settings().enabled:
             values["leak_culprits"] = float(self._culprits.get(stage, 0))
+        if self.host is not None:
+            values.update(self.host.values(self.mode == "cuda"))
         return {self.name(stage, k): values[k] for k in METRICS if k in values}
 
     def summarize(self, stage: str, steps: list[dict[str, float]]) -> dict[str, float]:
@@ -225,6 +245,7 @@ class StepMeter:
             "device": self.device_index,
             "every_n_steps": self.every_n_steps,
             "peak": self.peak,
+            "host": self.host is not None,
             "note": self.note,
         }
 
@@ -302,6 +323,7 @@ class Meters:
         modules: int,
         span_names: dict[str, str],
         stage_prefixes: dict[str, str],
+        host: bool = True,
     ) -> None:
         self.modules = ModuleMeter(modules, prefix)
         self.meter = StepMeter(
@@ -311,6 +333,7 @@ class Meters:
             peak=peak,
             span_names=span_names,
             stage_prefixes=stage_prefixes,
+            host=host,
         )
 
     @property

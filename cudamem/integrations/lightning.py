@@ -96,6 +96,8 @@ class CudamemCallback(Callback, Meters):  # type: ignore[misc,unused-ignore]
         modules: profile memory per module over the fit (``cudamem.track_modules``) and
             log the top ``modules`` at its end (``cudamem/modules/<name>/kept_mib`` and
             ``…/peak_mib``); ``callback.module_profile`` is the whole profile. 0: off.
+        host: log the host columns (``host_rss_mib``, ``host_uss_mib``, ``workers_uss_mib``,
+            ``pinned_mib``), read from the DataLoader worker watcher it starts for the run.
     """
 
     def __init__(
@@ -108,9 +110,10 @@ class CudamemCallback(Callback, Meters):  # type: ignore[misc,unused-ignore]
         peak: bool = True,
         oom_report: bool = True,
         modules: int = 0,
+        host: bool = True,
     ) -> None:
         super().__init__()
-        self._init_meters(device, every_n_steps, prefix, peak, modules, _SPANS, _STAGES)
+        self._init_meters(device, every_n_steps, prefix, peak, modules, _SPANS, _STAGES, host)
         self.validation = bool(validation)
         self.report_oom = bool(oom_report)
         #: The post-mortem of the OOM that ended the last fit, if one did.

@@ -73,6 +73,8 @@ class CudamemTrainerCallback(TrainerCallback, Meters):  # type: ignore[misc,unus
             and add the top ``modules`` to the last log entry at its end
             (``cudamem/modules/<name>/kept_mib``, ``…/peak_mib``);
             ``callback.module_profile`` is the whole profile. 0: off.
+        host: log the host columns (``host_rss_mib``, ``host_uss_mib``, ``workers_uss_mib``,
+            ``pinned_mib``), read from the DataLoader worker watcher it starts for the run.
     """
 
     def __init__(
@@ -83,8 +85,9 @@ class CudamemTrainerCallback(TrainerCallback, Meters):  # type: ignore[misc,unus
         prefix: str = "cudamem/",
         peak: bool = True,
         modules: int = 0,
+        host: bool = True,
     ) -> None:
-        self._init_meters(device, every_n_steps, prefix, peak, modules, _SPANS, _STAGES)
+        self._init_meters(device, every_n_steps, prefix, peak, modules, _SPANS, _STAGES, host)
         self._pending: list[dict[str, float]] = []
         #: The values added to the last log.
         self.last_values: dict[str, float] = {}

@@ -126,6 +126,8 @@ def render_html(report: RunReport, *, leak_names: tuple[str, ...] | None = None)
         )
     if report.ledger is not None:
         body.append("<h2>Where the memory is (explain)</h2>" + _pre(str(report.ledger)))
+    if report.host is not None:
+        body.append("<h2>Host memory</h2>" + _pre(str(report.host)))
     if report.history is not None and len(report.history):
         body.append("<h2>Spans</h2>" + _pre(str(report.history)))
     if report.notes:

@@ -9,6 +9,7 @@ from ..ledger import DeviceLedger, Explanation, LedgerLine, MachineStatus
 from ..release import DeviceRelease, ReleaseResult
 from ..snapshot import CacheSplit
 from .fragmentation import fragmentation_lines
+from .host import render_host_ledger, render_host_release, render_process_trees
 from .text import render_table
 
 __all__ = [
@@ -104,6 +105,8 @@ def render_explanation(explanation: Explanation) -> str:
     if not explanation.nvml.available:
         parts.append(f"NVML unavailable: {explanation.nvml.reason}")
     parts.extend(f"note: {n}" for n in explanation.notes)
+    if explanation.host is not None:
+        parts.append(render_host_ledger(explanation.host))
     return "\n\n".join(parts) if parts else "nothing to explain"
 
 
@@ -182,12 +185,21 @@ def render_release(result: ReleaseResult) -> str:
     head = f"gc collected {result.gc_collected} objects; cuBLAS workspaces " + (
         "cleared" if result.cublas_cleared else "not cleared"
     )
-    return "\n".join([head, *parts, *(f"note: {n}" for n in result.notes)])
+    host = [] if result.host is None else [render_host_release(result.host)]
+    return "\n".join([head, *parts, *host, *(f"note: {n}" for n in result.notes)])
 
 
 @renders(MachineStatus)
 def render_machine_status(status: MachineStatus) -> str:
-    """``cudamem status``: one table per GPU whose lines add up to NVML's used."""
+    """``cudamem status``: one table per GPU whose lines add up to NVML's used, then the
+    GPU processes' host memory."""
+    gpus = _render_gpus(status)
+    if not status.host:
+        return gpus
+    return f"{gpus}\n\n{render_process_trees(status.host)}"
+
+
+def _render_gpus(status: MachineStatus) -> str:
     if not status.nvml.available:
         return f"cudamem status: {status.nvml}"
     if not status.devices:

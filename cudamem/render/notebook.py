@@ -19,6 +19,7 @@ from ..ledger import DeviceLedger, Explanation
 from ..span import MemorySpan, SpanRecord
 from .fragmentation import fragmentation_html
 from .holders import render_holder
+from .host import render_host_ledger
 from .leaks import render_leak_report
 from .ledger import _title
 
@@ -142,7 +143,10 @@ def explanation_html(explanation: Explanation) -> str:
     parts = [ledger_html(d) for d in explanation.devices]
     if not explanation.nvml.available:
         parts.append(f"<div>NVML unavailable: {_e(explanation.nvml.reason)}</div>")
-    return "<div>" + "".join(parts) + _notes(explanation.notes) + "</div>"
+    host = ""
+    if explanation.host is not None:
+        host = f"<pre>{_e(render_host_ledger(explanation.host))}</pre>"
+    return "<div>" + "".join(parts) + _notes(explanation.notes) + host + "</div>"
 
 
 @renders(NotebookHolders, "html")

@@ -115,6 +115,9 @@ def render_report(report: RunReport) -> str:
     if report.ledger is not None:
         lines.append("")
         lines.append(str(report.ledger))
+    if report.host is not None:
+        lines.append("")
+        lines.append(str(report.host))
     if report.history is not None and len(report.history):
         lines.append("")
         lines.append("spans:")

@@ -273,3 +273,14 @@ def test_run_demo_validates_only() -> None:
         run_demo(only=["bogus"])
     with pytest.raises(TypeError, match="only"):
         run_demo(only="census")
+
+
+def test_status_pid_reads_a_process_and_its_children_from_proc() -> None:
+    out = cudamem("status", "--pid", str(os.getpid()), env={"CUDA_VISIBLE_DEVICES": ""})
+    assert out.returncode == 0, out.stderr
+    table = out.stdout[out.stdout.index("host memory") :].split("\n\n")[0].splitlines()
+    assert table[1].split() == ["process", "RSS", "PSS", "USS"]
+    assert table[3].startswith(f"pid {os.getpid()} ")  # this pytest process: the command's parent
+    bad = cudamem("status", "--pid", "0")
+    assert bad.returncode == 2
+    assert "argument --pid: a process id is a positive integer, not '0'" in bad.stderr

@@ -106,6 +106,17 @@ def test_normalise_keeps_what_matters() -> None:
     assert n("saved result (+2 more)") != n("saved result (+1 more)")
     assert n("5 calls") != n("6 calls") and n("5 storages") != n("4 storages")
     assert n("256.0 MiB") != n("257.0 MiB")
+    # measured- sections: the OS's figures vary, their words do not
+    measured = "--8<-- [start:measured-x]\nUSS {} grew by {}\n--8<-- [end:measured-x]\n{}"
+    assert n(measured.format("12.0 MiB", "+1 B", "4.0 MiB")) == n(
+        measured.format("13.5 MiB", "+2.0 GiB", "4.0 MiB")
+    )
+    assert n(measured.format("1 B", "1 B", "4.0 MiB")) != n(
+        measured.format("1 B", "1 B", "5.0 MiB")
+    )
+    assert n(measured.format("1 B", "1 B", "")) != n(
+        measured.format("1 B", "1 B", "").replace("USS", "RSS")
+    )
 
 
 def test_to_snippets_turns_markers_into_sections() -> None:

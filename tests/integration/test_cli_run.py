@@ -285,3 +285,27 @@ def test_escape_invisible_writes_python_escapes() -> None:
     assert escape_invisible("\U000e0041") == "\\U000e0041"  # tag characters
     assert escape_invisible("a\u2028b\u00a0c") == "a\\u2028b\\xa0c"
     assert escape_invisible("line\nnext\t", keep="\n") == "line\nnext\\x09"
+
+
+HOST_SCRIPT = Path(__file__).resolve().parents[1] / "data" / "host_records.py"
+
+
+def test_run_reports_dataloader_workers_copy_on_read_in_text_and_json(tmp_path: Path) -> None:
+    # 200 k dicts read by 2 forked workers for 300 batches: the loop breaks mid-epoch, and the
+    # workers are read one last time as torch shuts them down.
+    out = cudamem("run", "--json", str(tmp_path / "run.json"), str(HOST_SCRIPT), env=NO_GPU)
+    assert out.returncode == 0, out.stderr
+    assert re.search(
+        f"{re.escape(str(HOST_SCRIPT))}:2[0-9]: HostMemoryWarning: DataLoader #1 ", out.stderr
+    )
+    assert "host at exit (pid " in out.stderr
+    assert "DataLoader workers: 1 loader, 2 workers; 1 host memory warning" in out.stderr
+    assert "dataset.records: list of 200,000 dicts" in out.stderr
+    host = json.loads((tmp_path / "run.json").read_text())["host"]
+    (loader,) = host["loaders"]
+    assert loader["cause"] == "copy-on-read" and loader["start_method"] == "fork"
+    assert loader["ended"] and loader["warned"]
+    assert [c["path"] for c in loader["containers"]] == ["dataset.records"]
+    assert loader["containers"][0]["count"] == 200_000
+    assert host["workers_growth"] == loader["growth"] > 16 * 1024**2
+    assert host["process"]["uss"] > 0 and len(host["warnings"]) == 1

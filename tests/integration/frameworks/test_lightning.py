@@ -113,6 +113,11 @@ def test_cpu_mode_logs_the_cpu_metrics_through_the_csv_logger(tmp_path: Path) ->
     assert {"cudamem/val_allocated_mib", "cudamem/val_retained_mib"} <= columns
     # The CPU has no cache and no peak counter: those are not logged, not faked as 0.
     assert not any("reserved" in c or "peak" in c for c in columns)
+    # Host columns from the worker watcher; no pinned pool without CUDA.
+    assert {"cudamem/host_rss_mib", "cudamem/host_uss_mib", "cudamem/workers_uss_mib"} <= columns
+    assert "cudamem/pinned_mib" not in columns
+    first = next(r for r in rows if r["cudamem/host_rss_mib"])
+    assert float(first["cudamem/host_rss_mib"]) >= float(first["cudamem/host_uss_mib"]) > 10
     train = [r for r in rows if r["cudamem/allocated_mib"]]
     assert [int(r["step"]) for r in train] == list(range(8))
     params = (256 * 1024 + 1024) * 4 / MiB  # the weights alone are 1.0 MiB
@@ -210,6 +215,9 @@ def test_cuda_metrics_are_the_allocator_figures(tmp_path: Path) -> None:
         assert float(r["cudamem/peak_mib"]) >= allocated
         # The weights (1 MiB) are on the GPU for the whole run.
         assert allocated >= (256 * 1024 + 1024) * 4 / MiB
+        # Host columns on CUDA include the pinned pool (in use + cached, possibly 0).
+        assert float(r["cudamem/pinned_mib"]) >= 0
+        assert float(r["cudamem/host_rss_mib"]) >= float(r["cudamem/host_uss_mib"]) > 10
     assert cb.meter.mode == "cuda"
 
 

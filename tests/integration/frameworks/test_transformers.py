@@ -83,6 +83,9 @@ def test_callback_values_are_in_the_log_history(tmp_path: Path) -> None:
         assert {"cudamem/allocated_mib", "cudamem/retained_mib", "cudamem/leak_culprits"} <= set(h)
         # CPU mode: no cache, no peak counter, so neither is reported (never a fake 0).
         assert "cudamem/reserved_mib" not in h and "cudamem/peak_mib" not in h
+        # Host columns from the worker watcher (num_workers=0: no worker memory).
+        assert h["cudamem/host_rss_mib"] >= h["cudamem/host_uss_mib"] > 10
+        assert h["cudamem/workers_uss_mib"] == 0 and "cudamem/pinned_mib" not in h
     params = sum(p.numel() * p.element_size() for p in trainer.model.parameters()) / 1024**2
     # Model + Adam's two moments (+ gradients) are alive at every step's end.
     assert all(h["cudamem/allocated_mib"] >= 3 * params for h in steps[1:])
