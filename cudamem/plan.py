@@ -27,6 +27,7 @@ from dataclasses import replace
 from typing import Any, NamedTuple
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import _backend
 from ._args import check_bool, check_int
@@ -316,9 +317,11 @@ def _causes(probes: Sequence[Probe], graphs_before: int | None) -> tuple[str, ..
 
 
 class _Phases:
-    """A step's peak split where each outermost module forward returns: a quiet span per
-    phase (nested in the probe's), cut by two global forward hooks while the step runs.
-    Recomputation inside the backward (checkpointing) cuts nothing."""
+    """A step's peak split where each outermost module forward returns and where an
+    optimizer's ``step`` begins: a quiet span per phase (nested in the probe's), cut by two
+    global forward hooks and a global optimizer step pre-hook while the step runs (forward,
+    loss and backward, optimizer). Recomputation inside the backward (checkpointing) cuts
+    nothing."""
 
     def __init__(self, device: int) -> None:
         self._device = device
@@ -328,6 +331,7 @@ class _Phases:
         self._handles = [
             torch.nn.modules.module.register_module_forward_pre_hook(self._pre),
             torch.nn.modules.module.register_module_forward_hook(self._post, always_call=True),
+            register_optimizer_step_pre_hook(self._optimizer),
         ]
 
     def _pre(self, module: torch.nn.Module, args: Any) -> None:
@@ -338,6 +342,10 @@ class _Phases:
         if torch._C._current_graph_task_id() != -1:
             return
         self._depth = max(0, self._depth - 1)
+        if self._depth == 0:
+            self._cut()
+
+    def _optimizer(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._depth == 0:
             self._cut()
 
@@ -718,7 +726,13 @@ def _analyse(
                 if phase_lines
                 else allocated_line.at(c.n, at)
             )
-            predicted_reserved = max(reserved_line.at(c.n, at), predicted)
+            largest_fitted = max(fitted, key=lambda p: (p.n, p.length or 0))
+            fitted_ratio = max(
+                1.0, (largest_fitted.reserved or 0) / (largest_fitted.allocated or 1)
+            )
+            predicted_reserved = max(
+                predicted, min(predicted * fitted_ratio, reserved_line.at(c.n, at))
+            )
             error = relative_error(predicted, c.allocated or 0)
             check = LineCheck(
                 c.n,

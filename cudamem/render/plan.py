@@ -77,7 +77,7 @@ def plan_lines(plan: MemoryPlan) -> list[str]:
         if plan.phase_lines:
             out.append(
                 "  predicted as the larger of the step's phases "
-                "(cut where the model's forward returns):"
+                "(cut where the model's forward returns and the optimizer's step begins):"
             )
             out.extend(
                 f"    phase {k + 1}: {formula(line)}" for k, line in enumerate(plan.phase_lines)
@@ -85,7 +85,8 @@ def plan_lines(plan: MemoryPlan) -> list[str]:
         if plan.reserved_line is not None:
             out.append(
                 f"peak reserved  = {formula(plan.reserved_line)} "
-                f"(never below {plan.ratio:.3f} × allocated, as measured)"
+                f"(past the probes: the smaller of this and {plan.ratio:.3f} × allocated, "
+                "the largest step's ratio)"
             )
     if plan.fixed_parts and plan.allocated_line is not None:
         listed = ", ".join(f"{what} {format_bytes(nbytes)}" for what, nbytes in plan.fixed_parts)

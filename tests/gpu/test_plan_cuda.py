@@ -121,8 +121,9 @@ def test_four_steps_predict_the_peak_at_16_to_32_times_the_probes(
     assert calls == [4, 4, 8, 16] and plan.smallest_oom is None
     assert plan.linear is True, str(plan)
     # What stays is the step's own: AdamW's two moments and the cuBLAS (and cuBLASLt)
-    # workspaces its first matmuls made, one per handle and stream (32 MiB each on an H200).
-    assert plan.kept_after <= 2 * params + cublas_workspaces() + 1 * MiB, str(plan)
+    # workspaces its first matmuls made, one per handle and stream (32 MiB each on an H200),
+    # and AdamW's per-parameter step counts (GPT-2 small: 1.75 MiB beyond the two).
+    assert plan.kept_after <= 2 * params + cublas_workspaces() + 4 * MiB, str(plan)
     for n in targets:
         predicted = plan.predict(n)
         allocated, reserved = measure(step, n)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import weakref
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -16,8 +17,8 @@ from torch import nn
 
 import cudamem
 from cudamem import _backend
-from cudamem._fit import checkpoint_per_sample
-from cudamem.memory_plan import MemoryPlan, NotLinearError
+from cudamem._fit import Line, checkpoint_per_sample
+from cudamem.memory_plan import MemoryPlan, NotLinearError, Probe
 from cudamem.plan import SHAPES_CAUSE
 from cudamem.render.json import to_json
 
@@ -504,3 +505,56 @@ def test_the_peak_past_the_probes_is_the_larger_phase_s(fake: Device) -> None:
     assert "phase 2: 500.0 MiB + 80.0 MiB × n" in text
     # a step that runs no module has no phases: one line
     assert cudamem.plan(Step(fake, linear)).phase_lines == ()
+
+
+def test_reserved_past_the_probes_is_the_smaller_of_the_line_and_the_ratio() -> None:
+    """Within the measured sizes the larger guide answers; past them the smaller: a line
+    through small steps' reserved peaks grows too fast where the cache's overhead is a share
+    of each block, the largest step's ratio overstates a fixed overhead."""
+    probe = Probe(8, None, "probe", 1800 * MiB, 2200 * MiB, 0, 0.1)
+    plan = MemoryPlan(
+        0,
+        (probe,),
+        Line(("1", "n"), (1000.0 * MiB, 100.0 * MiB)),
+        Line(("1", "n"), (1000.0 * MiB, 150.0 * MiB)),  # 2200 MiB at n = 8
+        1.2,
+        None,
+    )
+    # n = 4: line 1600 MiB, ratio 1.2 × 1400 = 1680 MiB: the larger
+    assert plan.predict(4).reserved == round(1.2 * 1400 * MiB)
+    # n = 100: line 16,000 MiB, ratio 1.2 × 11,000 = 13,200 MiB: the smaller
+    assert plan.predict(100).reserved == round(1.2 * 11000 * MiB)
+    steep = replace(plan, reserved_line=Line(("1", "n"), (1100.0 * MiB, 100.0 * MiB)))
+    assert steep.predict(100).reserved == 11100 * MiB  # a fixed 100 MiB: the line
+    assert plan.predict(100).allocated == 11000 * MiB
+
+
+class _FakeAdam(torch.optim.Optimizer):
+    """An optimizer whose step holds ``nbytes`` of temporaries on the fake device."""
+
+    def __init__(self, fake: FakeAllocator, nbytes: int) -> None:
+        super().__init__([torch.zeros(1, requires_grad=True)], {})
+        self.fake, self.nbytes = fake, nbytes
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        self.fake.alloc(self.nbytes)
+        self.fake.free(self.nbytes)
+
+
+def test_the_optimizer_s_step_is_a_phase_of_its_own(fake: Device) -> None:
+    """At the probes (n = 4, 8) the step's peak is the optimizer's constant 1500 MiB: a line
+    through the step's peaks would be flat. Cut at the optimizer's step, the forward's and
+    the backward's lines carry the growth: the check at 16 lands on the forward's, n = 64 on
+    the backward's."""
+    two = TwoPhaseStep(fake)
+    opt = _FakeAdam(fake, 1500 * MiB)
+
+    def step(n: int) -> None:
+        two(n)
+        opt.step()
+
+    plan = cudamem.plan(step, sizes=(4, 8))
+    assert [p.allocated for p in plan.probes] == [1500 * MiB, 1500 * MiB, 1500 * MiB, 1960 * MiB]
+    assert plan.probes[1].phases == (1240 * MiB, 820 * MiB, 1500 * MiB)
+    assert plan.linear is True and len(plan.phase_lines) == 3
+    assert plan.predict(64).allocated == 500 * MiB + 80 * MiB * 64
