@@ -13,6 +13,7 @@ import torch
 import transformers
 
 import cudamem
+from cudamem.memory_plan import NotLinearError
 
 if not torch.cuda.is_available():
     sys.exit("fit.py: this example needs a CUDA GPU")
@@ -58,5 +59,8 @@ model, opt = build(attn="eager")
 print("=== lengths ===")
 by_length = cudamem.plan(step, sizes=(4, 8), lengths=(128, 256))
 print(by_length)
-print(by_length.predict(8, 1024))
-print("largest batch at length 1024:", by_length.largest(length=1024))
+try:
+    print(by_length.predict(8, 1024))
+    print("largest batch at length 1024:", by_length.largest(length=1024))
+except NotLinearError as refusal:  # the check landed off the fit: no extrapolation
+    print(refusal)
