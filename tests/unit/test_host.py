@@ -14,6 +14,7 @@ import torch
 
 import cudamem
 from cudamem import host as _host
+from cudamem import host_ledger
 from cudamem.host import HostCopy, to_host
 
 
@@ -225,3 +226,18 @@ def test_wrong_arguments_name_themselves(
 ) -> None:
     with pytest.raises(error, match=name):
         to_host(torch.ones(1), **kwargs)
+
+
+def test_in_use_is_the_live_pinned_blocks_not_torchs_active_counter() -> None:
+    """torch 2.11's ``active_bytes`` keeps blocks freed (and emptied): the pool's in-use
+    bytes are the live pinned storages' power-of-two blocks, the rest of what it owns is
+    cached."""
+    MiB, GiB = 1024**2, 1024**3
+    stale = {"active_bytes.current": 3 * GiB, "allocated_bytes.current": 2 * GiB}
+    pool = host_ledger.build_pinned(stale, (1100 * MiB,), None)
+    assert (pool.in_use, pool.cached) == (2 * GiB, 0)
+    assert (pool.requested, pool.rounding) == (1100 * MiB, 2 * GiB - 1100 * MiB)
+    assert any("active counter keeps freed blocks" in n for n in pool.notes)
+    freed = {"active_bytes.current": GiB, "allocated_bytes.current": GiB}
+    pool = host_ledger.build_pinned(freed, (), None)  # the tensor deleted, its block cached
+    assert (pool.in_use, pool.cached) == (0, GiB)
