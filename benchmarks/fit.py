@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import math
 import os
 import sys
@@ -43,7 +44,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from _common import CUDA, emit
+from _common import CUDA, emit, machine
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -313,11 +314,14 @@ def main() -> None:
     parser.add_argument("--margin", type=float, default=0.02)
     parser.add_argument("--out", default="benchmarks/results/fit.json")
     parser.add_argument("--skip", nargs="*", default=[], help="tools to skip")
+    parser.add_argument(
+        "--models", nargs="*", choices=["gpt2", "bert", "resnet50"], help="only these models"
+    )
     args = parser.parse_args()
     if not CUDA:
         print("benchmarks/fit.py needs a CUDA GPU")
         return
-    models = ["gpt2"] if args.quick else ["gpt2", "bert", "resnet50"]
+    models = args.models or (["gpt2"] if args.quick else ["gpt2", "bert", "resnet50"])
     rows: list[list[str]] = []
     data: dict[str, Any] = {"margin": args.margin, "models": {}}
     for name in models:
@@ -360,6 +364,9 @@ def main() -> None:
         if "seconds" in lightning:
             results["speedup_vs_lightning"] = lightning["seconds"] / results["cudamem"]["seconds"]
         data["models"][name] = results
+        # each model's figures on disk as soon as they exist (a run cut short keeps them)
+        with open(args.out, "w") as fh:
+            json.dump({"machine": machine(), **data, "partial": True}, fh, indent=2)
     emit(
         f"Will it fit? largest batch (cudamem margin {args.margin:.0%})",
         [
