@@ -196,6 +196,9 @@ class _Loader:
     ended: bool = False
     warned: bool = False
     watched: bool = True
+    #: The first loader of its dataset this watcher saw: read at its start and end whatever
+    #: the budget.
+    first_of_dataset: bool = True
 
     def value(self) -> LoaderReport:
         return LoaderReport(
@@ -287,6 +290,9 @@ class WorkerWatcher:
             watched=watched,
         )
         with self._lock:
+            entry.first_of_dataset = not any(
+                e.key == entry.key for e in (*self._finished, *self._loaders.values())
+            )
             stale = self._loaders.pop(id(it), None)
             if stale is not None:  # its iterator is gone: a new one took its address
                 stale.ended = True
@@ -429,7 +435,8 @@ class WorkerWatcher:
         judged on an earlier loader (a new epoch without persistent workers), and the last
         read's wait has not passed. A dataset's first loader is read in full."""
         return (
-            (entry.key in self._judged_keys or entry.key in self._warned_keys)
+            not entry.first_of_dataset
+            and (entry.key in self._judged_keys or entry.key in self._warned_keys)
             and self.settings.budget < 1
             and time.monotonic() < self._next_full
         )
@@ -451,10 +458,7 @@ class WorkerWatcher:
                     continue
                 if (faults - (worker.faults or 0)) * PAGE < self.settings.fault_step:
                     continue
-                t0 = time.perf_counter()
-                memory = _procfs.read_memory(worker.pid)
-                self.cost += time.perf_counter() - t0
-                self.full_reads += 1
+                memory = self._full(worker.pid)
                 if memory.measured:
                     worker.last, worker.faults = memory, faults
             self._judge(entry, it)

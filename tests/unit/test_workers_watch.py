@@ -290,3 +290,17 @@ def test_later_loaders_of_a_judged_dataset_wait_for_the_budget() -> None:
     assert one.workers[0].growth == 2 * MiB
     assert two.workers == ()
     assert watcher.full_reads == 2
+
+
+def test_a_datasets_first_loader_is_read_at_its_end_whatever_the_budget() -> None:
+    fake = FakeProc()
+    _grow(fake, [121], 12 * MiB, 0)
+    it = FakeIter(Arrays(), [121])
+    watcher = WorkerWatcher(WatchSettings(budget=1e-9))
+    with _procfs.use(fake):
+        watcher.register(it)
+        watcher.tick()
+        watcher.tick(force=True)  # a second reading: the dataset counts as judged now
+        _grow(fake, [121], 20 * MiB, (8 * MiB) // PAGE)
+        watcher.final(it)  # torch ends the workers: still read, budget or not
+    assert watcher.reports()[0].workers[0].last.uss == 20 * MiB
