@@ -76,7 +76,7 @@ class WatchSettings(Presented):
     #: Share of one core the ``smaps_rollup`` reads may take (1: no limit).
     budget: float = 0.005
     #: Mean USS growth per worker that warns when the dataset holds large Python containers.
-    min_growth: int = 8 * MiB
+    min_growth: int = 16 * MiB
     #: The same when it holds none (the growth is then the workers' own allocations).
     min_growth_unexplained: int = 256 * MiB
     #: Faults (as bytes of pages) since a worker's last reading that make it worth reading.
@@ -533,7 +533,7 @@ def _remove_hook() -> None:
 def watch_workers(
     *,
     interval: float = 1.0,
-    min_growth: int = 8 * MiB,
+    min_growth: int = 16 * MiB,
     budget: float = 0.005,
 ) -> WorkerWatcher:
     """Watch every DataLoader iterator created from now on (``num_workers > 0``): their

@@ -109,7 +109,9 @@ def test_numpy_backed_workers_do_not_grow_and_never_warn(watch: workers.WorkerWa
         (report,) = watch.reports(refresh=True)
     assert _host_warnings(record) == []
     assert not report.warned and report.containers == ()
-    assert report.growth < 8 * MiB, report
+    # A worker's start-up allocates a few MiB after its first reading (up to ~7 MiB seen):
+    # under the 16 MiB a worker must grow to warn, far from the dict workers' ~25 MiB each.
+    assert report.growth / len(report.workers) < 8 * MiB, report
     assert sorted(w.pid for w in report.workers) == sorted(pids)
 
 

@@ -37,7 +37,7 @@ class FakeIter:
 
 class Dicts:
     def __init__(self) -> None:
-        self.items = [{"id": i, "label": i % 10} for i in range(60_000)]
+        self.items = [{"id": i, "label": i % 10} for i in range(100_000)]
 
 
 class Arrays:
@@ -78,7 +78,7 @@ def test_growing_forked_workers_warn_copy_on_read_naming_the_attribute() -> None
     text = str(warning)
     assert "grew by 428.0 MiB in all (+214.0 MiB, +214.0 MiB per worker)" in text
     assert "cause: copy-on-read" in text
-    assert "dataset.items: list of 60,000 dicts" in text
+    assert "dataset.items: list of 100,000 dicts" in text
     assert "numpy arrays or tensors" in text and "serialized bytes" in text
     assert "RSS stays flat" in text
     # Once per dataset: more growth does not warn again.
