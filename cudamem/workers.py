@@ -298,7 +298,23 @@ class WorkerWatcher:
                 stale.ended = True
                 self._finished.append(stale)
             self._loaders[id(it)] = entry
+        if entry.first_of_dataset and watched:
+            # The baseline now, in the caller's thread, before the workers read anything (the
+            # thread may be scheduled late on a busy machine): once per dataset.
+            with self._tick_lock:
+                for index, proc in enumerate(list(getattr(it, "_workers", ()))):
+                    pid = getattr(proc, "pid", None)
+                    if isinstance(pid, int) and pid not in entry.workers:
+                        self._first(entry, index, pid, _procfs.read_faults(pid))
         self._wake.set()
+
+    def _first(self, entry: _Loader, index: int, pid: int, faults: int | None) -> None:
+        if faults is None:
+            return  # gone before its first reading
+        first = self._full(pid)
+        entry.workers[pid] = _Worker(
+            index, pid, first, first, faults, time.monotonic(), not first.measured
+        )
 
     # -- reading -----------------------------------------------------------------------
     def _run(self) -> None:
@@ -346,14 +362,9 @@ class WorkerWatcher:
                 faults = _procfs.read_faults(pid)
                 self.cost += time.perf_counter() - t0
                 if worker is None:
-                    if faults is None:
-                        continue  # gone before its first reading
                     if self._budgeted(entry) and not force:
                         continue  # a dataset already judged: read only as the budget allows
-                    first = self._full(pid)
-                    entry.workers[pid] = _Worker(
-                        index, pid, first, first, faults, time.monotonic(), not first.measured
-                    )
+                    self._first(entry, index, pid, faults)
                     continue
                 if faults is None:
                     worker.exited = True
