@@ -76,7 +76,7 @@ class WatchSettings(Presented):
     #: Share of one core the ``smaps_rollup`` reads may take (1: no limit).
     budget: float = 0.005
     #: Mean USS growth per worker that warns when the dataset holds large Python containers.
-    min_growth: int = 8 * MiB
+    min_growth: int = 16 * MiB
     #: The same when it holds none (the growth is then the workers' own allocations).
     min_growth_unexplained: int = 256 * MiB
     #: Faults (as bytes of pages) since a worker's last reading that make it worth reading.
@@ -196,6 +196,9 @@ class _Loader:
     ended: bool = False
     warned: bool = False
     watched: bool = True
+    #: The first loader of its dataset this watcher saw: read at its start and end whatever
+    #: the budget.
+    first_of_dataset: bool = True
 
     def value(self) -> LoaderReport:
         return LoaderReport(
@@ -287,12 +290,31 @@ class WorkerWatcher:
             watched=watched,
         )
         with self._lock:
+            entry.first_of_dataset = not any(
+                e.key == entry.key for e in (*self._finished, *self._loaders.values())
+            )
             stale = self._loaders.pop(id(it), None)
             if stale is not None:  # its iterator is gone: a new one took its address
                 stale.ended = True
                 self._finished.append(stale)
             self._loaders[id(it)] = entry
+        if entry.first_of_dataset and watched:
+            # The baseline now, in the caller's thread, before the workers read anything (the
+            # thread may be scheduled late on a busy machine): once per dataset.
+            with self._tick_lock:
+                for index, proc in enumerate(list(getattr(it, "_workers", ()))):
+                    pid = getattr(proc, "pid", None)
+                    if isinstance(pid, int) and pid not in entry.workers:
+                        self._first(entry, index, pid, _procfs.read_faults(pid))
         self._wake.set()
+
+    def _first(self, entry: _Loader, index: int, pid: int, faults: int | None) -> None:
+        if faults is None:
+            return  # gone before its first reading
+        first = self._full(pid)
+        entry.workers[pid] = _Worker(
+            index, pid, first, first, faults, time.monotonic(), not first.measured
+        )
 
     # -- reading -----------------------------------------------------------------------
     def _run(self) -> None:
@@ -340,14 +362,9 @@ class WorkerWatcher:
                 faults = _procfs.read_faults(pid)
                 self.cost += time.perf_counter() - t0
                 if worker is None:
-                    if faults is None:
-                        continue  # gone before its first reading
                     if self._budgeted(entry) and not force:
                         continue  # a dataset already judged: read only as the budget allows
-                    first = self._full(pid)
-                    entry.workers[pid] = _Worker(
-                        index, pid, first, first, faults, time.monotonic(), not first.measured
-                    )
+                    self._first(entry, index, pid, faults)
                     continue
                 if faults is None:
                     worker.exited = True
@@ -429,7 +446,8 @@ class WorkerWatcher:
         judged on an earlier loader (a new epoch without persistent workers), and the last
         read's wait has not passed. A dataset's first loader is read in full."""
         return (
-            (entry.key in self._judged_keys or entry.key in self._warned_keys)
+            not entry.first_of_dataset
+            and (entry.key in self._judged_keys or entry.key in self._warned_keys)
             and self.settings.budget < 1
             and time.monotonic() < self._next_full
         )
@@ -451,10 +469,7 @@ class WorkerWatcher:
                     continue
                 if (faults - (worker.faults or 0)) * PAGE < self.settings.fault_step:
                     continue
-                t0 = time.perf_counter()
-                memory = _procfs.read_memory(worker.pid)
-                self.cost += time.perf_counter() - t0
-                self.full_reads += 1
+                memory = self._full(worker.pid)
                 if memory.measured:
                     worker.last, worker.faults = memory, faults
             self._judge(entry, it)
@@ -529,7 +544,7 @@ def _remove_hook() -> None:
 def watch_workers(
     *,
     interval: float = 1.0,
-    min_growth: int = 8 * MiB,
+    min_growth: int = 16 * MiB,
     budget: float = 0.005,
 ) -> WorkerWatcher:
     """Watch every DataLoader iterator created from now on (``num_workers > 0``): their

@@ -194,6 +194,11 @@ _VARYING = [
     (re.compile(r"0x[0-9a-fA-F]+"), "0x<addr>"),
     (re.compile(r"\bpid \d+"), "pid <pid>"),
     (re.compile(r"(pid <pid> on )[^\s,)]+"), r"\1<host>"),  # the distributed report's hosts
+    # a process's RSS/PSS/USS, measured by the OS: the host sections' first line
+    (
+        re.compile(r"^(\s*host(?: at exit|, this process) \(pid <pid>): [^)]*\)", re.M),
+        r"\1: <rss>)",
+    ),
     (re.compile(r'"(data_ptr|started_at|duration|elapsed|thread)": [-\d.e]+'), r'"\1": <n>'),
     (re.compile(r"-{2,}"), "--"),  # table rules follow the widest cell, timings included
     (re.compile(r"[ \t]+"), " "),

@@ -106,6 +106,13 @@ def test_normalise_keeps_what_matters() -> None:
     assert n("saved result (+2 more)") != n("saved result (+1 more)")
     assert n("5 calls") != n("6 calls") and n("5 storages") != n("4 storages")
     assert n("256.0 MiB") != n("257.0 MiB")
+    # a host section's first line: RSS/PSS/USS as the OS measured them
+    assert n("host at exit (pid 12: RSS 300.0 MiB, USS 2.0 MiB)\n  CPU tensors: 4.0 MiB") == n(
+        "host at exit (pid 99: RSS 310.5 MiB, USS 2.5 MiB)\n  CPU tensors: 4.0 MiB"
+    )
+    assert n("host, this process (pid 1: RSS 1 B)\n  CPU tensors: 4.0 MiB") != n(
+        "host, this process (pid 1: RSS 1 B)\n  CPU tensors: 5.0 MiB"
+    )
     # measured- sections: the OS's figures vary, their words do not
     measured = "--8<-- [start:measured-x]\nUSS {} grew by {}\n--8<-- [end:measured-x]\n{}"
     assert n(measured.format("12.0 MiB", "+1 B", "4.0 MiB")) == n(

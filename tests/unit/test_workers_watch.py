@@ -37,7 +37,7 @@ class FakeIter:
 
 class Dicts:
     def __init__(self) -> None:
-        self.items = [{"id": i, "label": i % 10} for i in range(60_000)]
+        self.items = [{"id": i, "label": i % 10} for i in range(100_000)]
 
 
 class Arrays:
@@ -78,7 +78,7 @@ def test_growing_forked_workers_warn_copy_on_read_naming_the_attribute() -> None
     text = str(warning)
     assert "grew by 428.0 MiB in all (+214.0 MiB, +214.0 MiB per worker)" in text
     assert "cause: copy-on-read" in text
-    assert "dataset.items: list of 60,000 dicts" in text
+    assert "dataset.items: list of 100,000 dicts" in text
     assert "numpy arrays or tensors" in text and "serialized bytes" in text
     assert "RSS stays flat" in text
     # Once per dataset: more growth does not warn again.
@@ -290,3 +290,17 @@ def test_later_loaders_of_a_judged_dataset_wait_for_the_budget() -> None:
     assert one.workers[0].growth == 2 * MiB
     assert two.workers == ()
     assert watcher.full_reads == 2
+
+
+def test_a_datasets_first_loader_is_read_at_its_end_whatever_the_budget() -> None:
+    fake = FakeProc()
+    _grow(fake, [121], 12 * MiB, 0)
+    it = FakeIter(Arrays(), [121])
+    watcher = WorkerWatcher(WatchSettings(budget=1e-9))
+    with _procfs.use(fake):
+        watcher.register(it)
+        watcher.tick()
+        watcher.tick(force=True)  # a second reading: the dataset counts as judged now
+        _grow(fake, [121], 20 * MiB, (8 * MiB) // PAGE)
+        watcher.final(it)  # torch ends the workers: still read, budget or not
+    assert watcher.reports()[0].workers[0].last.uss == 20 * MiB

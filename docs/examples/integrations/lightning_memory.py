@@ -56,7 +56,10 @@ trainer.fit(model, DataLoader(TensorDataset(torch.randn(512, 256)), batch_size=6
 
 with open(Path(trainer.logger.log_dir) / "metrics.csv") as f:
     rows = [r for r in csv.DictReader(f) if r.get("cudamem/allocated_mib")]
-names = [c for c in rows[0] if c.startswith("cudamem/")]
+# The host columns (host_rss_mib, host_uss_mib, workers_uss_mib) are the OS's figures and vary
+# run to run: docs/guide/host.md shows them.
+HOST = ("cudamem/host_", "cudamem/workers_", "cudamem/pinned_")
+names = [c for c in rows[0] if c.startswith("cudamem/") and not c.startswith(HOST)]
 print("step  " + "  ".join(n.removeprefix("cudamem/") for n in names))
 for r in rows:
     print(f"{r['step']:>4}  " + "  ".join(f"{float(r[n]):>{len(n) - 8}.3f}" for n in names))

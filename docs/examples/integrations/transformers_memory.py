@@ -13,6 +13,8 @@ from cudamem.integrations.transformers import CudamemTrainerCallback, release_tr
 logging.set_verbosity_error()
 GPU = torch.cuda.is_available()
 
+HOST = ("cudamem/host_", "cudamem/workers_", "cudamem/pinned_")
+
 
 class Tokens(torch.utils.data.Dataset):
     def __init__(self):
@@ -49,7 +51,9 @@ trainer = Trainer(
 trainer.train()
 for entry in trainer.state.log_history:
     if "loss" in entry:
-        print({k: round(v, 3) for k, v in entry.items() if k in ("step", "loss") or "cudamem" in k})
+        # The host columns are the OS's figures, varying run to run (docs/guide/host.md).
+        shown = {k: v for k, v in entry.items() if not k.startswith(HOST)}
+        print({k: round(v, 3) for k, v in shown.items() if k in ("step", "loss") or "cudamem" in k})
 
 print(release_trainer(trainer))  # the script's own `model` still holds the weights
 del model
