@@ -6,7 +6,9 @@ two before ``cudaHostAlloc`` (600 MiB pinned takes 1 GiB), and freed blocks stay
 process's RSS, until ``torch.accelerator.empty_host_cache()`` (``torch._C._host_emptyCache()``
 on older releases). ``host_memory_stats()`` counts blocks the allocator owns
 (``allocated_bytes``: in use + cached) and blocks handed out (``active_bytes``); only their
-``current`` values are read: the historical ``freed`` counters can go negative.
+``current`` values are read (the historical ``freed`` counters can go negative), and in use is
+the live pinned storages' blocks where they can be listed: on torch 2.11 ``active_bytes``
+keeps blocks freed and emptied.
 
 ``build_pinned`` is the arithmetic, fed by recorded figures in tests.
 """
@@ -51,7 +53,8 @@ class PinnedPool(Presented):
 
     json_properties: ClassVar[tuple[str, ...]] = ("owned",)
 
-    #: Bytes of blocks handed out (``active_bytes.current``).
+    #: Bytes of blocks handed out: the live pinned storages' power-of-two blocks (torch's
+    #: ``active_bytes.current`` only where they cannot be listed).
     in_use: int
     #: Bytes of free blocks the pool keeps (``allocated_bytes.current`` − in use).
     cached: int
