@@ -137,11 +137,12 @@ def build_pinned(
         blocks = sum(round_pinned(n) for n in sizes)
         rounding = blocks - requested
         in_use = min(blocks, owned) if owned else blocks
-        if active > owned:
+        if active > blocks:
             notes.append(
-                f"host_memory_stats() counts {active} bytes active but the pool owns {owned}: "
-                "its active counter keeps freed blocks; in use here is the live pinned "
-                "tensors' blocks"
+                f"{active - blocks} bytes counted active by host_memory_stats() belong to no "
+                "live pinned tensor: blocks whose non_blocking copies have not finished, or "
+                "freed blocks its active counter still counts (torch 2.11's does); they are "
+                "counted cached here"
             )
     elif active > owned:
         in_use = owned

@@ -48,11 +48,13 @@ def test_the_pool_splits_in_use_from_cached_and_names_the_rounding() -> None:
     assert "active_bytes.freed = -14" in text
 
 
-def test_in_use_bytes_no_live_tensor_explains_are_a_note() -> None:
+def test_active_bytes_no_live_tensor_explains_are_a_note_and_count_as_cached() -> None:
     pool = build_pinned(STATS_AFTER_FREE, (), None)
     assert pool.rounding == 0 and pool.requested == 0
+    assert (pool.in_use, pool.cached) == (0, 3 * GiB)
     assert any(
-        n.startswith(f"{2 * GiB} bytes in use belong to no live pinned tensor") for n in pool.notes
+        n.startswith(f"{2 * GiB} bytes counted active by host_memory_stats() belong to no live")
+        for n in pool.notes
     )
     assert "only the process exiting" in str(pool)
 
