@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, ClassVar, TypeVar
@@ -601,17 +601,7 @@ class TorchBackend(Backend):
             return None
         import gc
 
-        sizes: dict[int, int] = {}
-        tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
-        for t in tensors:
-            try:
-                if t.device.type != "cpu" or not t.is_pinned():
-                    continue
-                storage = t.untyped_storage()
-                sizes[storage.data_ptr()] = storage.nbytes()
-            except Exception:
-                continue
-        return tuple(sizes.values())
+        return pinned_storage_sizes(gc.get_objects())
 
     def empty_host_cache(self) -> str | None:
         call = host_cache_call()
@@ -631,6 +621,28 @@ class TorchBackend(Backend):
             return _find_pool_owners()
         except Exception:
             return None
+
+
+def pinned_storage_sizes(objects: Iterable[object]) -> tuple[int, ...]:
+    """Bytes of each pinned CPU storage among ``objects``' tensors, each storage once.
+
+    Tensors are told by ``type(o)``, never ``isinstance``: ``isinstance`` reads an object's
+    ``__class__``, which a dead ``weakref.proxy`` answers with ``ReferenceError`` and a
+    deprecated module attribute (``torch.distributed.reduce_op``) with a ``FutureWarning``
+    (an error under ``-W error``): both met on the H200 in ``explain()``'s host section."""
+    sizes: dict[int, int] = {}
+    for o in objects:
+        if not issubclass(type(o), torch.Tensor):
+            continue
+        t: Any = o
+        try:
+            if t.device.type != "cpu" or not t.is_pinned():
+                continue
+            storage = t.untyped_storage()
+            sizes[storage.data_ptr()] = storage.nbytes()
+        except Exception:
+            continue
+    return tuple(sizes.values())
 
 
 def _with_subclasses(roots: list[type]) -> list[type]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import gc
 import sys
+import warnings
 import weakref
 from typing import Any, NamedTuple
 
@@ -241,3 +242,28 @@ def test_in_use_is_the_live_pinned_blocks_not_torchs_active_counter() -> None:
     freed = {"active_bytes.current": GiB, "allocated_bytes.current": GiB}
     pool = host_ledger.build_pinned(freed, (), None)  # the tensor deleted, its block cached
     assert (pool.in_use, pool.cached) == (0, GiB)
+
+
+def test_pinned_sizes_never_touch_an_objects_class() -> None:
+    """The pinned-storage listing reads ``type(o)``: a dead ``weakref.proxy`` (whose
+    ``__class__`` raises ``ReferenceError``) and an object whose ``__class__`` warns (as
+    ``torch.distributed.reduce_op`` does) are passed over with no error and no warning."""
+    from cudamem._backend import pinned_storage_sizes
+
+    class Target:
+        pass
+
+    dead = weakref.proxy(Target())  # its referent is gone at once
+
+    class Deprecated:
+        @property  # type: ignore[misc]
+        def __class__(self) -> type:
+            warnings.warn("deprecated", FutureWarning, stacklevel=2)
+            return type(self)
+
+    with pytest.raises(ReferenceError):
+        isinstance(dead, torch.Tensor)
+    plain = torch.ones(4)  # not pinned: not listed
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert pinned_storage_sizes([dead, Deprecated(), plain, 3, "x"]) == ()
