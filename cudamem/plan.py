@@ -630,7 +630,7 @@ def _collect(
                     runner.run(check_size, "check")
         # The cache as the largest step left it (its peaks still in the counters): what
         # fragmentation costs at that size, before the cache is emptied below.
-        frag = _fragmentation_after(device, notes)
+        frag = _fragmentation_after(device, notes, runner.probes)
     finally:
         restored: RestoreCost | None = None
         if saved is not None and model is not None and optimizer is not None:
@@ -655,14 +655,21 @@ def _collect(
     return plan if frag is None else replace(plan, fragmentation=frag)
 
 
-def _fragmentation_after(device: int, notes: list[str]) -> Fragmentation | None:
-    """``cudamem.fragmentation`` of the device right after the last step; ``None`` (and a
-    note) where the allocator's snapshot cannot be read."""
+def _fragmentation_after(
+    device: int, notes: list[str], probes: Sequence[Probe]
+) -> Fragmentation | None:
+    """``cudamem.fragmentation`` of the device right after the last step, its peaks the
+    last step's own (the phases' spans reset the counters' peaks inside the step); ``None``
+    (and a note) where the allocator's snapshot cannot be read."""
     try:
-        return fragmentation(device)
+        frag = fragmentation(device)
     except Exception as exc:  # a snapshot torch cannot take must not lose the plan
         notes.append(f"fragmentation not measured: {type(exc).__name__}: {exc}")
         return None
+    last = probes[-1] if probes else None
+    if last is None or last.oom or last.allocated is None:
+        return frag
+    return replace(frag, peak_allocated=last.allocated, peak_reserved=last.reserved)
 
 
 def _phase_lines(steps: Sequence[Probe], terms: Sequence[str]) -> tuple[Line, ...]:

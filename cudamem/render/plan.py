@@ -4,7 +4,7 @@ for notebooks); its predictions and checkpointing advice as one line each. JSON 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from .._fit import Line
 from .._format import escape_html, format_bytes, format_duration, plural
@@ -36,15 +36,27 @@ def formula(line: Line) -> str:
     coefs = dict(zip(line.terms, line.coefs, strict=True))
     fixed = _mib(coefs.get("1", 0.0))
     if line.terms == ("1", "n"):
-        return f"{fixed} + {_mib(coefs['n'])} × n"
+        return f"{fixed}{_signed(coefs['n'], _mib)} × n"
     inner = []
     if "n" in coefs:
-        inner.append(_mib(coefs["n"]))
+        inner.append(("", coefs["n"], _mib))
     if "n*L" in coefs:
-        inner.append(f"{_mib(coefs['n*L'])}·L")
+        inner.append(("·L", coefs["n*L"], _mib))
     if "n*L^2" in coefs:
-        inner.append(f"{coefs['n*L^2']:.1f} B·L²")
-    return f"{fixed} + n × ({' + '.join(inner)})"
+        inner.append(("·L²", coefs["n*L^2"], _bytes_per))
+    first, *rest = inner
+    text = f"{'-' if first[1] < 0 else ''}{first[2](abs(first[1]))}{first[0]}"
+    text += "".join(f"{_signed(c, f)}{unit}" for unit, c, f in rest)
+    return f"{fixed} + n × ({text})"
+
+
+def _bytes_per(value: float) -> str:
+    return f"{value:.1f} B"
+
+
+def _signed(value: float, fmt: Callable[[float], str]) -> str:
+    """`` + 1.0 MiB`` or `` − 1.0 MiB``: a term after the first, its sign as the operator."""
+    return f" − {fmt(-value)}" if value < 0 else f" + {fmt(value)}"
 
 
 def _probe_row(p: Probe, plan: MemoryPlan) -> list[str]:

@@ -558,3 +558,21 @@ def test_the_optimizer_s_step_is_a_phase_of_its_own(fake: Device) -> None:
     assert plan.probes[1].phases == (1240 * MiB, 820 * MiB, 1500 * MiB)
     assert plan.linear is True and len(plan.phase_lines) == 3
     assert plan.predict(64).allocated == 500 * MiB + 80 * MiB * 64
+
+
+def test_the_fragmentation_s_peaks_are_the_last_step_s_own(fake: Device) -> None:
+    """The phases' spans reset the allocator's peak counters inside a step: the plan's
+    fragmentation reports the check step's peak (its forward's 1960 MiB), not the last
+    phase's."""
+    plan = cudamem.plan(TwoPhaseStep(fake), sizes=(4, 8))
+    assert plan.fragmentation is not None
+    assert plan.probes[-1].allocated == 1960 * MiB
+    assert plan.fragmentation.peak_allocated == 1960 * MiB
+
+
+def test_a_negative_term_reads_as_a_minus() -> None:
+    from cudamem.render.plan import formula
+
+    assert formula(Line(("1", "n"), (2048.0 * MiB, -227.5 * 1024))) == "2.0 GiB − 227.5 KiB × n"
+    line = Line(("1", "n*L", "n*L^2"), (1024.0 * MiB, 1.5 * MiB, -51.0))
+    assert formula(line) == "1.0 GiB + n × (1.5 MiB·L − 51.0 B·L²)"
