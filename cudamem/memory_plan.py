@@ -238,6 +238,16 @@ class MemoryPlan(PresentedHtml):
         """The largest batch size a step ran at without running out of memory."""
         return max((p.n for p in self.probes if not p.oom), default=0)
 
+    def _measured(self, n: int, length: int | None) -> bool:
+        """Whether batch ``n`` (at ``length``) lies within what the steps measured: no
+        larger batch, and on a length axis no longer length, than a step ran at."""
+        ran = [p for p in self.probes if not p.oom]
+        if n > max((p.n for p in ran), default=0):
+            return False
+        if length is None:
+            return True
+        return length <= max((p.length or 0 for p in ran), default=0)
+
     @property
     def smallest_oom(self) -> int | None:
         """The smallest batch size whose step ran out of memory, ``None`` if none did."""
@@ -265,7 +275,7 @@ class MemoryPlan(PresentedHtml):
         check_int("n", n, minimum=1)
         line = self._line()
         at = self._length(length)
-        inside = n <= self.largest_measured
+        inside = self._measured(n, length)
         if not inside and self.linear is False:
             raise NotLinearError(self._refusal(f"predict({n})"))
         allocated = self._allocated_at(line, n, at)
@@ -366,7 +376,7 @@ class MemoryPlan(PresentedHtml):
         per_sample = checkpoint_per_sample(line.per_sample(at), chosen)
         allocated = line.fixed + n * per_sample
         return Prediction(
-            n, length, round(allocated), round(allocated * self.ratio), n <= self.largest_measured
+            n, length, round(allocated), round(allocated * self.ratio), self._measured(n, length)
         )
 
     def _allocated_at(self, line: Line, n: int, length: int) -> float:
@@ -390,7 +400,7 @@ class MemoryPlan(PresentedHtml):
         reserved = allocated * self.ratio
         if self.reserved_line is not None:
             by_line = self.reserved_line.at(n, length)
-            inside = n <= self.largest_measured
+            inside = self._measured(n, length if self.length_axis else None)
             reserved = max(reserved, by_line) if inside else min(reserved, by_line)
         return max(allocated, reserved)
 

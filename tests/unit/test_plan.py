@@ -285,6 +285,8 @@ def test_lengths_fit_the_quadratic_attention_term(fake: Device) -> None:
     assert plan.allocated_line.terms == ("1", "n*L", "n*L^2")
     assert plan.linear is True
     assert plan.predict(16, 1024).allocated == peak(16, 1024)
+    # A measured batch at a length longer than any step ran is past the probes too.
+    assert plan.predict(8, 512).measured_range and not plan.predict(8, 1024).measured_range
     budget = 0.95 * 100 * GiB
     expected = int((budget - 900 * MiB) // (4096 * 1024 + 48 * 1024 * 1024))
     assert plan.largest(length=1024, memory=100 * GiB) == expected
