@@ -27,6 +27,10 @@ from dataclasses import replace
 from typing import Any, NamedTuple
 
 import torch
+from torch.nn.modules.module import (
+    register_module_forward_hook,
+    register_module_forward_pre_hook,
+)
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import _backend
@@ -168,33 +172,67 @@ def _output_bytes(value: Any, seen: set[int], depth: int = 0) -> int:
     return 0
 
 
-class _ForwardOrder:
-    """The order of the modules' forward exits in one step, the allocated level at each
-    exit and the bytes of each output; the top-level modules (roots) that ran."""
+class _Forwards:
+    """Two global forward hooks that follow how deep the step's module calls are nested,
+    outside the backward (a recomputation inside it, under checkpointing, is no forward of
+    the step). Subclasses act where a call enters (``_entered``: the depth before it) and
+    where it exits (``_exited``: the depth after it)."""
 
-    def __init__(self, backend: _backend.Backend, device: int) -> None:
-        self._backend = backend
-        self._device = device
+    def __init__(self) -> None:
         self._depth = 0
-        self.entry: int | None = None
-        self.exits: dict[int, tuple[int, int, int]] = {}
-        self.roots: list[weakref.ref[torch.nn.Module]] = []
         self._handles: list[Any] = []
 
-    def _allocated(self) -> int:
-        return self._backend.counters(self._device)[0]
+    def _install(self, *more: Any) -> None:
+        self._handles = [
+            register_module_forward_pre_hook(self._pre),
+            register_module_forward_hook(self._post, always_call=True),
+            *more,
+        ]
+
+    def _remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
     def _pre(self, module: torch.nn.Module, args: Any) -> None:
-        if torch._C._current_graph_task_id() != -1:  # a recomputation inside backward
+        if torch._C._current_graph_task_id() != -1:
             return
-        if self._depth == 0 and self.entry is None:
-            self.entry = self._allocated()
+        self._entered(module)
         self._depth += 1
 
     def _post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if torch._C._current_graph_task_id() != -1:
             return
         self._depth = max(0, self._depth - 1)
+        self._exited(module, output)
+
+    def _entered(self, module: torch.nn.Module) -> None:
+        pass
+
+    def _exited(self, module: torch.nn.Module, output: Any) -> None:
+        pass
+
+
+class _ForwardOrder(_Forwards):
+    """The order of the modules' forward exits in one step, the allocated level at each
+    exit and the bytes of each output; the top-level modules (roots) that ran."""
+
+    def __init__(self, backend: _backend.Backend, device: int) -> None:
+        super().__init__()
+        self._backend = backend
+        self._device = device
+        self.entry: int | None = None
+        self.exits: dict[int, tuple[int, int, int]] = {}
+        self.roots: list[weakref.ref[torch.nn.Module]] = []
+
+    def _allocated(self) -> int:
+        return self._backend.counters(self._device)[0]
+
+    def _entered(self, module: torch.nn.Module) -> None:
+        if self._depth == 0 and self.entry is None:
+            self.entry = self._allocated()
+
+    def _exited(self, module: torch.nn.Module, output: Any) -> None:
         if id(module) not in self.exits:
             out = _output_bytes(output, set())
             self.exits[id(module)] = (len(self.exits), self._allocated(), out)
@@ -202,21 +240,11 @@ class _ForwardOrder:
             self.roots.append(weakref.ref(module))
 
     def __enter__(self) -> _ForwardOrder:
-        from torch.nn.modules.module import (
-            register_module_forward_hook,
-            register_module_forward_pre_hook,
-        )
-
-        self._handles = [
-            register_module_forward_pre_hook(self._pre),
-            register_module_forward_hook(self._post, always_call=True),
-        ]
+        self._install()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        self._remove()
 
     def named(self) -> Iterator[tuple[str, torch.nn.Module]]:
         """Every module of the roots that ran, named as the module profile names them."""
@@ -316,32 +344,21 @@ def _causes(probes: Sequence[Probe], graphs_before: int | None) -> tuple[str, ..
 # --------------------------------------------------------------------------- probes
 
 
-class _Phases:
+class _Phases(_Forwards):
     """A step's peak split where each outermost module forward returns and where an
-    optimizer's ``step`` begins: a quiet span per phase (nested in the probe's), cut by two
+    optimizer's ``step`` begins: a quiet span per phase (nested in the probe's), cut by the
     global forward hooks and a global optimizer step pre-hook while the step runs (forward,
     loss and backward, optimizer). Recomputation inside the backward (checkpointing) cuts
     nothing."""
 
     def __init__(self, device: int) -> None:
+        super().__init__()
         self._device = device
-        self._depth = 0
         self.peaks: list[int] = []
         self._span = open_quiet("cudamem.plan phase", device)
-        self._handles = [
-            torch.nn.modules.module.register_module_forward_pre_hook(self._pre),
-            torch.nn.modules.module.register_module_forward_hook(self._post, always_call=True),
-            register_optimizer_step_pre_hook(self._optimizer),
-        ]
+        self._install(register_optimizer_step_pre_hook(self._optimizer))
 
-    def _pre(self, module: torch.nn.Module, args: Any) -> None:
-        if torch._C._current_graph_task_id() == -1:
-            self._depth += 1
-
-    def _post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if torch._C._current_graph_task_id() != -1:
-            return
-        self._depth = max(0, self._depth - 1)
+    def _exited(self, module: torch.nn.Module, output: Any) -> None:
         if self._depth == 0:
             self._cut()
 
@@ -357,8 +374,7 @@ class _Phases:
     def finish(self, exc: BaseException | None = None) -> tuple[int, ...]:
         """Remove the hooks, close the last phase; the phases' peaks (``()`` when no module
         ran, or the step failed: one phase is the step's own peak)."""
-        for handle in self._handles:
-            handle.remove()
+        self._remove()
         close_quiet(self._span, exc)
         if exc is not None or not self.peaks:
             return ()
