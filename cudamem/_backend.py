@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar, cast
 
 import torch
 
@@ -129,6 +129,8 @@ class Backend:
     #: and falls back to the methods when they raise.
     fast_counters: Callable[[int], Counters] | None = None
     fast_reset: Callable[[int], Counters] | None = None
+    #: The C++ reader's backward gates (``cudamem.modules``), once it serves, else ``None``.
+    gates: _fastread.GateLog | None = None
 
     def device_count(self) -> int:
         """Number of CUDA devices visible to torch (0 without CUDA)."""
@@ -438,6 +440,8 @@ class TorchBackend(Backend):
         if reader is not None:
             self.fast_reset = reader.counters_reset_peak
             self.fast_counters = reader.counters
+            if hasattr(reader, "gate"):
+                self.gates = cast("_fastread.GateLog", reader)
 
     def empty_cache(self) -> None:
         # torch.cuda.empty_cache() is a no-op before CUDA is initialised: no context made.

@@ -49,6 +49,7 @@ __all__ = [
     "SWITCH_ENV",
     "BuildSpec",
     "FastReader",
+    "GateLog",
     "Reader",
     "ReaderStatus",
     "ReaderUnavailable",
@@ -105,6 +106,32 @@ class Reader(Protocol):
 
     def counters_reset_peak(self, device: int, /) -> Counters:
         """The counters, read just before resetting the device's peak."""
+        ...
+
+
+class GateLog(Protocol):
+    """The reader's backward gates (``cudamem.modules``): C++ pre-hooks on autograd nodes
+    that log the counters, with no GIL, when the node is about to run (``_fastread.cpp``)."""
+
+    def gate(self, grad_fn: object, tag: int, owner: int, device: int, /) -> bool:
+        """Hook ``grad_fn`` to log ``tag`` in log ``owner``; False if it is no node."""
+        ...
+
+    def log_start(self) -> int:
+        """Start a new log (dropping any other); its owner id."""
+        ...
+
+    def log_stop(self, owner: int, /) -> None:
+        """End log ``owner``: its gates do nothing from here."""
+        ...
+
+    def log_drain(self, owner: int, /) -> tuple[tuple[int, ...], int]:
+        """The events so far, flat (tag, allocated, peak, ns) quadruples, and how many were
+        dropped past the log's bound; both emptied."""
+        ...
+
+    def mark(self, owner: int, device: int, tag: int, /) -> None:
+        """Log ``tag`` now, as a gate would."""
         ...
 
 

@@ -25,6 +25,14 @@ dispatch mode):
   module's input node is its predecessor's output node, a parent's output node its last
   child's, so a step registers about one hook per leaf call instead of two per call; the
   gate runs its calls' edges in the order they were registered.
+- **Gates in C++.** Where the C++ counter reader serves one device, a gate is a C++
+  pre-hook (``_fastread.cpp``) that logs the counters with no GIL and no Python: a Python
+  hook costs the autograd engine the GIL and a tuple of the gradients, about 20 µs a node.
+  The log's events (each with the highest allocated since the event before it) are
+  replayed at the end of the backward pass (one Python pre-hook per top-level call queues
+  the engine callback), into exactly the figures a span per call would give: the replay
+  keeps the calls open at each event on a stack, as spans nest. Elsewhere (the dict path,
+  several devices, a fake allocator) the gates are Python hooks that open and close spans.
 - **Recomputation.** A forward that runs inside the backward (activation checkpointing
   re-running it) is counted apart: ``recomputes`` and ``recomputed`` (bytes kept at its
   exit), inside the backward spans around it.
@@ -51,6 +59,7 @@ from typing import Any
 
 import torch
 
+from . import _backend
 from ._module_bytes import StateBytes, state_bytes
 from ._present import PresentedHtml
 from .module_profile import ModuleProfile, RawModule, build_profile
@@ -112,6 +121,8 @@ _GATE_KEY = "cudamem.modules.gate"
 # grad-requiring input's ``grad_fn`` (where its backward ends; dropped at the forward's exit,
 # once a gate holds the call: the record keeps no node alive), its backward's graph task.
 _N, _SPAN, _INBW, _CHILD, _SOURCE, _TASK = range(6)
+#: A call's span slot while the C++ log's replay has its backward open.
+_REPLAYING: Any = object()
 
 
 class _Gate:
@@ -122,7 +133,7 @@ class _Gate:
     left to its own calls, and a new one takes the new ones, so that every call's hook lives
     until the second step end after its forward, as it would with a hook of its own."""
 
-    __slots__ = ("edges", "handle", "key", "owner")
+    __slots__ = ("edges", "handle", "key", "owner", "tag")
 
     def __init__(self, owner: ModuleProfiler, key: object) -> None:
         self.owner = owner
@@ -130,6 +141,8 @@ class _Gate:
         #: ``(True, call)``: the call's backward starts here; ``(False, call)``: it ends.
         self.edges: list[tuple[bool, list[Any]]] = []
         self.handle: Any = None
+        #: Its tag in the C++ gate log (``None``: a Python gate).
+        self.tag: int | None = None
 
     def fire(self, grad_outputs: Any) -> None:
         owner = self.owner
@@ -153,6 +166,33 @@ class _Gate:
         handle, self.handle = self.handle, None
         if handle is not None:
             handle.remove()
+        if self.tag is not None:  # a C++ gate stays on its node, logging a tag now unknown
+            self.owner._by_tag.pop(self.tag, None)
+
+
+class _NativeLog:
+    """The C++ gate log of one profiler (``_fastread.GateLog``) on one device: its events
+    replayed into the module calls' backward figures."""
+
+    __slots__ = ("api", "device", "lost", "open", "owner", "tags")
+
+    def __init__(self, api: Any, device: int) -> None:
+        self.api = api
+        self.device = device
+        self.owner: int = api.log_start()
+        self.tags = 0
+        self.lost = 0
+        #: The calls whose backward is open, outermost first: ``[call, peak, start
+        #: allocated, start ns]`` (a span's figures: the peak since it opened).
+        self.open: list[list[Any]] = []
+
+    def stop(self) -> None:
+        self.api.log_stop(self.owner)
+
+
+def _mark(api: Any, owner: int, device: int, tag: int, grad_outputs: Any) -> None:
+    """The Python pre-hook of a C++ gate that could not be put on its node."""
+    api.mark(owner, device, tag)
 
 
 def _grad_tensor(value: Any, depth: int = 0) -> torch.Tensor | None:
@@ -192,6 +232,10 @@ class ModuleProfiler(PresentedHtml):
         self._pending_old: list[_Gate] = []
         #: Which gates take new calls: a new key per step (see ``_Gate``).
         self._gate_key = object()
+        #: The C++ gate log (``None``: Python gates), chosen at each step's start.
+        self._native: _NativeLog | None = None
+        #: C++ gates by their tag (those of the last two steps).
+        self._by_tag: dict[int, _Gate] = {}
         self._touched: list[_Node] = []
         self._callback_task = -1
         self._backward_done = False
@@ -224,6 +268,7 @@ class ModuleProfiler(PresentedHtml):
                 from torch.nn.modules.module import register_module_forward_pre_hook
 
                 self._handles.append(register_module_forward_pre_hook(self._discover))
+            self._choose_gates()
         except BaseException:
             self._remove_hooks()
             self._active = False
@@ -239,6 +284,10 @@ class ModuleProfiler(PresentedHtml):
         while self._stack:  # forwards left open (the profile closed inside one)
             close_quiet(self._stack.pop()[1])
         self._drop_backward()
+        native, self._native = self._native, None
+        if native is not None:
+            self._replay(native, close=False)
+            native.stop()
         for gate in (*self._pending_old, *self._pending):
             gate.remove()
         self._pending_old, self._pending = [], []
@@ -353,6 +402,8 @@ class ModuleProfiler(PresentedHtml):
         if not stack and not in_backward:
             if self._open_backward:  # a backward pass that raised never reached its end
                 self._drop_backward()
+            if self._native is not None:  # the same for C++ gates (a pass whose end
+                self._replay(self._native, close=False)  # queued no replay)
             if self._auto_steps and self._backward_done:
                 self._end_step()
         source = None
@@ -409,9 +460,12 @@ class ModuleProfiler(PresentedHtml):
                 if start is not None:
                     end = entry[_SOURCE]
                     entry[_SOURCE] = None  # the record outlives the forward: no node in it
-                    self._gate(start).edges.append((True, entry))
+                    gate = self._gate(start)
+                    gate.edges.append((True, entry))
                     if end is not None:
                         self._gate(end).edges.append((False, entry))
+                    if not stack and gate.tag is not None:  # a top-level call: its backward
+                        start.register_prehook(self._native_backward)  # starts the pass
 
     def _unwind(self, node: _Node) -> bool:
         """The innermost open forward is not ``node``'s (an exception that skipped the
@@ -437,11 +491,117 @@ class ModuleProfiler(PresentedHtml):
         gate = None if meta is None else meta.get(_GATE_KEY)
         if gate is None or gate.key is not self._gate_key:
             gate = _Gate(self, self._gate_key)
-            gate.handle = fn.register_prehook(gate.fire)
+            native = self._native
+            if native is None:
+                gate.handle = fn.register_prehook(gate.fire)
+            else:
+                tag = gate.tag = native.tags
+                native.tags += 1
+                self._by_tag[tag] = gate
+                if not native.api.gate(fn, tag, native.owner, native.device):
+                    # A node the C++ hook cannot reach: a Python hook logs its tag.
+                    gate.handle = fn.register_prehook(
+                        functools.partial(_mark, native.api, native.owner, native.device, tag)
+                    )
             if meta is not None:
                 meta[_GATE_KEY] = gate
             self._pending.append(gate)
         return gate
+
+    def _choose_gates(self) -> None:
+        """At a step's start: C++ gates where the C++ reader serves one device."""
+        if self._native is not None or not self._active:
+            return
+        backend = _backend.get()
+        api = getattr(backend, "gates", None)
+        devices = backend.settled_devices
+        if api is None or devices is None or len(devices) != 1:
+            return
+        try:
+            self._native = _NativeLog(api, devices[0])
+        except Exception as exc:  # bookkeeping never breaks the user's step
+            self._notes.append(f"C++ gates not used: {type(exc).__name__}: {exc}")
+
+    def _native_backward(self, grad_outputs: Any) -> None:
+        """A top-level call's backward starts: the engine's callback at the pass's end
+        replays the C++ log (one per pass)."""
+        if self._native is None or not self._active:
+            return
+        task = _task_id()
+        if self._callback_task != task:
+            self._callback_task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._native_ended)
+
+    def _native_ended(self) -> None:
+        native = self._native
+        self._callback_task = -1
+        if native is not None:
+            native.api.mark(native.owner, native.device, -2)
+            self._replay(native, close=True)
+        self._backward_done = True
+        if not self._backward_read:
+            self._backward_read = True
+            self._read_state()
+
+    def _replay(self, native: _NativeLog, *, close: bool) -> None:
+        """The C++ log's events since the last replay, as spans would have measured them.
+
+        An event's peak is the highest allocated since the event before it: it goes to the
+        innermost open call, and a closing call hands its peak to the call below it, so
+        each call's peak covers everything after it opened, as a span's does. ``close``:
+        the pass ended (its last event is the end), calls still open end there; else they
+        are dropped unrecorded, as spans a failed backward left open are."""
+        try:
+            flat, lost = native.api.log_drain(native.owner)
+        except Exception as exc:
+            self._notes.append(f"C++ gate log not read: {type(exc).__name__}: {exc}")
+            flat, lost = (), 0
+        native.lost += lost
+        stack = native.open
+        by_tag = self._by_tag
+        active = self._active
+        alloc = ns = 0
+        for i in range(0, len(flat), 4):
+            tag, alloc, peak, ns = flat[i], flat[i + 1], flat[i + 2], flat[i + 3]
+            if stack and peak > stack[-1][1]:
+                stack[-1][1] = peak
+            if tag < 0:
+                continue
+            gate = by_tag.get(tag)
+            if gate is None:
+                continue
+            for starts, call in gate.edges:
+                if starts:
+                    if active and call[_SPAN] is None:
+                        call[_SPAN] = _REPLAYING
+                        stack.append([call, alloc, alloc, ns])
+                elif call[_SPAN] is _REPLAYING:
+                    for k in range(len(stack) - 1, -1, -1):
+                        if stack[k][0] is call:
+                            self._native_close(stack, k, alloc, ns)
+                            break
+        if close and flat:
+            while stack:
+                self._native_close(stack, len(stack) - 1, alloc, ns)
+        for entry in stack:  # dropped unrecorded
+            entry[0][_SPAN] = None
+        stack.clear()
+        if native.lost and not any("events dropped" in n for n in self._notes):
+            self._notes.append(
+                "backward figures incomplete: the C++ gate log was full (events dropped)"
+            )
+
+    def _native_close(self, stack: list[list[Any]], k: int, alloc: int, ns: int) -> None:
+        """End the backward of the call at ``stack[k]`` at an event of ``alloc`` bytes."""
+        entry = stack.pop(k)
+        entry[0][_SPAN] = None
+        peak = entry[1]
+        for above in stack[k:]:  # calls opened inside it: their peaks are inside its window
+            if above[1] > peak:
+                peak = above[1]
+        if k > 0 and entry[1] > stack[k - 1][1]:
+            stack[k - 1][1] = entry[1]
+        self._add_backward(entry[0][_N], alloc - entry[2], peak - entry[2], ns - entry[3])
 
     def _backward_started(self, task: int) -> None:
         if self._callback_task != task:
@@ -477,17 +637,21 @@ class ModuleProfiler(PresentedHtml):
         close_quiet(span)
         call[_SPAN] = None
         self._open_backward.pop(id(call), None)
-        node = call[_N]
+        self._add_backward(
+            call[_N], span.alloc_delta, span.peak_delta or 0, span.end_ns - span.start_ns
+        )
+
+    def _add_backward(self, node: _Node, delta: int, peak: int, ns: int) -> None:
+        """One call's backward figures added to its module's step."""
         cur = node.cur
         if cur is None:
             cur = node.cur = [0] * 11
             self._touched.append(node)
         cur[_BCALLS] += 1
-        cur[_BDELTA] += span.alloc_delta
-        peak = span.peak_delta or 0
+        cur[_BDELTA] += delta
         if peak > cur[_BPEAK]:
             cur[_BPEAK] = peak
-        cur[_BNS] += span.end_ns - span.start_ns
+        cur[_BNS] += ns
 
     # -- steps and state ------------------------------------------------------------------
 
@@ -507,6 +671,7 @@ class ModuleProfiler(PresentedHtml):
             gate.remove()
         self._pending_old, self._pending = self._pending, []
         self._gate_key = object()
+        self._choose_gates()
 
     def _read_state(self) -> None:
         self._state_reads += 1
