@@ -125,6 +125,39 @@ def test_the_modules_add_up_to_the_steps_spans() -> None:
     assert root.backward_peak.max <= (bwd.peak_delta or 0) + MiB
 
 
+def test_cpp_gates_agree_with_python_gates(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backward figures through the C++ reader's gates (no Python in the backward) are
+    those of Python gates with a span per call, module by module."""
+    from cudamem import _backend
+
+    model = _gpt2()
+    opt = torch.optim.AdamW(model.parameters())
+    step = _gpt2_step(model, opt)
+    step()
+    backend = _backend.get()
+    assert _backend.reader_status().active and backend.gates is not None
+    figures = {}
+    for native in (True, False):
+        if not native:
+            monkeypatch.setattr(backend, "gates", None)
+        with cudamem.track_modules(model) as prof:
+            for _ in range(2):
+                step()
+                assert (prof._native is not None) is native
+        figures[native] = {
+            r.name: (r.backward_calls.max, r.backward_delta.max, r.backward_peak.max)
+            for r in prof.profile.modules
+        }
+    assert figures[True].keys() == figures[False].keys()
+    for name, (calls, delta, peak) in figures[True].items():
+        py_calls, py_delta, py_peak = figures[False][name]
+        assert calls == py_calls, name
+        assert abs(delta - py_delta) <= SPLIT_SLACK, name
+        assert abs(peak - py_peak) <= SPLIT_SLACK, name
+    assert figures[True]["GPT2LMHeadModel"][0] == 1
+    assert figures[True]["GPT2LMHeadModel"][2] > 0
+
+
 def _recomputed(profile: Any, name: str) -> float:
     """Bytes re-made in the backward by ``name``'s forward: its own row's when its hooks ran
     again (an older transformers checkpoints the block's ``__call__``), else its children's

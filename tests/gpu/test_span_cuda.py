@@ -227,21 +227,33 @@ def test_no_sync_read_after_empty_cache_with_kernels_queued() -> None:
 
 
 def test_sync_true_puts_gpu_time_in_the_duration() -> None:
+    """Each span is compared with the GPU time of its own kernels (events inside it): the
+    groups run side by side, so two runs of the same kernels can take different times."""
     _clean()
     a, b = _matrices()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def events() -> tuple[torch.cuda.Event, torch.cuda.Event]:
+        return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    start, end = events()
     with cudamem.track("no sync") as fast:
         start.record()
         outs = [a @ b for _ in range(QUEUED)]
         end.record()
     torch.cuda.synchronize()
-    gpu_s = start.elapsed_time(end) / 1e3
+    fast_gpu_s = start.elapsed_time(end) / 1e3
     outs.clear()
+    start, end = events()
     with cudamem.track("sync", sync=True) as slow:
+        start.record()
         outs = [a @ b for _ in range(QUEUED)]
+        end.record()
+    slow_gpu_s = start.elapsed_time(end) / 1e3
     assert slow.record.synced and not fast.record.synced
-    # Without sync the span ends when the launches are queued; with it, when they ran.
-    assert fast.duration < gpu_s / 2 < slow.duration
+    # Without sync the span ends when the launches are queued, long before they ran ...
+    assert fast.duration < fast_gpu_s / 2
+    # ... with it, after they ran: the span opened before the first event and waited for all.
+    assert slow.duration >= 0.98 * slow_gpu_s
     del outs
 
 
