@@ -127,18 +127,18 @@ void gate_read(int64_t tag, int64_t owner, c10::DeviceIndex device) noexcept {
 }
 
 struct GateHook final : torch::autograd::FunctionPreHook {
-  GateHook(int64_t tag, int64_t owner, c10::DeviceIndex device)
-      : tag_(tag), owner_(owner), device_(device) {}
+  GateHook(int64_t tag, int64_t owner, int64_t step, c10::DeviceIndex device)
+      : tag(tag), owner(owner), step(step), device(device) {}
   torch::autograd::variable_list operator()(
       const torch::autograd::variable_list& grads) override {
-    gate_read(tag_, owner_, device_);
+    gate_read(tag, owner, device);
     return grads;
   }
 
- private:
-  int64_t tag_;
-  int64_t owner_;
-  c10::DeviceIndex device_;
+  const int64_t tag;
+  const int64_t owner;
+  const int64_t step;
+  const c10::DeviceIndex device;
 };
 
 // The node behind a grad_fn's pointer: torch keeps it as a shared, weak or intrusive pointer
@@ -156,14 +156,24 @@ const P& strong(const P& p) {
   return p;
 }
 
+// The node's gate of (owner, step), put there now with `tag` if it has none: its tag, or -1
+// when the pointer holds no node. The gate lives on the node (nothing Python does), so a
+// graph's release on the engine's thread needs no GIL for it.
 template <class P>
-bool add_gate(const P& pointer, int64_t tag, int64_t owner, c10::DeviceIndex device) {
+int64_t add_gate(const P& pointer, int64_t tag, int64_t owner, int64_t step,
+                 c10::DeviceIndex device) {
   const auto& node = strong(pointer);
   if (!node) {
-    return false;
+    return -1;
   }
-  node->add_pre_hook(std::make_unique<GateHook>(tag, owner, device));
-  return true;
+  for (const auto& hook : node->pre_hooks()) {
+    const auto* gate = dynamic_cast<const GateHook*>(hook.get());
+    if (gate != nullptr && gate->owner == owner && gate->step == step) {
+      return gate->tag;
+    }
+  }
+  node->add_pre_hook(std::make_unique<GateHook>(tag, owner, step, device));
+  return tag;
 }
 
 PyObject* read_counters(PyObject* arg, bool reset_peak) {
@@ -237,39 +247,42 @@ long device_arg(PyObject* arg) {
   return device;
 }
 
-// gate(grad_fn, tag, owner, device) -> bool: a C++ pre-hook on the node, logging `tag` for
-// the log `owner`; False when `grad_fn` is no autograd node this build can reach.
+// gate(grad_fn, tag, owner, step, device) -> int: the node's gate for (owner, step), a C++
+// pre-hook logging `tag` put there now if it has none: its tag; -1 when `grad_fn` is no
+// autograd node this build can reach.
 PyObject* gate(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 4) {
-    PyErr_SetString(PyExc_TypeError, "gate(grad_fn, tag, owner, device) takes 4 arguments");
+  if (nargs != 5) {
+    PyErr_SetString(PyExc_TypeError,
+                    "gate(grad_fn, tag, owner, step, device) takes 5 arguments");
     return nullptr;
   }
-  const long long tag = PyLong_AsLongLong(args[1]);
-  if (tag == -1 && PyErr_Occurred() != nullptr) {
-    return nullptr;
+  long long ints[3] = {0, 0, 0};
+  for (int i = 0; i < 3; ++i) {
+    ints[i] = PyLong_AsLongLong(args[i + 1]);
+    if (ints[i] == -1 && PyErr_Occurred() != nullptr) {
+      return nullptr;
+    }
   }
-  const long long owner = PyLong_AsLongLong(args[2]);
-  if (owner == -1 && PyErr_Occurred() != nullptr) {
-    return nullptr;
-  }
-  const long device = device_arg(args[3]);
+  const long device = device_arg(args[4]);
   if (device == -1 && PyErr_Occurred() != nullptr) {
     return nullptr;
   }
   PyObject* fn = args[0];
-  bool added = false;
+  int64_t found = -1;
   try {
     const auto index = static_cast<c10::DeviceIndex>(device);
     if (torch::autograd::THPCppFunction_Check(fn)) {
-      added = add_gate(reinterpret_cast<torch::autograd::THPCppFunction*>(fn)->cdata, tag, owner, index);
+      found = add_gate(reinterpret_cast<torch::autograd::THPCppFunction*>(fn)->cdata, ints[0],
+                       ints[1], ints[2], index);
     } else if (THPFunction_Check(fn)) {
-      added = add_gate(reinterpret_cast<THPFunction*>(fn)->cdata, tag, owner, index);
+      found = add_gate(reinterpret_cast<THPFunction*>(fn)->cdata, ints[0], ints[1], ints[2],
+                       index);
     }
   } catch (const std::exception& exc) {
     PyErr_SetString(PyExc_RuntimeError, exc.what());
     return nullptr;
   }
-  return PyBool_FromLong(added ? 1 : 0);
+  return PyLong_FromLongLong(static_cast<long long>(found));
 }
 
 // log_start() -> owner: a new log (the previous one's events are dropped).
@@ -387,7 +400,7 @@ PyMethodDef methods[] = {
     {"gate",
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(gate)),
      METH_FASTCALL,
-     "gate(grad_fn, tag, owner, device) -> bool: a C++ pre-hook logging `tag`"},
+     "gate(grad_fn, tag, owner, step, device) -> the node's gate's tag (-1: no node)"},
     {"log_start", log_start, METH_NOARGS, "log_start() -> owner: a new gate log"},
     {"log_stop", log_stop, METH_O, "log_stop(owner): the gate log ends"},
     {"log_drain", log_drain, METH_O, "log_drain(owner) -> (flat events, dropped)"},

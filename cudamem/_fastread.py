@@ -113,8 +113,9 @@ class GateLog(Protocol):
     """The reader's backward gates (``cudamem.modules``): C++ pre-hooks on autograd nodes
     that log the counters, with no GIL, when the node is about to run (``_fastread.cpp``)."""
 
-    def gate(self, grad_fn: object, tag: int, owner: int, device: int, /) -> bool:
-        """Hook ``grad_fn`` to log ``tag`` in log ``owner``; False if it is no node."""
+    def gate(self, grad_fn: object, tag: int, owner: int, step: int, device: int, /) -> int:
+        """The tag of ``grad_fn``'s gate for (``owner``, ``step``), a C++ pre-hook logging
+        ``tag`` put there now if it has none; -1 if ``grad_fn`` is no node."""
         ...
 
     def log_start(self) -> int:

@@ -174,13 +174,15 @@ class _NativeLog:
     """The C++ gate log of one profiler (``_fastread.GateLog``) on one device: its events
     replayed into the module calls' backward figures."""
 
-    __slots__ = ("api", "device", "lost", "open", "owner", "tags")
+    __slots__ = ("api", "device", "lost", "open", "owner", "step", "tags")
 
     def __init__(self, api: Any, device: int) -> None:
         self.api = api
         self.device = device
         self.owner: int = api.log_start()
+        #: The next gate's tag, and the step its gates belong to (one gate per node per step).
         self.tags = 0
+        self.step = 0
         self.lost = 0
         #: The calls whose backward is open, outermost first: ``[call, peak, start
         #: allocated, start ns]`` (a span's figures: the peak since it opened).
@@ -482,8 +484,11 @@ class ModuleProfiler(PresentedHtml):
 
     def _gate(self, fn: Any) -> _Gate:
         """The gate of autograd node ``fn`` for this step's calls, registered on first use
-        (kept in the node's own ``metadata``: the profile holds no reference to a node, so
-        a graph dies when the code drops it)."""
+        (kept on the node: the profile holds no reference to a node, so a graph dies when
+        the code drops it)."""
+        native = self._native
+        if native is not None:
+            return self._native_gate(native, fn)
         try:
             meta = fn.metadata
         except Exception:  # a node without metadata: a gate of its own each time
@@ -491,21 +496,30 @@ class ModuleProfiler(PresentedHtml):
         gate = None if meta is None else meta.get(_GATE_KEY)
         if gate is None or gate.key is not self._gate_key:
             gate = _Gate(self, self._gate_key)
-            native = self._native
-            if native is None:
-                gate.handle = fn.register_prehook(gate.fire)
-            else:
-                tag = gate.tag = native.tags
-                native.tags += 1
-                self._by_tag[tag] = gate
-                if not native.api.gate(fn, tag, native.owner, native.device):
-                    # A node the C++ hook cannot reach: a Python hook logs its tag.
-                    gate.handle = fn.register_prehook(
-                        functools.partial(_mark, native.api, native.owner, native.device, tag)
-                    )
+            gate.handle = fn.register_prehook(gate.fire)
             if meta is not None:
                 meta[_GATE_KEY] = gate
             self._pending.append(gate)
+        return gate
+
+    def _native_gate(self, native: _NativeLog, fn: Any) -> _Gate:
+        """A C++ gate: the node keeps it (found there again by the log's owner and step),
+        and nothing Python goes on the node, whose release on the engine's thread then
+        needs no GIL (a ``metadata`` dict would)."""
+        tag = native.api.gate(fn, native.tags, native.owner, native.step, native.device)
+        if tag >= 0 and tag != native.tags:
+            found = self._by_tag.get(tag)
+            if found is not None:
+                return found
+        gate = _Gate(self, self._gate_key)
+        if tag < 0:  # a node the C++ hook cannot reach: a Python hook logs its tag
+            gate.handle = fn.register_prehook(
+                functools.partial(_mark, native.api, native.owner, native.device, native.tags)
+            )
+        gate.tag = native.tags
+        native.tags += 1
+        self._by_tag[gate.tag] = gate
+        self._pending.append(gate)
         return gate
 
     def _choose_gates(self) -> None:
@@ -671,6 +685,8 @@ class ModuleProfiler(PresentedHtml):
             gate.remove()
         self._pending_old, self._pending = self._pending, []
         self._gate_key = object()
+        if self._native is not None:
+            self._native.step += 1
         self._choose_gates()
 
     def _read_state(self) -> None:

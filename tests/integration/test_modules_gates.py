@@ -212,8 +212,9 @@ def test_the_log_merges_what_gates_reset_into_the_next_read(stub: Any) -> None:
     try:
         x = torch.ones(3, requires_grad=True)
         y = x * 2
-        assert stub.gate(y.grad_fn, 7, owner, 0)
-        assert not stub.gate(x, 8, owner, 0)  # a tensor is no node
+        assert stub.gate(y.grad_fn, 7, owner, 0, 0) == 7
+        assert stub.gate(y.grad_fn, 9, owner, 0, 0) == 7  # one gate per node and step
+        assert stub.gate(x, 8, owner, 0, 0) == -1  # a tensor is no node
         stub.stub_set(10, 500)  # a peak of 500 before the gate resets it
         y.sum().backward()
         stub.stub_set(20, 20)
@@ -232,13 +233,13 @@ def test_the_log_merges_what_gates_reset_into_the_next_read(stub: Any) -> None:
     # A gate of a stopped log does nothing, not even a reset.
     x = torch.ones(3, requires_grad=True)
     y = x * 2
-    assert stub.gate(y.grad_fn, 1, owner, 0)
+    assert stub.gate(y.grad_fn, 1, owner, 0, 0) == 1
     stub.stub_set(5, 900)
     y.sum().backward()
     assert stub.counters(0) == (5, 0, 900)
     with pytest.raises(ValueError, match=r"device must be in 0\.\.127"):
-        stub.gate(y.grad_fn, 1, owner, 128)
-    with pytest.raises(TypeError, match="takes 4 arguments"):
+        stub.gate(y.grad_fn, 1, owner, 0, 128)
+    with pytest.raises(TypeError, match="takes 5 arguments"):
         stub.gate(y.grad_fn, 1)
 
 
@@ -274,3 +275,23 @@ def test_a_failed_backward_drops_the_open_calls_and_leaves_no_span_open(stub: An
     p = prof.profile
     assert p.module("Failing.second").backward_calls.max == 1  # finished before the failure
     assert p.module("Failing").backward_calls.max == 0  # never finished: not recorded
+
+
+def test_one_cpp_gate_per_node_and_nothing_python_on_the_nodes(stub: Any) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh())
+    x = torch.ones(2, 4, requires_grad=True)
+    with device(stub, True), cudamem.track_modules(model) as prof:
+        assert prof._native is not None
+        out = model(x)
+        # As with Python gates: 4 nodes bound the 9 call edges, one gate each.
+        assert len(prof._pending) == 4
+        node = out.grad_fn
+        while node is not None:  # no metadata dict was made on any node
+            assert node.metadata == {}
+            node = node.next_functions[0][0] if node.next_functions else None
+        out.sum().backward()
+        model(x).sum().backward()
+    p = prof.profile
+    assert p.steps == 2
+    assert [p.module(f"Sequential.{i}").backward_calls.max for i in range(4)] == [1] * 4
+    assert p.module("Sequential").backward_calls == cudamem.module_profile.Spread(1.0, 1.0)
