@@ -2,8 +2,10 @@
 
 ``torch._C._cuda_memoryStats`` builds 39 dicts of 122 ints per call (10.7 µs on an H200);
 ``_fastread.cpp`` returns the three integers spans need (0.16 µs, 0.18 µs with a peak reset).
-It is compiled once per (torch, CUDA, C++ ABI, Python, source) into a per-user cache and
-loaded from there by every later process.
+The same library holds the per-module profile's backward gates (``GateLog``: C++ pre-hooks on
+autograd nodes that log the counters with no GIL; ``cudamem.modules`` replays the log). It is
+compiled once per (torch, CUDA, C++ ABI, Python, source) into a per-user cache (about 20 s on
+an H200's host) and loaded from there by every later process.
 
 Life of the reader in one process (``FastReader``, driven by the backend):
 
