@@ -23,6 +23,7 @@ from cudamem import _backend
 from cudamem import span as _span
 
 from ..fakes import FakeAllocator
+from ..unit.test_modules import AllocInBackward, FailInBackward
 
 KiB = 1024
 
@@ -79,21 +80,6 @@ def device(stub: Any, gates: bool) -> Iterator[StubDevice]:
     dev = StubDevice(stub, gates)
     with _backend.use(dev):
         yield dev
-
-
-class AllocInBackward(torch.autograd.Function):
-    """Identity forward; its backward allocates ``temp`` + ``keep`` bytes, frees ``temp``."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dev: Any, keep: int, temp: int) -> torch.Tensor:
-        ctx.dev, ctx.keep, ctx.temp = dev, keep, temp
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        ctx.dev.alloc(ctx.temp + ctx.keep)
-        ctx.dev.free(ctx.temp)
-        return grad, None, None, None
 
 
 class Grad(nn.Module):
@@ -244,15 +230,6 @@ def test_the_log_merges_what_gates_reset_into_the_next_read(stub: Any) -> None:
 
 
 def test_a_failed_backward_drops_the_open_calls_and_leaves_no_span_open(stub: Any) -> None:
-    class Fail(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-            raise RuntimeError("backward failed")
-
     class Failing(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -260,7 +237,7 @@ def test_a_failed_backward_drops_the_open_calls_and_leaves_no_span_open(stub: An
             self.second = Grad(keep=KiB, temp=0)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.second(Fail.apply(self.first(x)))  # type: ignore[no-any-return]
+            return self.second(FailInBackward.apply(self.first(x)))  # type: ignore[no-any-return]
 
     model = Failing()
     x = torch.ones(3, requires_grad=True)
