@@ -281,6 +281,8 @@ def time_case(case: Case, rounds: int, steps: int) -> dict[str, Any]:
 # --------------------------------------------------------------------------- breakdown
 
 #: The labelled parts of each implementation: (row, owner, attribute names).
+#: Stands for the C++ reader's module (``_backend.get().gates``), found when the profile runs.
+GATES = "the C++ reader"
 PARTS: dict[str, list[tuple[str, Any, tuple[str, ...]]]] = {
     "before": [
         ("forward pre-hook", before.ModuleProfiler, ("_pre",)),
@@ -301,10 +303,12 @@ PARTS: dict[str, list[tuple[str, Any, tuple[str, ...]]]] = {
         ("forward pre-hook", after.ModuleProfiler, ("_pre",)),
         ("forward post-hook", after.ModuleProfiler, ("_post",)),
         ("first grad input / output search", after, ("_grad_tensor",)),
-        ("backward hooks registered", after.ModuleProfiler, ("_gate",)),
+        ("forward edges logged (C++ log)", GATES, ("mark",)),
+        ("backward hooks registered", after.ModuleProfiler, ("_gate", "_native_fallback")),
+        ("backward hooks registered", GATES, ("gate",)),
         ("backward hooks run", after._Gate, ("fire",)),
         ("backward hooks run", after.ModuleProfiler, ("_end_backward", "_native_backward")),
-        ("C++ gate log replay", after.ModuleProfiler, ("_replay",)),
+        ("C++ log replay", after.ModuleProfiler, ("_replay",)),
         ("spans (open + close)", after, ("open_quiet", "close_quiet")),
         (
             "step detection, end of backward",
@@ -320,8 +324,9 @@ ROWS = [
     "forward post-hook",
     "first grad input / output search",
     "backward hooks registered",
+    "forward edges logged (C++ log)",
     "backward hooks run",
-    "C++ gate log replay",
+    "C++ log replay",
     "spans (open + close)",
     "step detection, end of backward",
     "state reads",
@@ -402,7 +407,10 @@ def timer_cost() -> tuple[float, float]:
 @contextmanager
 def instrumented(impl: str, timers: Timers) -> Iterator[None]:
     saved = []
-    for label, owner, names in PARTS[impl]:
+    for label, part, names in PARTS[impl]:
+        owner = getattr(_backend.get(), "gates", None) if part is GATES else part
+        if owner is None:  # no C++ reader here: that row stays empty
+            continue
         for name in names:
             real = owner.__dict__[name]
             saved.append((owner, name, real))

@@ -6,14 +6,17 @@
 // index 0 in every PyTorch release), exactly what memory_stats() reports as
 // allocated_bytes.all.current, reserved_bytes.all.current and allocated_bytes.all.peak.
 //
-// Gates (cudamem/modules.py): a C++ pre-hook on an autograd node reads the counters when the
-// node is about to run, with no GIL and no Python, and appends (tag, allocated, peak, ns) to
-// one log. A Python pre-hook costs the engine the GIL and a Python tuple of the gradients
-// (about 20 us a node on an H200); this one costs a counter read. Each event resets the peak,
-// so an event's peak is the highest allocated since the event before it; what a gate's reset
-// discards is kept (``discarded``) and merged into the next read from Python, so that the
-// spans, which reset the peak themselves, see every byte of it. While a log is on, the
-// Python reads that reset the peak are logged too (tag -1): the log's intervals tile time.
+// Gates (cudamem/modules.py): one log of counter events per module profile. A C++ pre-hook
+// on an autograd node (a gate) reads the counters when the node is about to run, with no GIL
+// and no Python, and appends (code, allocated, peak, ns) to the log for each module-call edge
+// registered at that node (a call's backward starting or ending there); the forward hooks log
+// a call's entry and exit the same way (``mark``). A Python pre-hook costs the engine the GIL
+// and a Python tuple of the gradients (about 20 us a node on an H200); a gate costs a counter
+// read. Each event resets the peak, so an event's peak is the highest allocated since the
+// event before it; what an event's reset discards is kept (``discarded``) and merged into the
+// next read from Python, so that the spans, which reset the peak themselves, see every byte of
+// it. While a log is on, the Python reads that reset the peak are logged too (tag -1): the
+// log's intervals tile time, and its replay gives each call the figures a span would.
 //
 // Plain CPython C API (no pybind11 of our own) so that a call costs ~0.2 us. Built by
 // cudamem/_fastread.py with torch.utils.cpp_extension.load_inline, which defines
@@ -55,6 +58,7 @@ inline void resetPeakStats(c10::DeviceIndex /*device*/) {
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <unordered_set>
 #include <vector>
 
 #define CUDAMEM_STR2(x) #x
@@ -91,54 +95,84 @@ int64_t dropped = 0;  // events past kMaxEvents, this log
 bool armed = false;   // a gate logged since the last drain: reads from Python are logged too
 int64_t discarded[kDevices] = {};
 
+// The replay's state (``log_replay``), touched only from Python (the GIL held): the calls whose
+// forward or backward is open, outermost first, and the forwards Python dropped unfinished.
+struct Open {
+  int64_t call;
+  bool forward;
+  int64_t peak;  // the highest allocated since it opened
+  int64_t start; // allocated when it opened
+  int64_t ns;
+};
+std::vector<Open> open_calls;
+std::unordered_set<int64_t> dropped_forwards;
+
 int64_t now_ns() {
   timespec ts{};
   clock_gettime(CLOCK_MONOTONIC, &ts); // time.perf_counter_ns's clock on Linux
   return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
 }
 
-void log_event(int64_t tag, int64_t allocated, int64_t peak) {
+void log_event(int64_t tag, int64_t allocated, int64_t peak, int64_t ns) {
   if (events.size() >= kMaxEvents) {
     ++dropped;
     return;
   }
-  events.push_back(Event{tag, allocated, peak, now_ns()});
+  events.push_back(Event{tag, allocated, peak, ns});
 }
 
-// One gate's read: with `mutex` held, for the log `owner` only (a gate of an earlier log, on
-// a graph kept alive, does nothing, not even a reset).
-void gate_read(int64_t tag, int64_t owner, c10::DeviceIndex device) noexcept {
+// One read for `owner`'s log, with `mutex` taken here: the counters, the peak reset (what it
+// discards kept for Python's next read), one event per code. The first event has the peak
+// since the event before it; the others, logged at the same instant, the current level. A
+// gate of an earlier log (on a graph kept alive) does nothing, not even a reset.
+void gate_read(const int64_t* codes, size_t count, int64_t owner,
+               c10::DeviceIndex device) noexcept {
   try {
     std::lock_guard<std::mutex> lock(mutex);
     if (owner != session) {
       return;
     }
     const auto stats = alloc::getDeviceStats(device);
+    const int64_t current = stats.allocated_bytes[0].current;
     const int64_t peak = stats.allocated_bytes[0].peak;
     alloc::resetPeakStats(device);
     int64_t& kept = discarded[device];
     kept = std::max(kept, peak);
     armed = true;
-    log_event(tag, stats.allocated_bytes[0].current, peak);
+    const int64_t ns = now_ns();
+    for (size_t i = 0; i < count; ++i) {
+      log_event(codes[i], current, i == 0 ? peak : current, ns);
+    }
   } catch (...) {
-    // A read that fails loses this edge (the Python side ends an unmatched call at the
+    // A read that fails loses these edges (the Python side ends an unmatched call at the
     // backward's end); it never breaks the user's backward.
   }
 }
 
+// A node's gate for one log: the codes of the module-call edges at this node (a call's
+// backward starting or ending there), in the order they were added, each with the step it
+// was added in; a code is dropped once two steps old (its call's record is gone by then).
 struct GateHook final : torch::autograd::FunctionPreHook {
-  GateHook(int64_t tag, int64_t owner, int64_t step, c10::DeviceIndex device)
-      : tag(tag), owner(owner), step(step), device(device) {}
+  GateHook(int64_t owner, c10::DeviceIndex device) : owner(owner), device(device) {}
   torch::autograd::variable_list operator()(
       const torch::autograd::variable_list& grads) override {
-    gate_read(tag, owner, device);
+    std::vector<int64_t> now;
+    {
+      std::lock_guard<std::mutex> lock(mutex); // Python adds codes holding it
+      now.reserve(codes.size());
+      for (const auto& c : codes) {
+        now.push_back(c.first);
+      }
+    }
+    if (!now.empty()) {
+      gate_read(now.data(), now.size(), owner, device);
+    }
     return grads;
   }
 
-  const int64_t tag;
   const int64_t owner;
-  const int64_t step;
   const c10::DeviceIndex device;
+  std::vector<std::pair<int64_t, int64_t>> codes; // (code, step), guarded by `mutex`
 };
 
 // The node behind a grad_fn's pointer: torch keeps it as a shared, weak or intrusive pointer
@@ -156,24 +190,38 @@ const P& strong(const P& p) {
   return p;
 }
 
-// The node's gate of (owner, step), put there now with `tag` if it has none: its tag, or -1
-// when the pointer holds no node. The gate lives on the node (nothing Python does), so a
-// graph's release on the engine's thread needs no GIL for it.
+// Add `code` to the node's gate for `owner` (put there now if it has none): whether the
+// pointer holds a node. The gate lives on the node (nothing Python does), so a graph's release
+// on the engine's thread needs no GIL for it.
 template <class P>
-int64_t add_gate(const P& pointer, int64_t tag, int64_t owner, int64_t step,
-                 c10::DeviceIndex device) {
+bool add_gate(const P& pointer, int64_t code, int64_t owner, int64_t step,
+              c10::DeviceIndex device) {
   const auto& node = strong(pointer);
   if (!node) {
-    return -1;
+    return false;
   }
+  GateHook* found = nullptr;
   for (const auto& hook : node->pre_hooks()) {
-    const auto* gate = dynamic_cast<const GateHook*>(hook.get());
-    if (gate != nullptr && gate->owner == owner && gate->step == step) {
-      return gate->tag;
+    auto* gate = dynamic_cast<GateHook*>(hook.get());
+    if (gate != nullptr && gate->owner == owner) {
+      found = gate;
+      break;
     }
   }
-  node->add_pre_hook(std::make_unique<GateHook>(tag, owner, step, device));
-  return tag;
+  if (found == nullptr) {
+    auto made = std::make_unique<GateHook>(owner, device);
+    found = made.get();
+    node->add_pre_hook(std::move(made));
+  }
+  std::lock_guard<std::mutex> lock(mutex);
+  auto& codes = found->codes;
+  codes.erase(std::remove_if(codes.begin(), codes.end(),
+                             [step](const std::pair<int64_t, int64_t>& c) {
+                               return c.second < step - 1;
+                             }),
+              codes.end());
+  codes.emplace_back(code, step);
+  return true;
 }
 
 PyObject* read_counters(PyObject* arg, bool reset_peak) {
@@ -201,7 +249,7 @@ PyObject* read_counters(PyObject* arg, bool reset_peak) {
       alloc::resetPeakStats(index);
       discarded[index] = 0;
       if (armed) {
-        log_event(-1, allocated, raw_peak);
+        log_event(-1, allocated, raw_peak, now_ns());
       }
     }
   } catch (const std::exception& exc) {
@@ -247,13 +295,13 @@ long device_arg(PyObject* arg) {
   return device;
 }
 
-// gate(grad_fn, tag, owner, step, device) -> int: the node's gate for (owner, step), a C++
-// pre-hook logging `tag` put there now if it has none: its tag; -1 when `grad_fn` is no
-// autograd node this build can reach.
+// gate(grad_fn, code, owner, step, device) -> bool: `code` logged by the node's C++ gate for
+// `owner` (put there now if it has none) whenever the node is about to run; False when
+// `grad_fn` is no autograd node this build can reach.
 PyObject* gate(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 5) {
     PyErr_SetString(PyExc_TypeError,
-                    "gate(grad_fn, tag, owner, step, device) takes 5 arguments");
+                    "gate(grad_fn, code, owner, step, device) takes 5 arguments");
     return nullptr;
   }
   long long ints[3] = {0, 0, 0};
@@ -268,21 +316,70 @@ PyObject* gate(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
     return nullptr;
   }
   PyObject* fn = args[0];
-  int64_t found = -1;
+  bool added = false;
   try {
     const auto index = static_cast<c10::DeviceIndex>(device);
     if (torch::autograd::THPCppFunction_Check(fn)) {
-      found = add_gate(reinterpret_cast<torch::autograd::THPCppFunction*>(fn)->cdata, ints[0],
+      added = add_gate(reinterpret_cast<torch::autograd::THPCppFunction*>(fn)->cdata, ints[0],
                        ints[1], ints[2], index);
     } else if (THPFunction_Check(fn)) {
-      found = add_gate(reinterpret_cast<THPFunction*>(fn)->cdata, ints[0], ints[1], ints[2],
+      added = add_gate(reinterpret_cast<THPFunction*>(fn)->cdata, ints[0], ints[1], ints[2],
                        index);
     }
   } catch (const std::exception& exc) {
     PyErr_SetString(PyExc_RuntimeError, exc.what());
     return nullptr;
   }
-  return PyLong_FromLongLong(static_cast<long long>(found));
+  return PyBool_FromLong(added ? 1 : 0);
+}
+
+// The codes of the node's gate for `owner`, in order ({} without one).
+template <class P>
+std::vector<int64_t> gate_codes(const P& pointer, int64_t owner) {
+  std::vector<int64_t> out;
+  const auto& node = strong(pointer);
+  if (!node) {
+    return out;
+  }
+  for (const auto& hook : node->pre_hooks()) {
+    const auto* gate = dynamic_cast<const GateHook*>(hook.get());
+    if (gate != nullptr && gate->owner == owner) {
+      std::lock_guard<std::mutex> lock(mutex);
+      for (const auto& c : gate->codes) {
+        out.push_back(c.first);
+      }
+    }
+  }
+  return out;
+}
+
+// codes(grad_fn, owner) -> tuple: the codes the node's gate for `owner` logs, in order (what
+// the tests see of the gates: one per node and log).
+PyObject* codes(PyObject* /*module*/, PyObject* args) {
+  PyObject* fn = nullptr;
+  long long owner = 0;
+  if (!PyArg_ParseTuple(args, "OL", &fn, &owner)) {
+    return nullptr;
+  }
+  std::vector<int64_t> found;
+  if (torch::autograd::THPCppFunction_Check(fn)) {
+    found = gate_codes(reinterpret_cast<torch::autograd::THPCppFunction*>(fn)->cdata, owner);
+  } else if (THPFunction_Check(fn)) {
+    found = gate_codes(reinterpret_cast<THPFunction*>(fn)->cdata, owner);
+  }
+  PyObject* out = PyTuple_New(static_cast<Py_ssize_t>(found.size()));
+  if (out == nullptr) {
+    return nullptr;
+  }
+  for (size_t i = 0; i < found.size(); ++i) {
+    PyObject* item = PyLong_FromLongLong(static_cast<long long>(found[i]));
+    if (item == nullptr) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(out, static_cast<Py_ssize_t>(i), item);
+  }
+  return out;
 }
 
 // log_start() -> owner: a new log (the previous one's events are dropped).
@@ -290,6 +387,8 @@ PyObject* log_start(PyObject* /*module*/, PyObject* /*unused*/) {
   std::lock_guard<std::mutex> lock(mutex);
   session = ++sessions;
   events.clear();
+  open_calls.clear();
+  dropped_forwards.clear();
   dropped = 0;
   armed = false;
   return PyLong_FromLongLong(session);
@@ -305,6 +404,8 @@ PyObject* log_stop(PyObject* /*module*/, PyObject* arg) {
   if (owner == session) {
     session = 0;
     events.clear();
+    open_calls.clear();
+    dropped_forwards.clear();
     events.shrink_to_fit();
     dropped = 0;
     armed = false;
@@ -349,8 +450,167 @@ PyObject* log_drain(PyObject* /*module*/, PyObject* arg) {
   return Py_BuildValue("(NL)", flat, static_cast<long long>(lost));
 }
 
-// mark(owner, device, tag): an event now, as a gate would log it (the end of a backward, or
-// the gate of a node the C++ hook cannot reach, from a Python hook).
+// A log event's code: a module call's number times four plus its edge.
+constexpr int64_t kForwardEnter = 0;
+constexpr int64_t kForwardExit = 1;
+constexpr int64_t kBackwardStart = 2;
+
+// End the call open at `open_calls[k]` at an event of `allocated` bytes: its figures (call,
+// 0 forward / 1 backward, allocated minus at its start, peak minus at its start, ns) go to
+// `out`. Its peak covers the calls opened inside it; it hands its own to the call below.
+void close_open(size_t k, int64_t allocated, int64_t ns, std::vector<int64_t>& out) {
+  const Open entry = open_calls[k];
+  int64_t peak = entry.peak;
+  for (size_t j = k + 1; j < open_calls.size(); ++j) {
+    peak = std::max(peak, open_calls[j].peak);
+  }
+  if (k > 0) {
+    open_calls[k - 1].peak = std::max(open_calls[k - 1].peak, entry.peak);
+  }
+  open_calls.erase(open_calls.begin() + static_cast<std::ptrdiff_t>(k));
+  out.insert(out.end(), {entry.call, entry.forward ? 0 : 1, allocated - entry.start,
+                         peak - entry.start, ns - entry.ns});
+}
+
+// log_replay(owner, first, active, close) -> (figures, dropped): the log's events since the
+// last replay, as spans would have measured each module call, as one flat tuple of (call,
+// 0 forward / 1 backward, allocated delta, peak above the start, ns) quintuples in the order
+// the calls ended, and how many events the log dropped.
+//
+// An event's peak is the highest allocated since the event before it: it goes to the
+// innermost open call, and a closing call hands its peak to the call below, so each call's
+// peak covers everything after it opened, as a span's does. Calls numbered below `first`
+// are gone (two steps old). A backward opens only while `active` and not open already.
+// Forwards whose exit is not logged yet stay open for the next replay (and the log stays
+// armed, so that Python's resets are logged meanwhile). `close`: the backward pass ended
+// (its last event is the end), backward calls still open end there; else they are dropped
+// unrecorded, as spans a failed backward left open are.
+PyObject* log_replay(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 4) {
+    PyErr_SetString(PyExc_TypeError, "log_replay(owner, first, active, close) takes 4 arguments");
+    return nullptr;
+  }
+  const long long owner = PyLong_AsLongLong(args[0]);
+  if (owner == -1 && PyErr_Occurred() != nullptr) {
+    return nullptr;
+  }
+  const long long first = PyLong_AsLongLong(args[1]);
+  if (first == -1 && PyErr_Occurred() != nullptr) {
+    return nullptr;
+  }
+  const int active = PyObject_IsTrue(args[2]);
+  const int close = PyObject_IsTrue(args[3]);
+  if (active < 0 || close < 0) {
+    return nullptr;
+  }
+  std::vector<Event> taken;
+  int64_t lost = 0;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (owner != session) {
+      return Py_BuildValue("(()L)", 0LL);
+    }
+    taken.swap(events);
+    lost = dropped;
+    dropped = 0;
+    armed = false;
+  }
+  std::vector<int64_t> out;
+  out.reserve(taken.size() * 3);
+  try {
+    for (const Event& e : taken) {
+      if (!open_calls.empty()) {
+        open_calls.back().peak = std::max(open_calls.back().peak, e.peak);
+      }
+      if (e.tag < 0) {
+        continue;
+      }
+      const int64_t call = e.tag >> 2;
+      const int64_t kind = e.tag & 3;
+      if (call < first) {
+        continue;
+      }
+      const bool forward = kind == kForwardEnter || kind == kForwardExit;
+      size_t k = open_calls.size();
+      while (k > 0 && (open_calls[k - 1].call != call || open_calls[k - 1].forward != forward)) {
+        --k;
+      }
+      if (kind == kForwardEnter) {
+        if (dropped_forwards.count(call) == 0) {
+          open_calls.push_back(Open{call, true, e.allocated, e.allocated, e.ns});
+        }
+      } else if (kind == kBackwardStart) {
+        if (active != 0 && k == 0) {
+          open_calls.push_back(Open{call, false, e.allocated, e.allocated, e.ns});
+        }
+      } else if (k > 0) {
+        close_open(k - 1, e.allocated, e.ns, out);
+      }
+    }
+    if (close != 0 && !taken.empty()) {
+      for (size_t k = open_calls.size(); k > 0; --k) {
+        if (!open_calls[k - 1].forward) {
+          close_open(k - 1, taken.back().allocated, taken.back().ns, out);
+        }
+      }
+    }
+    // Backward calls left open are dropped; so are the forwards Python dropped.
+    std::vector<Open> kept;
+    for (const Open& o : open_calls) {
+      if (o.forward && dropped_forwards.count(o.call) == 0) {
+        kept.push_back(o);
+      }
+    }
+    open_calls.swap(kept);
+    dropped_forwards.clear();
+  } catch (const std::exception& exc) {
+    PyErr_SetString(PyExc_RuntimeError, exc.what());
+    return nullptr;
+  }
+  if (!open_calls.empty()) {
+    std::lock_guard<std::mutex> lock(mutex);
+    armed = true;
+  }
+  PyObject* flat = PyTuple_New(static_cast<Py_ssize_t>(out.size()));
+  if (flat == nullptr) {
+    return nullptr;
+  }
+  for (size_t i = 0; i < out.size(); ++i) {
+    PyObject* item = PyLong_FromLongLong(static_cast<long long>(out[i]));
+    if (item == nullptr) {
+      Py_DECREF(flat);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(flat, static_cast<Py_ssize_t>(i), item);
+  }
+  return Py_BuildValue("(NL)", flat, static_cast<long long>(lost));
+}
+
+// log_drop(owner, call): the forward of `call` ended without its exit (an exception skipped
+// the hook, or the profile stopped inside it): the replay forgets it.
+PyObject* log_drop(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2) {
+    PyErr_SetString(PyExc_TypeError, "log_drop(owner, call) takes 2 arguments");
+    return nullptr;
+  }
+  const long long owner = PyLong_AsLongLong(args[0]);
+  if (owner == -1 && PyErr_Occurred() != nullptr) {
+    return nullptr;
+  }
+  const long long call = PyLong_AsLongLong(args[1]);
+  if (call == -1 && PyErr_Occurred() != nullptr) {
+    return nullptr;
+  }
+  std::lock_guard<std::mutex> lock(mutex);
+  if (owner == session) {
+    dropped_forwards.insert(call);
+  }
+  Py_RETURN_NONE;
+}
+
+// mark(owner, device, tag): an event now, as a gate would log it (a module call's forward
+// entry or exit, the end of a backward, or the gate of a node the C++ hook cannot reach,
+// from a Python hook).
 PyObject* mark(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 3) {
     PyErr_SetString(PyExc_TypeError, "mark(owner, device, tag) takes 3 arguments");
@@ -368,7 +628,8 @@ PyObject* mark(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   if (device == -1 && PyErr_Occurred() != nullptr) {
     return nullptr;
   }
-  gate_read(tag, owner, static_cast<c10::DeviceIndex>(device));
+  const int64_t code = tag;
+  gate_read(&code, 1, owner, static_cast<c10::DeviceIndex>(device));
   Py_RETURN_NONE;
 }
 
@@ -400,10 +661,19 @@ PyMethodDef methods[] = {
     {"gate",
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(gate)),
      METH_FASTCALL,
-     "gate(grad_fn, tag, owner, step, device) -> the node's gate's tag (-1: no node)"},
+     "gate(grad_fn, code, owner, step, device) -> whether a C++ gate logs code there"},
+    {"codes", codes, METH_VARARGS, "codes(grad_fn, owner) -> the codes of the node's gate"},
     {"log_start", log_start, METH_NOARGS, "log_start() -> owner: a new gate log"},
     {"log_stop", log_stop, METH_O, "log_stop(owner): the gate log ends"},
     {"log_drain", log_drain, METH_O, "log_drain(owner) -> (flat events, dropped)"},
+    {"log_replay",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(log_replay)),
+     METH_FASTCALL,
+     "log_replay(owner, first, active, close) -> (flat call figures, dropped)"},
+    {"log_drop",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(log_drop)),
+     METH_FASTCALL,
+     "log_drop(owner, call): the call's forward ended without its exit"},
     {"mark",
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(mark)),
      METH_FASTCALL,

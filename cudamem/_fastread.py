@@ -112,12 +112,18 @@ class Reader(Protocol):
 
 
 class GateLog(Protocol):
-    """The reader's backward gates (``cudamem.modules``): C++ pre-hooks on autograd nodes
-    that log the counters, with no GIL, when the node is about to run (``_fastread.cpp``)."""
+    """The per-module profile's counter log (``cudamem.modules``): module calls' forward
+    edges logged by ``mark``, their backward edges by C++ pre-hooks on autograd nodes that
+    log the counters, with no GIL, when the node is about to run (``_fastread.cpp``)."""
 
-    def gate(self, grad_fn: object, tag: int, owner: int, step: int, device: int, /) -> int:
-        """The tag of ``grad_fn``'s gate for (``owner``, ``step``), a C++ pre-hook logging
-        ``tag`` put there now if it has none; -1 if ``grad_fn`` is no node."""
+    def gate(self, grad_fn: object, code: int, owner: int, step: int, device: int, /) -> bool:
+        """Log ``code`` whenever ``grad_fn`` is about to run: added to the node's C++ gate for
+        ``owner`` (put there now if it has none; codes of steps before ``step - 1`` are
+        dropped). ``False`` if ``grad_fn`` is no node this build can reach."""
+        ...
+
+    def codes(self, grad_fn: object, owner: int, /) -> tuple[int, ...]:
+        """The codes ``grad_fn``'s gate for ``owner`` logs, in the order they were added."""
         ...
 
     def log_start(self) -> int:
@@ -131,6 +137,18 @@ class GateLog(Protocol):
     def log_drain(self, owner: int, /) -> tuple[tuple[int, ...], int]:
         """The events so far, flat (tag, allocated, peak, ns) quadruples, and how many were
         dropped past the log's bound; both emptied."""
+        ...
+
+    def log_replay(
+        self, owner: int, first: int, active: bool, close: bool, /
+    ) -> tuple[tuple[int, ...], int]:
+        """The events since the last replay as each module call's figures: flat (call,
+        0 forward / 1 backward, allocated delta, peak above its start, ns) quintuples in the
+        order the calls ended, and how many events were dropped (see ``_fastread.cpp``)."""
+        ...
+
+    def log_drop(self, owner: int, call: int, /) -> None:
+        """The forward of ``call`` ended without its exit: the replay forgets it."""
         ...
 
     def mark(self, owner: int, device: int, tag: int, /) -> None:

@@ -25,14 +25,17 @@ dispatch mode):
   module's input node is its predecessor's output node, a parent's output node its last
   child's, so a step registers about one hook per leaf call instead of two per call; the
   gate runs its calls' edges in the order they were registered.
-- **Gates in C++.** Where the C++ counter reader serves one device, a gate is a C++
-  pre-hook (``_fastread.cpp``) that logs the counters with no GIL and no Python: a Python
-  hook costs the autograd engine the GIL and a tuple of the gradients, about 20 µs a node.
-  The log's events (each with the highest allocated since the event before it) are
-  replayed at the end of the backward pass (one Python pre-hook per top-level call queues
-  the engine callback), into exactly the figures a span per call would give: the replay
-  keeps the calls open at each event on a stack, as spans nest. Elsewhere (the dict path,
-  several devices, a fake allocator) the gates are Python hooks that open and close spans.
+- **The C++ log.** Where the C++ counter reader serves one device, no span is opened per
+  call: the forward hooks log the call's entry and exit (``mark``: a counter read, the peak
+  reset) and a node's gate is a C++ pre-hook (``_fastread.cpp``) that logs the edges
+  registered at it with no GIL and no Python (a Python hook costs the autograd engine the
+  GIL and a tuple of the gradients, about 20 µs a node). Each event has the highest
+  allocated since the event before it; the log is replayed at the end of the backward pass
+  (one Python pre-hook per top-level call queues the engine callback), at the next
+  top-level forward, at ``step()`` and at exit, into exactly the figures a span per call
+  would give: the replay keeps the calls open at each event on a stack, as spans nest.
+  Elsewhere (the dict path, several devices, a fake allocator) the forward opens a span and
+  the gates are Python hooks that open and close spans.
 - **Recomputation.** A forward that runs inside the backward (activation checkpointing
   re-running it) is counted apart: ``recomputes`` and ``recomputed`` (bytes kept at its
   exit), inside the backward spans around it.
@@ -119,10 +122,11 @@ _GATE_KEY = "cudamem.modules.gate"
 # backward: the module's node, its open span (the forward's, then the backward's), whether it
 # runs inside a backward (recomputation), bytes its submodules' forwards kept, its first
 # grad-requiring input's ``grad_fn`` (where its backward ends; dropped at the forward's exit,
-# once a gate holds the call: the record keeps no node alive), its backward's graph task.
-_N, _SPAN, _INBW, _CHILD, _SOURCE, _TASK = range(6)
-#: A call's span slot while the C++ log's replay has its backward open.
-_REPLAYING: Any = object()
+# once a gate holds the call: the record keeps no node alive), its backward's graph task, its
+# number in the C++ log (-1: measured by spans), the record of the forward it runs in.
+_N, _SPAN, _INBW, _CHILD, _SOURCE, _TASK, _IDX, _PARENT = range(8)
+# A log event's code is a call's number times four plus its edge: 0 its forward's entry, 1
+# its exit, 2 its backward's start, 3 its end (``_fastread.cpp``).
 
 
 class _Gate:
@@ -133,7 +137,7 @@ class _Gate:
     left to its own calls, and a new one takes the new ones, so that every call's hook lives
     until the second step end after its forward, as it would with a hook of its own."""
 
-    __slots__ = ("edges", "handle", "key", "owner", "tag")
+    __slots__ = ("edges", "handle", "key", "owner")
 
     def __init__(self, owner: ModuleProfiler, key: object) -> None:
         self.owner = owner
@@ -141,8 +145,6 @@ class _Gate:
         #: ``(True, call)``: the call's backward starts here; ``(False, call)``: it ends.
         self.edges: list[tuple[bool, list[Any]]] = []
         self.handle: Any = None
-        #: Its tag in the C++ gate log (``None``: a Python gate).
-        self.tag: int | None = None
 
     def fire(self, grad_outputs: Any) -> None:
         owner = self.owner
@@ -166,35 +168,51 @@ class _Gate:
         handle, self.handle = self.handle, None
         if handle is not None:
             handle.remove()
-        if self.tag is not None:  # a C++ gate stays on its node, logging a tag now unknown
-            self.owner._by_tag.pop(self.tag, None)
 
 
 class _NativeLog:
-    """The C++ gate log of one profiler (``_fastread.GateLog``) on one device: its events
-    replayed into the module calls' backward figures."""
+    """The C++ log of one profiler (``_fastread.GateLog``) on one device: its events
+    replayed into the module calls' figures."""
 
-    __slots__ = ("api", "device", "lost", "open", "owner", "step", "tags")
+    __slots__ = (
+        "api",
+        "base",
+        "base_old",
+        "calls",
+        "device",
+        "lost",
+        "next",
+        "old",
+        "owner",
+        "step",
+    )
 
     def __init__(self, api: Any, device: int) -> None:
         self.api = api
         self.device = device
         self.owner: int = api.log_start()
-        #: The next gate's tag, and the step its gates belong to (one gate per node per step).
-        self.tags = 0
+        #: The step the gates registered now belong to (their codes live two steps).
         self.step = 0
         self.lost = 0
-        #: The calls whose backward is open, outermost first: ``[call, peak, start
-        #: allocated, start ns]`` (a span's figures: the peak since it opened).
-        self.open: list[list[Any]] = []
+        #: The records of this step's calls (numbered from ``base``) and of the step before
+        #: (from ``base_old``); ``next``: the next call's number.
+        self.calls: list[list[Any]] = []
+        self.old: list[list[Any]] = []
+        self.base = self.base_old = self.next = 0
+
+    def new_step(self) -> None:
+        """Gates from here belong to a new step; records two steps old are let go."""
+        self.step += 1
+        self.old, self.calls = self.calls, []
+        self.base_old, self.base = self.base, self.next
 
     def stop(self) -> None:
         self.api.log_stop(self.owner)
 
 
-def _mark(api: Any, owner: int, device: int, tag: int, grad_outputs: Any) -> None:
+def _mark(api: Any, owner: int, device: int, code: int, grad_outputs: Any) -> None:
     """The Python pre-hook of a C++ gate that could not be put on its node."""
-    api.mark(owner, device, tag)
+    api.mark(owner, device, code)
 
 
 def _grad_tensor(value: Any, depth: int = 0) -> torch.Tensor | None:
@@ -229,15 +247,14 @@ class ModuleProfiler(PresentedHtml):
         self._stack: list[list[Any]] = []
         #: Module calls whose backward span is open, by ``id`` of the call's record.
         self._open_backward: dict[int, list[Any]] = {}
-        #: Gates registered in this step and in the one before (removed a step later).
-        self._pending: list[_Gate] = []
-        self._pending_old: list[_Gate] = []
+        #: Python gates (and hooks of C++ gates that fell back to Python) registered in this
+        #: step and in the one before (removed a step later).
+        self._pending: list[Any] = []
+        self._pending_old: list[Any] = []
         #: Which gates take new calls: a new key per step (see ``_Gate``).
         self._gate_key = object()
-        #: The C++ gate log (``None``: Python gates), chosen at each step's start.
+        #: The C++ log (``None``: spans and Python gates), chosen at each step's start.
         self._native: _NativeLog | None = None
-        #: C++ gates by their tag (those of the last two steps).
-        self._by_tag: dict[int, _Gate] = {}
         self._touched: list[_Node] = []
         self._callback_task = -1
         self._backward_done = False
@@ -284,7 +301,7 @@ class ModuleProfiler(PresentedHtml):
         self._active = False
         self._remove_hooks()
         while self._stack:  # forwards left open (the profile closed inside one)
-            close_quiet(self._stack.pop()[1])
+            self._drop_forward(self._stack.pop())
         self._drop_backward()
         native, self._native = self._native, None
         if native is not None:
@@ -307,6 +324,8 @@ class ModuleProfiler(PresentedHtml):
     def step(self) -> None:
         """End the step in progress. From the first call on, only ``step()`` ends steps."""
         self._auto_steps = False
+        if self._native is not None:
+            self._replay(self._native, close=False)
         self._end_step()
 
     def pause(self) -> None:
@@ -417,7 +436,17 @@ class ModuleProfiler(PresentedHtml):
                     first = _grad_tensor(kwargs)
             if first is not None:
                 source = first.grad_fn
-        stack.append([node, open_quiet(node.name), in_backward, 0, source, -1])
+        parent = stack[-1] if stack else None
+        native = self._native
+        if native is None:
+            stack.append([node, open_quiet(node.name), in_backward, 0, source, -1, -1, parent])
+            return
+        idx = native.next
+        native.next = idx + 1
+        entry = [node, None, in_backward, 0, source, -1, idx, parent]
+        native.calls.append(entry)
+        stack.append(entry)
+        native.api.mark(native.owner, native.device, idx * 4)  # its forward's entry
 
     def _post(self, node: _Node, module: torch.nn.Module, args: Any, output: Any) -> None:
         if _is_compiling():
@@ -429,30 +458,22 @@ class ModuleProfiler(PresentedHtml):
             return
         entry = stack.pop()
         exc = sys.exc_info()[1] if output is None else None
-        span = entry[_SPAN]
-        close_quiet(span, exc)
-        entry[_SPAN] = None  # the record's span slot is its backward's from here
-        cur = node.cur
-        if cur is None:
-            cur = node.cur = [0] * 11
-            self._touched.append(node)
-        kept = span.alloc_delta
-        peak = span.peak_delta
-        if peak is None:
-            peak = 0
-            self._unmeasured = getattr(span, "unmeasured", None) or "not measured"
-        if entry[_INBW]:  # re-run inside the backward (activation checkpointing)
-            cur[_RECALLS] += 1
-            cur[_REKEPT] += kept
+        idx = entry[_IDX]
+        native = self._native
+        if idx < 0:
+            span = entry[_SPAN]
+            close_quiet(span, exc)
+            entry[_SPAN] = None  # the record's span slot is its backward's from here
+            kept = span.alloc_delta
+            peak = span.peak_delta
+            if peak is None:
+                peak = 0
+                self._unmeasured = getattr(span, "unmeasured", None) or "not measured"
+            self._add_forward(entry, kept, peak, span.end_ns - span.start_ns)
+        elif native is None:  # the profile stopped inside this forward
+            return
         else:
-            cur[_CALLS] += 1
-            cur[_KEPT] += kept
-            cur[_SELF] += kept - entry[_CHILD]
-            if peak > cur[_FPEAK]:
-                cur[_FPEAK] = peak
-            cur[_FNS] += span.end_ns - span.start_ns
-            if stack:
-                stack[-1][_CHILD] += kept
+            native.api.mark(native.owner, native.device, idx * 4 + 1)  # its exit
         if exc is not None:
             node.raised += 1
         elif not entry[_INBW] and output is not None:
@@ -462,12 +483,49 @@ class ModuleProfiler(PresentedHtml):
                 if start is not None:
                     end = entry[_SOURCE]
                     entry[_SOURCE] = None  # the record outlives the forward: no node in it
-                    gate = self._gate(start)
-                    gate.edges.append((True, entry))
-                    if end is not None:
-                        self._gate(end).edges.append((False, entry))
-                    if not stack and gate.tag is not None:  # a top-level call: its backward
-                        start.register_prehook(self._native_backward)  # starts the pass
+                    if idx < 0:
+                        self._gate(start).edges.append((True, entry))
+                        if end is not None:
+                            self._gate(end).edges.append((False, entry))
+                        return
+                    assert native is not None
+                    gate = native.api.gate
+                    owner, step, device = native.owner, native.step, native.device
+                    if not gate(start, idx * 4 + 2, owner, step, device):  # backward start
+                        self._native_fallback(native, start, idx * 4 + 2)
+                    if end is not None and not gate(end, idx * 4 + 3, owner, step, device):
+                        self._native_fallback(native, end, idx * 4 + 3)  # its end
+                    if not stack:  # a top-level call: its backward starts the pass
+                        start.register_prehook(self._native_backward)
+
+    def _add_forward(self, entry: list[Any], kept: int, peak: int, ns: int) -> None:
+        """One call's forward figures added to its module's step."""
+        node = entry[_N]
+        cur = node.cur
+        if cur is None:
+            cur = node.cur = [0] * 11
+            self._touched.append(node)
+        if entry[_INBW]:  # re-run inside the backward (activation checkpointing)
+            cur[_RECALLS] += 1
+            cur[_REKEPT] += kept
+            return
+        cur[_CALLS] += 1
+        cur[_KEPT] += kept
+        cur[_SELF] += kept - entry[_CHILD]
+        if peak > cur[_FPEAK]:
+            cur[_FPEAK] = peak
+        cur[_FNS] += ns
+        parent = entry[_PARENT]
+        if parent is not None:
+            parent[_CHILD] += kept
+
+    def _drop_forward(self, entry: list[Any]) -> None:
+        """Forget a forward left open (an exception skipped its exit hook, or the profile
+        ended inside it): its span closed unrecorded, or its call forgotten by the replay."""
+        if entry[_IDX] < 0:
+            close_quiet(entry[_SPAN])
+        elif self._native is not None:
+            self._native.api.log_drop(self._native.owner, entry[_IDX])
 
     def _unwind(self, node: _Node) -> bool:
         """The innermost open forward is not ``node``'s (an exception that skipped the
@@ -477,18 +535,15 @@ class ModuleProfiler(PresentedHtml):
         if all(e[0] is not node for e in stack):
             return False
         while stack[-1][0] is not node:
-            close_quiet(stack.pop()[1])
+            self._drop_forward(stack.pop())
         return True
 
     # -- backward -----------------------------------------------------------------------
 
     def _gate(self, fn: Any) -> _Gate:
-        """The gate of autograd node ``fn`` for this step's calls, registered on first use
-        (kept on the node: the profile holds no reference to a node, so a graph dies when
+        """The Python gate of autograd node ``fn`` for this step's calls, registered on first
+        use (kept on the node: the profile holds no reference to a node, so a graph dies when
         the code drops it)."""
-        native = self._native
-        if native is not None:
-            return self._native_gate(native, fn)
         try:
             meta = fn.metadata
         except Exception:  # a node without metadata: a gate of its own each time
@@ -502,25 +557,14 @@ class ModuleProfiler(PresentedHtml):
             self._pending.append(gate)
         return gate
 
-    def _native_gate(self, native: _NativeLog, fn: Any) -> _Gate:
-        """A C++ gate: the node keeps it (found there again by the log's owner and step),
-        and nothing Python goes on the node, whose release on the engine's thread then
-        needs no GIL (a ``metadata`` dict would)."""
-        tag = native.api.gate(fn, native.tags, native.owner, native.step, native.device)
-        if tag >= 0 and tag != native.tags:
-            found = self._by_tag.get(tag)
-            if found is not None:
-                return found
-        gate = _Gate(self, self._gate_key)
-        if tag < 0:  # a node the C++ hook cannot reach: a Python hook logs its tag
-            gate.handle = fn.register_prehook(
-                functools.partial(_mark, native.api, native.owner, native.device, native.tags)
+    def _native_fallback(self, native: _NativeLog, fn: Any, code: int) -> None:
+        """A node the C++ gates cannot reach: a Python pre-hook logs ``code`` instead
+        (removed with the Python gates of its step)."""
+        self._pending.append(
+            fn.register_prehook(
+                functools.partial(_mark, native.api, native.owner, native.device, code)
             )
-        gate.tag = native.tags
-        native.tags += 1
-        self._by_tag[gate.tag] = gate
-        self._pending.append(gate)
-        return gate
+        )
 
     def _choose_gates(self) -> None:
         """At a step's start: C++ gates where the C++ reader serves one device."""
@@ -558,64 +602,31 @@ class ModuleProfiler(PresentedHtml):
             self._read_state()
 
     def _replay(self, native: _NativeLog, *, close: bool) -> None:
-        """The C++ log's events since the last replay, as spans would have measured them.
-
-        An event's peak is the highest allocated since the event before it: it goes to the
-        innermost open call, and a closing call hands its peak to the call below it, so
-        each call's peak covers everything after it opened, as a span's does. ``close``:
-        the pass ended (its last event is the end), calls still open end there; else they
+        """The C++ log's events since the last replay, into the figures spans would have
+        measured (``log_replay`` in ``_fastread.cpp`` keeps the calls open at each event on a
+        stack, as spans nest; forwards not ended yet stay open for the next replay).
+        ``close``: the backward pass ended, backward calls still open end there; else they
         are dropped unrecorded, as spans a failed backward left open are."""
         try:
-            flat, lost = native.api.log_drain(native.owner)
+            flat, lost = native.api.log_replay(native.owner, native.base_old, self._active, close)
         except Exception as exc:
             self._notes.append(f"C++ gate log not read: {type(exc).__name__}: {exc}")
-            flat, lost = (), 0
+            return
         native.lost += lost
-        stack = native.open
-        by_tag = self._by_tag
-        active = self._active
-        alloc = ns = 0
-        for i in range(0, len(flat), 4):
-            tag, alloc, peak, ns = flat[i], flat[i + 1], flat[i + 2], flat[i + 3]
-            if stack and peak > stack[-1][1]:
-                stack[-1][1] = peak
-            if tag < 0:
-                continue
-            gate = by_tag.get(tag)
-            if gate is None:
-                continue
-            for starts, call in gate.edges:
-                if starts:
-                    if active and call[_SPAN] is None:
-                        call[_SPAN] = _REPLAYING
-                        stack.append([call, alloc, alloc, ns])
-                elif call[_SPAN] is _REPLAYING:
-                    for k in range(len(stack) - 1, -1, -1):
-                        if stack[k][0] is call:
-                            self._native_close(stack, k, alloc, ns)
-                            break
-        if close and flat:
-            while stack:
-                self._native_close(stack, len(stack) - 1, alloc, ns)
-        for entry in stack:  # dropped unrecorded
-            entry[0][_SPAN] = None
-        stack.clear()
+        calls, base = native.calls, native.base
+        old, base_old = native.old, native.base_old
+        add_forward, add_backward = self._add_forward, self._add_backward
+        for i in range(0, len(flat), 5):
+            idx, backward, delta, peak, ns = flat[i : i + 5]
+            call = calls[idx - base] if idx >= base else old[idx - base_old]
+            if backward:
+                add_backward(call[_N], delta, peak, ns)
+            else:
+                add_forward(call, delta, peak, ns)
         if native.lost and not any("events dropped" in n for n in self._notes):
             self._notes.append(
                 "backward figures incomplete: the C++ gate log was full (events dropped)"
             )
-
-    def _native_close(self, stack: list[list[Any]], k: int, alloc: int, ns: int) -> None:
-        """End the backward of the call at ``stack[k]`` at an event of ``alloc`` bytes."""
-        entry = stack.pop(k)
-        entry[0][_SPAN] = None
-        peak = entry[1]
-        for above in stack[k:]:  # calls opened inside it: their peaks are inside its window
-            if above[1] > peak:
-                peak = above[1]
-        if k > 0 and entry[1] > stack[k - 1][1]:
-            stack[k - 1][1] = entry[1]
-        self._add_backward(entry[0][_N], alloc - entry[2], peak - entry[2], ns - entry[3])
 
     def _backward_started(self, task: int) -> None:
         if self._callback_task != task:
@@ -686,7 +697,7 @@ class ModuleProfiler(PresentedHtml):
         self._pending_old, self._pending = self._pending, []
         self._gate_key = object()
         if self._native is not None:
-            self._native.step += 1
+            self._native.new_step()
         self._choose_gates()
 
     def _read_state(self) -> None:

@@ -126,8 +126,9 @@ def test_the_modules_add_up_to_the_steps_spans() -> None:
 
 
 def test_cpp_gates_agree_with_python_gates(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The backward figures through the C++ reader's gates (no Python in the backward) are
-    those of Python gates with a span per call, module by module."""
+    """The figures through the C++ log (the forward's edges marked, the gates in C++, no
+    Python in the backward, one replay) are those of a span per call and Python gates,
+    module by module, forward and backward."""
     from cudamem import _backend
 
     model = _gpt2()
@@ -145,17 +146,25 @@ def test_cpp_gates_agree_with_python_gates(monkeypatch: pytest.MonkeyPatch) -> N
                 step()
                 assert (prof._native is not None) is native
         figures[native] = {
-            r.name: (r.backward_calls.max, r.backward_delta.max, r.backward_peak.max)
+            r.name: (
+                r.calls.max,
+                r.backward_calls.max,
+                r.kept.max,
+                r.forward_peak.max,
+                r.backward_delta.max,
+                r.backward_peak.max,
+            )
             for r in prof.profile.modules
         }
     assert figures[True].keys() == figures[False].keys()
-    for name, (calls, delta, peak) in figures[True].items():
-        py_calls, py_delta, py_peak = figures[False][name]
-        assert calls == py_calls, name
-        assert abs(delta - py_delta) <= SPLIT_SLACK, name
-        assert abs(peak - py_peak) <= SPLIT_SLACK, name
-    assert figures[True]["GPT2LMHeadModel"][0] == 1
-    assert figures[True]["GPT2LMHeadModel"][2] > 0
+    for name, (calls, bcalls, *sizes) in figures[True].items():
+        py_calls, py_bcalls, *py_sizes = figures[False][name]
+        assert (calls, bcalls) == (py_calls, py_bcalls), name
+        for size, py_size in zip(sizes, py_sizes, strict=True):
+            assert abs(size - py_size) <= SPLIT_SLACK, name
+    root = figures[True]["GPT2LMHeadModel"]
+    assert root[:2] == (1, 1)
+    assert root[2] > 0 and root[3] >= root[2] and root[5] > 0
 
 
 def _recomputed(profile: Any, name: str) -> float:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,6 +24,7 @@ from cudamem import _backend
 from cudamem import span as _span
 
 from ..fakes import FakeAllocator
+from ..unit import test_modules as unit
 from ..unit.test_modules import AllocInBackward, FailInBackward
 
 KiB = 1024
@@ -80,6 +82,40 @@ def device(stub: Any, gates: bool) -> Iterator[StubDevice]:
     dev = StubDevice(stub, gates)
     with _backend.use(dev):
         yield dev
+
+
+@pytest.fixture
+def fake(stub: Any) -> Iterator[StubDevice]:
+    """The unit tests' fake device, its counters in the stub: the C++ log serves."""
+    with device(stub, True) as dev:
+        yield dev
+
+
+# Every unit test of the profile's figures and lifecycle, again with the C++ log (the
+# forward's entry and exit marked, the gates in C++, the replay) instead of spans and Python
+# gates: the same figures, the same hooks gone. (On a GPU: tests/gpu/test_modules_cuda.py.)
+test_unit_kept_self_and_peaks_nest = unit.test_kept_self_and_peaks_nest
+test_unit_siblings_sort = unit.test_siblings_sort_largest_kept_first
+test_unit_steps = unit.test_steps_give_mean_and_max
+test_unit_shared_layer = unit.test_a_shared_layer_counts_every_call
+test_unit_backward = unit.test_backward_spans_measure_each_module
+test_unit_inputs_need_no_grad = unit.test_a_module_whose_inputs_need_no_grad_ends_with_the_backward
+test_unit_raising_forward = unit.test_a_raising_forward_propagates_and_the_profile_stays_consistent
+test_unit_hooks_go = unit.test_every_hook_goes_and_the_users_hooks_stay
+test_unit_user_hooks_inside = unit.test_user_hooks_run_inside_the_measurement
+test_unit_optimizers = unit.test_optimizers_that_step_are_found_without_the_argument
+test_unit_without_a_model = unit.test_without_a_model_every_called_tree_is_profiled
+test_unit_renderers = unit.test_text_json_and_html_name_modules_and_bytes
+test_unit_user_peaks = (
+    unit.test_the_root_adds_up_to_a_span_around_the_forward_and_user_peaks_survive
+)
+test_unit_keywords = unit.test_a_module_called_with_keywords_ends_its_backward_at_its_input
+test_unit_compiled = (
+    unit.test_a_compiled_root_is_one_unit_and_a_function_compiled_around_the_model_is_quiet
+)
+test_unit_pause = unit.test_pause_leaves_calls_out_until_resume
+# Two read the Python path's own state (its open backward spans, its hooks): their C++-log
+# twins are test_a_failed_backward_drops_the_open_calls... and test_one_cpp_gate_per_node...
 
 
 class Grad(nn.Module):
@@ -198,9 +234,11 @@ def test_the_log_merges_what_gates_reset_into_the_next_read(stub: Any) -> None:
     try:
         x = torch.ones(3, requires_grad=True)
         y = x * 2
-        assert stub.gate(y.grad_fn, 7, owner, 0, 0) == 7
-        assert stub.gate(y.grad_fn, 9, owner, 0, 0) == 7  # one gate per node and step
-        assert stub.gate(x, 8, owner, 0, 0) == -1  # a tensor is no node
+        assert stub.gate(y.grad_fn, 7, owner, 0, 0) is True
+        assert stub.gate(y.grad_fn, 9, owner, 0, 0) is True  # one gate per node, two codes
+        assert stub.codes(y.grad_fn, owner) == (7, 9)
+        assert stub.codes(y.grad_fn, owner + 1) == ()  # another log's: none
+        assert stub.gate(x, 8, owner, 0, 0) is False  # a tensor is no node
         stub.stub_set(10, 500)  # a peak of 500 before the gate resets it
         y.sum().backward()
         stub.stub_set(20, 20)
@@ -208,18 +246,23 @@ def test_the_log_merges_what_gates_reset_into_the_next_read(stub: Any) -> None:
         assert stub.counters_reset_peak(0) == (20, 0, 500)
         flat, dropped = stub.log_drain(owner)
         assert dropped == 0
-        tags = flat[0::4]
-        assert tags == (7, -1)  # the gate, then the read from Python (logged once armed)
-        assert flat[2] == 500 and flat[6] == 20
+        # The gate's codes in order, from one read (the first has the peak, the second the
+        # level at that instant), then the read from Python (logged once armed).
+        assert flat[0::4] == (7, 9, -1)
+        assert flat[1::4] == (10, 10, 20)
+        assert flat[2::4] == (500, 10, 20)
+        assert flat[3] == flat[7]  # one read, one instant
         assert stub.log_drain(owner) == ((), 0)
         stub.counters_reset_peak(0)  # not armed since the drain: not logged
         assert stub.log_drain(owner) == ((), 0)
+        stub.mark(owner, 0, 42)  # a forward hook's edge: logged as a gate would
+        assert stub.log_drain(owner)[0][0::4] == (42,)
     finally:
         stub.log_stop(owner)
     # A gate of a stopped log does nothing, not even a reset.
     x = torch.ones(3, requires_grad=True)
     y = x * 2
-    assert stub.gate(y.grad_fn, 1, owner, 0, 0) == 1
+    assert stub.gate(y.grad_fn, 1, owner, 0, 0) is True
     stub.stub_set(5, 900)
     y.sum().backward()
     assert stub.counters(0) == (5, 0, 900)
@@ -227,6 +270,21 @@ def test_the_log_merges_what_gates_reset_into_the_next_read(stub: Any) -> None:
         stub.gate(y.grad_fn, 1, owner, 0, 128)
     with pytest.raises(TypeError, match="takes 5 arguments"):
         stub.gate(y.grad_fn, 1)
+
+
+def test_a_gate_drops_codes_two_steps_old(stub: Any) -> None:
+    owner = stub.log_start()
+    try:
+        x = torch.ones(3, requires_grad=True)
+        y = x * 2  # a node reused step after step (its graph kept)
+        for step in range(4):
+            stub.gate(y.grad_fn, 100 + step, owner, step, 0)
+        assert stub.codes(y.grad_fn, owner) == (102, 103)  # steps 2 and 3 live
+        stub.log_drain(owner)
+        y.sum().backward()
+        assert stub.log_drain(owner)[0][0::4] == (102, 103)
+    finally:
+        stub.log_stop(owner)
 
 
 def test_a_failed_backward_drops_the_open_calls_and_leaves_no_span_open(stub: Any) -> None:
@@ -247,28 +305,231 @@ def test_a_failed_backward_drops_the_open_calls_and_leaves_no_span_open(stub: An
             with pytest.raises(RuntimeError, match="backward failed"):
                 model(x).sum().backward()
             model(x)  # the next forward replays what the failed pass logged
-            assert prof._native is not None and prof._native.open == []
         assert _span._open_peak == {}
     p = prof.profile
     assert p.module("Failing.second").backward_calls.max == 1  # finished before the failure
     assert p.module("Failing").backward_calls.max == 0  # never finished: not recorded
 
 
+class Box:
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
 def test_one_cpp_gate_per_node_and_nothing_python_on_the_nodes(stub: Any) -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh())
     x = torch.ones(2, 4, requires_grad=True)
     with device(stub, True), cudamem.track_modules(model) as prof:
-        assert prof._native is not None
+        native = prof._native
+        assert native is not None
         out = model(x)
-        # As with Python gates: 4 nodes bound the 9 call edges, one gate each.
-        assert len(prof._pending) == 4
-        node = out.grad_fn
-        while node is not None:  # no metadata dict was made on any node
+        assert prof._pending == []  # no Python gate
+        # Calls numbered as they start: Sequential 0, then its children 1 to 4. A code is a
+        # call's number times four plus its edge: 2 its backward starts here, 3 it ends here.
+        # 4 nodes bound the 8 edges, each node's in the order the forwards registered them.
+        found, seen, todo = [], set(), [out.grad_fn]
+        while todo:  # every node of the graph; and no metadata dict was made on any
+            node = todo.pop()
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
             assert node.metadata == {}
-            node = node.next_functions[0][0] if node.next_functions else None
+            codes = stub.codes(node, native.owner)
+            if codes:
+                found.append((type(node).__name__, codes))
+            todo.extend(fn for fn, _ in node.next_functions)
+        assert sorted(found, key=lambda f: -f[1][0]) == [
+            ("TanhBackward0", (4 * 4 + 2, 0 * 4 + 2)),
+            ("AddmmBackward0", (3 * 4 + 2, 4 * 4 + 3)),
+            ("TanhBackward0", (2 * 4 + 2, 3 * 4 + 3)),
+            ("AddmmBackward0", (1 * 4 + 2, 2 * 4 + 3)),
+        ]
         out.sum().backward()
+        # The profile holds no node: a graph whose output the code drops dies with it.
+        saved: list[weakref.ref[Box]] = []
+
+        def pack(t: torch.Tensor) -> Box:
+            box = Box(t.detach())
+            saved.append(weakref.ref(box))
+            return box
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda box: box.t):
+            dropped = model(x)
+        assert saved and all(ref() is not None for ref in saved)
+        del dropped
+        assert [ref() for ref in saved] == [None] * len(saved)
         model(x).sum().backward()
     p = prof.profile
-    assert p.steps == 2
+    assert p.steps == 2  # the dropped forward and the one after it: one step
+    assert p.module("Sequential.0").calls == cudamem.module_profile.Spread(1.5, 2)
     assert [p.module(f"Sequential.{i}").backward_calls.max for i in range(4)] == [1] * 4
-    assert p.module("Sequential").backward_calls == cudamem.module_profile.Spread(1.0, 1.0)
+    assert p.module("Sequential").backward_calls.max == 1
+
+
+def _all_figures(prof: cudamem.ModuleProfiler) -> dict[str, tuple[Any, ...]]:
+    """Every figure of every row but the times."""
+    return {
+        r.name: (
+            r.steps,
+            r.calls,
+            r.kept,
+            r.self_kept,
+            r.forward_peak,
+            r.backward_calls,
+            r.backward_delta,
+            r.backward_peak,
+            r.recomputes,
+            r.recomputed,
+            r.raised,
+        )
+        for r in prof.profile.modules
+    }
+
+
+def _both(stub: Any, run: Any) -> dict[bool, dict[str, tuple[Any, ...]]]:
+    """``run(dev, prof)`` profiled with Python gates and spans, then with the C++ log."""
+    out = {}
+    for gates in (False, True):
+        torch.manual_seed(0)
+        with device(stub, gates) as dev:
+            prof = cudamem.track_modules(None)
+            run(dev, prof)
+            assert (prof._native is not None) is gates or prof.result is not None
+            out[gates] = _all_figures(prof)
+    return out
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.first = Grad(keep=KiB, temp=4 * KiB, weight=True)
+        self.block = Block(1)
+        self.head = Grad(keep=2 * KiB, temp=50 * KiB)
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.first(x)
+        h = checkpoint(self.block, h, use_reentrant=self.reentrant)
+        return self.head(h)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_recomputed_forwards_agree(stub: Any, reentrant: bool) -> None:
+    def run(dev: StubDevice, prof: cudamem.ModuleProfiler) -> None:
+        model = Checkpointed(reentrant)
+        _bind(model, dev)
+        x = torch.ones(4, requires_grad=True)
+        with prof:
+            for _ in range(2):
+                model(x).sum().backward()
+                dev.free(dev.allocated[0])
+
+    both = _both(stub, run)
+    assert both[True] == both[False]
+    assert both[True]["Checkpointed.block"][8].max == 1  # recomputed once a step
+
+
+def test_user_spans_inside_forwards_and_raising_forwards_agree(stub: Any) -> None:
+    class Spanned(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = Grad(keep=KiB, temp=30 * KiB)
+            self.b = Grad(keep=2 * KiB, temp=7 * KiB)
+            self.dev: Any = None
+
+        def forward(self, x: torch.Tensor, fail: bool = False) -> torch.Tensor:
+            self.dev.alloc(60 * KiB)  # a peak before the user's span resets it
+            self.dev.free(60 * KiB)
+            with cudamem.track("inner") as span:
+                h = self.a(x)
+                self.dev.alloc(30 * KiB)
+                self.dev.free(30 * KiB)
+            assert span.peak_delta is not None and span.peak_delta >= 30 * KiB
+            if fail:
+                raise ValueError("forward failed")
+            return self.b(h)  # type: ignore[no-any-return]
+
+    def run(dev: StubDevice, prof: cudamem.ModuleProfiler) -> None:
+        model = Spanned()
+        model.dev = dev
+        _bind(model, dev)
+        x = torch.ones(4, requires_grad=True)
+        with prof:
+            for fail in (False, True, False):
+                with contextlib.suppress(ValueError):
+                    model(x, fail=fail).sum().backward()
+                dev.free(dev.allocated[0])
+
+    both = _both(stub, run)
+    assert both[True] == both[False]
+    root = both[True]["Spanned"]
+    assert root[10] == 1  # raised once
+    assert root[4].max >= 60 * KiB  # the peak the user's span reset is the root's still
+
+
+def test_an_interrupt_that_skips_the_exit_hooks_agrees(stub: Any) -> None:
+    """A ``KeyboardInterrupt`` skips ``always_call`` hooks: the forwards it left open are
+    dropped when their parent's exit hook runs, on both paths alike."""
+
+    class Interrupting(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise KeyboardInterrupt
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = Grad(keep=KiB, temp=3 * KiB)
+            self.stop = nn.Sequential(Interrupting())
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x)
+            with contextlib.suppress(KeyboardInterrupt):
+                self.stop(h)
+            return h * 2
+
+    def run(dev: StubDevice, prof: cudamem.ModuleProfiler) -> None:
+        model = Outer()
+        _bind(model, dev)
+        x = torch.ones(4, requires_grad=True)
+        with prof:
+            for _ in range(2):
+                model(x).sum().backward()
+                dev.free(dev.allocated[0])
+
+    both = _both(stub, run)
+    assert both[True] == both[False]
+    assert both[True]["Outer.a"][1].max == 1
+
+
+def test_forward_only_steps_and_a_stop_inside_a_forward_agree(stub: Any) -> None:
+    class Stopping(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = Grad(keep=KiB, temp=3 * KiB)
+            self.prof: Any = None
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x)
+            if self.prof is not None:
+                self.prof.stop()  # the profile ends inside this forward
+            return h
+
+    def run(dev: StubDevice, prof: cudamem.ModuleProfiler) -> None:
+        model = Stopping()
+        _bind(model, dev)
+        x = torch.ones(4)
+        prof.start()
+        with torch.no_grad():
+            for _ in range(3):
+                model(x)
+                prof.step()
+                dev.free(dev.allocated[0])
+        model.prof = prof
+        model(x)
+
+    both = _both(stub, run)
+    assert both[True] == both[False]
+    assert both[True]["Stopping.a"][0] == 4  # three steps and the one it stopped in
+    assert "Stopping" not in both[True] or both[True]["Stopping"][1].max == 1

@@ -1,0 +1,164 @@
+"""Where a profiled step's host time goes, by a sampling profiler (py-spy), in µs per module
+call: the per-module profile's own functions, torch's hook dispatch, the rest of the step.
+
+Two parts, run one after the other:
+
+- ``run``: the 2-layer GPT-2 of ``module_profile.py --quick`` (2 x 128, batch 8 x 128,
+  AdamW) trains for ``--seconds`` under ``cudamem.track_modules`` (or bare with
+  ``--bare``), steps synchronized, and writes how many steps it ran in how long. Run it
+  under py-spy: ``py-spy record -r 1000 -f raw -o spy.txt -- python
+  benchmarks/module_pyspy.py run --json run.json``.
+- ``table``: reads py-spy's raw stacks and the run's JSON and prints, per function, its
+  share of the sampled time and its µs per module call (share x seconds per step / module
+  calls per step), self and inclusive: ``python benchmarks/module_pyspy.py table spy.txt
+  run.json [--json out.json]``.
+
+py-spy samples Python threads: on a GPU the autograd engine's device thread runs the
+backward in C++ and shows only where it calls into Python (those samples are counted as the
+loop's time: its thread waits in the backward meanwhile); the C++ gates run there with no
+Python and do not show. The step's own Python work (the model's forward, the optimizer)
+shows as the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import sys
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+#: Function groups of the table (by the function's name and file as py-spy writes them).
+GROUPS = [
+    ("cudamem: forward pre-hook", r"^ModuleProfiler\._pre \(.*modules\.py"),
+    ("cudamem: forward post-hook", r"^ModuleProfiler\._post \(.*modules\.py"),
+    ("cudamem: log replay", r"^ModuleProfiler\._replay \(.*modules\.py"),
+    ("cudamem: figures added up", r"^ModuleProfiler\._add_(forward|backward) \("),
+    ("cudamem: end of backward", r"^ModuleProfiler\._native_(ended|backward) \("),
+    ("cudamem: step end", r"^ModuleProfiler\._end_step \("),
+    ("cudamem: state reads", r"^ModuleProfiler\._read_state \("),
+    ("cudamem: grad search", r"^_grad_tensor \(.*modules\.py"),
+    ("cudamem: any", r"\(.*cudamem/"),
+    ("torch: hook dispatch (_call_impl's inner)", r"^Module\._call_impl\.<locals>\.inner \("),
+    ("torch: is_compiling", r"^is_compiling \("),
+]
+
+
+def run(seconds: float, bare: bool, out: str) -> None:
+    import torch
+    from module_profile import gpt2_case, module_calls
+
+    import cudamem
+
+    model, external, step, label = gpt2_case(True)
+    for _ in range(3):
+        step()
+    calls = module_calls(step)
+    prof = None if bare else cudamem.track_modules(model, optimizer=external).start()
+    for _ in range(3):
+        step()
+    cuda = torch.cuda.is_available()
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    sync()
+    steps = 0
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(8):
+            step()
+        sync()
+        steps += 8
+    wall = time.perf_counter() - t0
+    if prof is not None:
+        prof.stop()
+    data = {"case": label, "bare": bare, "steps": steps, "seconds": wall, "module_calls": calls}
+    with open(out, "w", encoding="utf-8") as fh:
+        json.dump(data, fh, indent=1)
+    print(json.dumps(data))
+
+
+def table(raw: str, run_json: str, out: str | None) -> None:
+    with open(run_json, encoding="utf-8") as fh:
+        info = json.load(fh)
+    per_step = info["seconds"] / info["steps"]
+    calls = info["module_calls"]
+    total = 0
+    self_n: collections.Counter[str] = collections.Counter()
+    incl_n: collections.Counter[str] = collections.Counter()
+    with open(raw, encoding="utf-8") as fh:
+        for line in fh:
+            stack, _, count = line.rstrip("\n").rpartition(" ")
+            if not stack:
+                continue
+            n = int(count)
+            frames = stack.split(";")
+            if "module_pyspy.py" in stack and "run (" in stack:
+                total += n  # the timed loop's thread
+            elif "cudamem/" not in stack:
+                continue  # set-up, imports, idle threads
+            # else: the autograd engine's thread calling into the profile, while the loop's
+            # thread waits in the backward: counted as the loop's time, as it is.
+            leaf = frames[-1]
+            for label, pattern in GROUPS:
+                if re.search(pattern, leaf):
+                    self_n[label] += n
+                if any(re.search(pattern, f) for f in frames):
+                    incl_n[label] += n
+    rows = []
+    for label, _ in GROUPS:
+        s, i = self_n[label] / max(total, 1), incl_n[label] / max(total, 1)
+        rows.append(
+            {
+                "part": label,
+                "self_share": s,
+                "inclusive_share": i,
+                "self_us_per_call": s * per_step / calls * 1e6,
+                "inclusive_us_per_call": i * per_step / calls * 1e6,
+            }
+        )
+    head = (
+        f"{info['case']}: {info['steps']} steps, {per_step * 1e3:.2f} ms a step, "
+        f"{calls} module calls a step, {total} samples in the loop"
+    )
+    print(head)
+    print(f"{'part':45} {'self %':>7} {'incl %':>7} {'self µs/call':>13} {'incl µs/call':>13}")
+    for r in rows:
+        print(
+            f"{r['part']:45} {r['self_share'] * 100:7.1f} {r['inclusive_share'] * 100:7.1f} "
+            f"{r['self_us_per_call']:13.2f} {r['inclusive_us_per_call']:13.2f}"
+        )
+    if out:
+        with open(out, "w", encoding="utf-8") as fh:
+            json.dump({"run": info, "samples": total, "rows": rows}, fh, indent=1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--seconds", type=float, default=20.0)
+    r.add_argument("--bare", action="store_true")
+    r.add_argument("--json", default="module-pyspy-run.json")
+    t = sub.add_parser("table")
+    t.add_argument("raw")
+    t.add_argument("run_json")
+    t.add_argument("--json")
+    args: Any = parser.parse_args()
+    if args.cmd == "run":
+        run(args.seconds, args.bare, args.json)
+    else:
+        table(args.raw, args.run_json, args.json)
+
+
+if __name__ == "__main__":
+    main()
