@@ -4,7 +4,8 @@ call: the per-module profile's own functions, torch's hook dispatch, the rest of
 Two parts, run one after the other:
 
 - ``run``: the 2-layer GPT-2 of ``module_profile.py --quick`` (2 x 128, batch 8 x 128,
-  AdamW) trains for ``--seconds`` under ``cudamem.track_modules`` (or bare with
+  AdamW; or ``--case resnet-tree``, ``module_cost.py``'s ResNet-18 at batch 2) trains for
+  ``--seconds`` under ``cudamem.track_modules`` (or bare with
   ``--bare``), steps synchronized, and writes how many steps it ran in how long. Run it
   under py-spy: ``py-spy record -r 1000 -f raw -o spy.txt -- python
   benchmarks/module_pyspy.py run --json run.json``.
@@ -51,13 +52,18 @@ GROUPS = [
 ]
 
 
-def run(seconds: float, bare: bool, out: str) -> None:
+def run(seconds: float, bare: bool, out: str, case: str) -> None:
     import torch
     from module_profile import gpt2_case, module_calls
 
     import cudamem
 
-    model, external, step, label = gpt2_case(True)
+    if case == "gpt2":
+        model, external, step, label = gpt2_case(True)
+    else:
+        from module_cost import resnet_case
+
+        label, model, external, step = resnet_case()
     for _ in range(3):
         step()
     calls = module_calls(step)
@@ -97,10 +103,10 @@ def table(raw: str, run_json: str, out: str | None) -> None:
     incl_n: collections.Counter[str] = collections.Counter()
     with open(raw, encoding="utf-8") as fh:
         for line in fh:
-            stack, _, count = line.rstrip("\n").rpartition(" ")
-            if not stack:
+            found = re.match(r"^(.*) (\d+)$", line.rstrip("\n"))
+            if found is None:  # a frame name with a line break in it: not a sample line
                 continue
-            n = int(count)
+            stack, n = found.group(1), int(found.group(2))
             frames = stack.split(";")
             if "module_pyspy.py" in stack and "run (" in stack:
                 total += n  # the timed loop's thread
@@ -149,13 +155,19 @@ def main() -> None:
     r.add_argument("--seconds", type=float, default=20.0)
     r.add_argument("--bare", action="store_true")
     r.add_argument("--json", default="module-pyspy-run.json")
+    r.add_argument(
+        "--case",
+        choices=["gpt2", "resnet-tree"],
+        default="gpt2",
+        help="gpt2: module_profile.py --quick's GPT-2; resnet-tree: module_cost.py's ResNet-18",
+    )
     t = sub.add_parser("table")
     t.add_argument("raw")
     t.add_argument("run_json")
     t.add_argument("--json")
     args: Any = parser.parse_args()
     if args.cmd == "run":
-        run(args.seconds, args.bare, args.json)
+        run(args.seconds, args.bare, args.json, args.case)
     else:
         table(args.raw, args.run_json, args.json)
 

@@ -75,8 +75,12 @@ namespace alloc = c10::cuda::CUDACachingAllocator;
 #endif
 
 constexpr long kDevices = 128;
-// Events a log keeps before it drops the rest (and counts them): 32 bytes each, 128 MiB.
-constexpr size_t kMaxEvents = size_t(1) << 22;
+// Events a log keeps before it drops the rest (and counts them): 32 bytes each, 128 MiB
+// (a test build sets fewer).
+#ifndef CUDAMEM_MAX_EVENTS
+#define CUDAMEM_MAX_EVENTS (size_t(1) << 22)
+#endif
+constexpr size_t kMaxEvents = CUDAMEM_MAX_EVENTS;
 
 struct Event {
   int64_t tag;
@@ -472,7 +476,8 @@ void close_open(size_t k, int64_t allocated, int64_t ns, std::vector<int64_t>& o
                          peak - entry.start, ns - entry.ns});
 }
 
-// log_replay(owner, first, active, close) -> (figures, dropped): the log's events since the
+// log_replay(owner, first, active, close, forwards) -> (figures, dropped): the log's events
+// since the
 // last replay, as spans would have measured each module call, as one flat tuple of (call,
 // 0 forward / 1 backward, allocated delta, peak above the start, ns) quintuples in the order
 // the calls ended, and how many events the log dropped.
@@ -482,12 +487,14 @@ void close_open(size_t k, int64_t allocated, int64_t ns, std::vector<int64_t>& o
 // peak covers everything after it opened, as a span's does. Calls numbered below `first`
 // are gone (two steps old). A backward opens only while `active` and not open already.
 // Forwards whose exit is not logged yet stay open for the next replay (and the log stays
-// armed, so that Python's resets are logged meanwhile). `close`: the backward pass ended
-// (its last event is the end), backward calls still open end there; else they are dropped
-// unrecorded, as spans a failed backward left open are.
+// armed, so that Python's resets are logged meanwhile) while `forwards` says that some are
+// still running; else they are dropped (an exit the full log lost). `close`: the backward
+// pass ended (its last event is the end), backward calls still open end there; else they
+// are dropped unrecorded, as spans a failed backward left open are.
 PyObject* log_replay(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 4) {
-    PyErr_SetString(PyExc_TypeError, "log_replay(owner, first, active, close) takes 4 arguments");
+  if (nargs != 5) {
+    PyErr_SetString(PyExc_TypeError,
+                    "log_replay(owner, first, active, close, forwards) takes 5 arguments");
     return nullptr;
   }
   const long long owner = PyLong_AsLongLong(args[0]);
@@ -500,7 +507,8 @@ PyObject* log_replay(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nar
   }
   const int active = PyObject_IsTrue(args[2]);
   const int close = PyObject_IsTrue(args[3]);
-  if (active < 0 || close < 0) {
+  const int forwards = PyObject_IsTrue(args[4]);
+  if (active < 0 || close < 0 || forwards < 0) {
     return nullptr;
   }
   std::vector<Event> taken;
@@ -554,10 +562,11 @@ PyObject* log_replay(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nar
         }
       }
     }
-    // Backward calls left open are dropped; so are the forwards Python dropped.
+    // Backward calls left open are dropped; so are the forwards Python dropped (all of
+    // them when none is running).
     std::vector<Open> kept;
     for (const Open& o : open_calls) {
-      if (o.forward && dropped_forwards.count(o.call) == 0) {
+      if (o.forward && forwards != 0 && dropped_forwards.count(o.call) == 0) {
         kept.push_back(o);
       }
     }
@@ -669,7 +678,7 @@ PyMethodDef methods[] = {
     {"log_replay",
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(log_replay)),
      METH_FASTCALL,
-     "log_replay(owner, first, active, close) -> (flat call figures, dropped)"},
+     "log_replay(owner, first, active, close, forwards) -> (flat call figures, dropped)"},
     {"log_drop",
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(log_drop)),
      METH_FASTCALL,

@@ -140,7 +140,7 @@ class GateLog(Protocol):
         ...
 
     def log_replay(
-        self, owner: int, first: int, active: bool, close: bool, /
+        self, owner: int, first: int, active: bool, close: bool, forwards: bool, /
     ) -> tuple[tuple[int, ...], int]:
         """The events since the last replay as each module call's figures: flat (call,
         0 forward / 1 backward, allocated delta, peak above its start, ns) quintuples in the

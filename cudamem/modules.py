@@ -180,7 +180,6 @@ class _NativeLog:
         "base_old",
         "calls",
         "device",
-        "lost",
         "next",
         "old",
         "owner",
@@ -193,7 +192,6 @@ class _NativeLog:
         self.owner: int = api.log_start()
         #: The step the gates registered now belong to (their codes live two steps).
         self.step = 0
-        self.lost = 0
         #: The records of this step's calls (numbered from ``base``) and of the step before
         #: (from ``base_old``); ``next``: the next call's number.
         self.calls: list[list[Any]] = []
@@ -256,6 +254,8 @@ class ModuleProfiler(PresentedHtml):
         #: The C++ log (``None``: spans and Python gates), chosen at each step's start.
         self._native: _NativeLog | None = None
         self._touched: list[_Node] = []
+        #: Events the C++ log dropped (it was full): the figures miss them.
+        self._lost = 0
         self._callback_task = -1
         self._backward_done = False
         self._auto_steps = True
@@ -604,15 +604,17 @@ class ModuleProfiler(PresentedHtml):
     def _replay(self, native: _NativeLog, *, close: bool) -> None:
         """The C++ log's events since the last replay, into the figures spans would have
         measured (``log_replay`` in ``_fastread.cpp`` keeps the calls open at each event on a
-        stack, as spans nest; forwards not ended yet stay open for the next replay).
+        stack, as spans nest; forwards still running stay open for the next replay).
         ``close``: the backward pass ended, backward calls still open end there; else they
         are dropped unrecorded, as spans a failed backward left open are."""
         try:
-            flat, lost = native.api.log_replay(native.owner, native.base_old, self._active, close)
+            flat, lost = native.api.log_replay(
+                native.owner, native.base_old, self._active, close, bool(self._stack)
+            )
         except Exception as exc:
             self._notes.append(f"C++ gate log not read: {type(exc).__name__}: {exc}")
             return
-        native.lost += lost
+        self._lost += lost
         calls, base = native.calls, native.base
         old, base_old = native.old, native.base_old
         add_forward, add_backward = self._add_forward, self._add_backward
@@ -623,10 +625,6 @@ class ModuleProfiler(PresentedHtml):
                 add_backward(call[_N], delta, peak, ns)
             else:
                 add_forward(call, delta, peak, ns)
-        if native.lost and not any("events dropped" in n for n in self._notes):
-            self._notes.append(
-                "backward figures incomplete: the C++ gate log was full (events dropped)"
-            )
 
     def _backward_started(self, task: int) -> None:
         if self._callback_task != task:
@@ -730,6 +728,10 @@ class ModuleProfiler(PresentedHtml):
                 )
             )
         state = {name: StateBytes(*v) for name, v in self._state.items()}
+        if self._lost:
+            self._notes.append(
+                f"figures incomplete: the C++ log was full ({self._lost} events dropped)"
+            )
         return build_profile(
             raws, self._steps, state, unmeasured=self._unmeasured, notes=self._notes
         )

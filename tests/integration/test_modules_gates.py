@@ -32,8 +32,7 @@ KiB = 1024
 pytestmark = pytest.mark.usefixtures("span_path")
 
 
-@pytest.fixture(scope="session")
-def stub(tmp_path_factory: pytest.TempPathFactory) -> Any:
+def _build_stub(tmp_path_factory: pytest.TempPathFactory, name: str, *flags: str) -> Any:
     """The C++ reader built with the stub allocator (skips without a C++ toolchain)."""
     if shutil.which("ninja") is None and shutil.which(os.environ.get("CXX", "c++")) is None:
         pytest.skip("needs a C++ compiler and ninja to build the C++ gates")
@@ -44,16 +43,28 @@ def stub(tmp_path_factory: pytest.TempPathFactory) -> Any:
         text = fh.read()
     try:
         return cpp_extension.load_inline(  # type: ignore[no-untyped-call]
-            name="cudamem_gates_stub",
+            name=name,
             cpp_sources=[text],
-            extra_cflags=["-O1", "-DCUDAMEM_STUB_ALLOCATOR"],
-            build_directory=str(tmp_path_factory.mktemp("gates")),
+            extra_cflags=["-O1", "-DCUDAMEM_STUB_ALLOCATOR", *flags],
+            build_directory=str(tmp_path_factory.mktemp(name)),
             no_implicit_headers=True,
             is_python_module=True,
             verbose=False,
         )
     except Exception as exc:  # no compiler, no ninja, headers missing
         pytest.skip(f"the C++ gates did not build here: {type(exc).__name__}: {exc}"[:300])
+
+
+@pytest.fixture(scope="session")
+def stub(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The C++ reader built with the stub allocator."""
+    return _build_stub(tmp_path_factory, "cudamem_gates_stub")
+
+
+@pytest.fixture(scope="session")
+def small_stub(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The same with a log of 24 events."""
+    return _build_stub(tmp_path_factory, "cudamem_gates_stub_small", "-DCUDAMEM_MAX_EVENTS=24")
 
 
 class StubDevice(FakeAllocator):
@@ -533,3 +544,27 @@ def test_forward_only_steps_and_a_stop_inside_a_forward_agree(stub: Any) -> None
     assert both[True] == both[False]
     assert both[True]["Stopping.a"][0] == 4  # three steps and the one it stopped in
     assert "Stopping" not in both[True] or both[True]["Stopping"][1].max == 1
+
+
+def test_a_full_log_drops_events_says_so_and_leaves_nothing_open(small_stub: Any) -> None:
+    """A log of 24 events: a step of 12 calls logs 48. The profile says how many it lost,
+    and forwards whose exit was lost do not stay open into the next steps."""
+    model = nn.Sequential(*(Grad(keep=KiB, temp=KiB) for _ in range(11)))
+    x = torch.ones(4, requires_grad=True)
+    with device(small_stub, True) as dev:
+        _bind(model, dev)
+        with cudamem.track_modules(model) as prof:
+            for _ in range(3):
+                model(x).sum().backward()
+                dev.free(dev.allocated[0])
+            assert prof._native is not None
+            owner = prof._native.owner
+            # The next replay finds no forward open (none is running): nothing kept.
+            assert small_stub.log_replay(owner, 0, True, False, False) == ((), 0)
+    p = prof.profile
+    (note,) = [n for n in p.notes if "C++ log was full" in n]
+    lost = int(note.split("(")[1].split()[0])
+    assert lost > 0
+    assert p.module("Sequential.0").calls.max == 1  # the first events of a step fit
+    with pytest.raises(TypeError, match="takes 5 arguments"):
+        small_stub.log_replay(owner, 0, True, False)
