@@ -22,7 +22,8 @@ Goals (issue 36, H200): at most 20 µs per module call; ResNet-18 at batch 32 at
 per step, GPT-2 2 x 128 at most +10 %, GPT-2 small and BERT-base within 1 %; at least 10x
 cheaper than MemTracker on every row.
 
-Usage: ``python benchmarks/module_profile.py [--quick] [--out benchmarks/results/module-profile.json]``
+Usage: ``python benchmarks/module_profile.py [--quick] [--rounds N] [--out PATH]`` (default
+``benchmarks/results/module-profile.json``)
 (``--quick``: a 2-layer, 128-wide GPT-2 at batch 8 x 128 and the ResNet-18, fewer rounds,
 about a minute on an H200; the full run's MemTracker steps on GPT-2 small and BERT-base
 dominate its time: a few minutes).
@@ -250,9 +251,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default="benchmarks/results/module-profile.json")
+    parser.add_argument("--rounds", type=int, help="rounds of blocks (default 5 quick, 9 full)")
     args = parser.parse_args()
     paths = ready_paths()
-    rounds = 5 if args.quick else 9
+    rounds = args.rounds or (5 if args.quick else 9)
     steps = 8
     makers: list[Callable[[], Case]] = [lambda: gpt2_case(args.quick)]
     if not args.quick:

@@ -337,6 +337,23 @@ PyObject* gate(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   return PyBool_FromLong(added ? 1 : 0);
 }
 
+// A tuple of Python ints (nullptr with the error set when one cannot be made).
+PyObject* int_tuple(const std::vector<int64_t>& values) {
+  PyObject* out = PyTuple_New(static_cast<Py_ssize_t>(values.size()));
+  if (out == nullptr) {
+    return nullptr;
+  }
+  for (size_t i = 0; i < values.size(); ++i) {
+    PyObject* item = PyLong_FromLongLong(static_cast<long long>(values[i]));
+    if (item == nullptr) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(out, static_cast<Py_ssize_t>(i), item);
+  }
+  return out;
+}
+
 // The codes of the node's gate for `owner`, in order ({} without one).
 template <class P>
 std::vector<int64_t> gate_codes(const P& pointer, int64_t owner) {
@@ -371,19 +388,7 @@ PyObject* codes(PyObject* /*module*/, PyObject* args) {
   } else if (THPFunction_Check(fn)) {
     found = gate_codes(reinterpret_cast<THPFunction*>(fn)->cdata, owner);
   }
-  PyObject* out = PyTuple_New(static_cast<Py_ssize_t>(found.size()));
-  if (out == nullptr) {
-    return nullptr;
-  }
-  for (size_t i = 0; i < found.size(); ++i) {
-    PyObject* item = PyLong_FromLongLong(static_cast<long long>(found[i]));
-    if (item == nullptr) {
-      Py_DECREF(out);
-      return nullptr;
-    }
-    PyTuple_SET_ITEM(out, static_cast<Py_ssize_t>(i), item);
-  }
-  return out;
+  return int_tuple(found);
 }
 
 // log_start() -> owner: a new log (the previous one's events are dropped).
@@ -417,6 +422,20 @@ PyObject* log_stop(PyObject* /*module*/, PyObject* arg) {
   Py_RETURN_NONE;
 }
 
+// The events of log `owner` so far and how many it dropped, both emptied (the log disarmed);
+// false for another log's owner.
+bool take_events(int64_t owner, std::vector<Event>& taken, int64_t& lost) {
+  std::lock_guard<std::mutex> lock(mutex);
+  if (owner != session) {
+    return false;
+  }
+  taken.swap(events);
+  lost = dropped;
+  dropped = 0;
+  armed = false;
+  return true;
+}
+
 // log_drain(owner) -> (events, dropped): the log's events so far, as one flat tuple of
 // (tag, allocated, peak, ns) quadruples, and how many it dropped; both emptied.
 PyObject* log_drain(PyObject* /*module*/, PyObject* arg) {
@@ -426,32 +445,23 @@ PyObject* log_drain(PyObject* /*module*/, PyObject* arg) {
   }
   std::vector<Event> taken;
   int64_t lost = 0;
-  {
-    std::lock_guard<std::mutex> lock(mutex);
-    if (owner == session) {
-      taken.swap(events);
-      lost = dropped;
-      dropped = 0;
-      armed = false;
-    }
+  take_events(owner, taken, lost);
+  std::vector<int64_t> values;
+  values.reserve(taken.size() * 4);
+  for (const Event& e : taken) {
+    values.insert(values.end(), {e.tag, e.allocated, e.peak, e.ns});
   }
-  PyObject* flat = PyTuple_New(static_cast<Py_ssize_t>(taken.size() * 4));
+  PyObject* flat = int_tuple(values);
   if (flat == nullptr) {
     return nullptr;
   }
-  Py_ssize_t i = 0;
-  for (const Event& e : taken) {
-    const int64_t values[4] = {e.tag, e.allocated, e.peak, e.ns};
-    for (int64_t v : values) {
-      PyObject* item = PyLong_FromLongLong(static_cast<long long>(v));
-      if (item == nullptr) {
-        Py_DECREF(flat);
-        return nullptr;
-      }
-      PyTuple_SET_ITEM(flat, i++, item);
-    }
-  }
   return Py_BuildValue("(NL)", flat, static_cast<long long>(lost));
+}
+
+// `arg` as a long long into `out`; false with the Python error set when it is none.
+bool int_arg(PyObject* arg, long long* out) {
+  *out = PyLong_AsLongLong(arg);
+  return !(*out == -1 && PyErr_Occurred() != nullptr);
 }
 
 // A log event's code: a module call's number times four plus its edge.
@@ -497,12 +507,9 @@ PyObject* log_replay(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nar
                     "log_replay(owner, first, active, close, forwards) takes 5 arguments");
     return nullptr;
   }
-  const long long owner = PyLong_AsLongLong(args[0]);
-  if (owner == -1 && PyErr_Occurred() != nullptr) {
-    return nullptr;
-  }
-  const long long first = PyLong_AsLongLong(args[1]);
-  if (first == -1 && PyErr_Occurred() != nullptr) {
+  long long owner = 0;
+  long long first = 0;
+  if (!int_arg(args[0], &owner) || !int_arg(args[1], &first)) {
     return nullptr;
   }
   const int active = PyObject_IsTrue(args[2]);
@@ -513,15 +520,8 @@ PyObject* log_replay(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nar
   }
   std::vector<Event> taken;
   int64_t lost = 0;
-  {
-    std::lock_guard<std::mutex> lock(mutex);
-    if (owner != session) {
-      return Py_BuildValue("(()L)", 0LL);
-    }
-    taken.swap(events);
-    lost = dropped;
-    dropped = 0;
-    armed = false;
+  if (!take_events(owner, taken, lost)) {
+    return Py_BuildValue("(()L)", 0LL);
   }
   std::vector<int64_t> out;
   out.reserve(taken.size() * 3);
@@ -580,17 +580,9 @@ PyObject* log_replay(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nar
     std::lock_guard<std::mutex> lock(mutex);
     armed = true;
   }
-  PyObject* flat = PyTuple_New(static_cast<Py_ssize_t>(out.size()));
+  PyObject* flat = int_tuple(out);
   if (flat == nullptr) {
     return nullptr;
-  }
-  for (size_t i = 0; i < out.size(); ++i) {
-    PyObject* item = PyLong_FromLongLong(static_cast<long long>(out[i]));
-    if (item == nullptr) {
-      Py_DECREF(flat);
-      return nullptr;
-    }
-    PyTuple_SET_ITEM(flat, static_cast<Py_ssize_t>(i), item);
   }
   return Py_BuildValue("(NL)", flat, static_cast<long long>(lost));
 }
@@ -602,12 +594,9 @@ PyObject* log_drop(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs
     PyErr_SetString(PyExc_TypeError, "log_drop(owner, call) takes 2 arguments");
     return nullptr;
   }
-  const long long owner = PyLong_AsLongLong(args[0]);
-  if (owner == -1 && PyErr_Occurred() != nullptr) {
-    return nullptr;
-  }
-  const long long call = PyLong_AsLongLong(args[1]);
-  if (call == -1 && PyErr_Occurred() != nullptr) {
+  long long owner = 0;
+  long long call = 0;
+  if (!int_arg(args[0], &owner) || !int_arg(args[1], &call)) {
     return nullptr;
   }
   std::lock_guard<std::mutex> lock(mutex);

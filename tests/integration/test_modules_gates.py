@@ -410,6 +410,21 @@ def _both(stub: Any, run: Any) -> dict[bool, dict[str, tuple[Any, ...]]]:
     return out
 
 
+def _train(make: Any, steps: int = 2) -> Any:
+    """A ``run`` for ``_both``: ``steps`` forward and backward passes of ``make()``'s model."""
+
+    def run(dev: StubDevice, prof: cudamem.ModuleProfiler) -> None:
+        model = make()
+        _bind(model, dev)
+        x = torch.ones(4, requires_grad=True)
+        with prof:
+            for _ in range(steps):
+                model(x).sum().backward()
+                dev.free(dev.allocated[0])
+
+    return run
+
+
 class Checkpointed(nn.Module):
     def __init__(self, reentrant: bool) -> None:
         super().__init__()
@@ -428,16 +443,7 @@ class Checkpointed(nn.Module):
 
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_recomputed_forwards_agree(stub: Any, reentrant: bool) -> None:
-    def run(dev: StubDevice, prof: cudamem.ModuleProfiler) -> None:
-        model = Checkpointed(reentrant)
-        _bind(model, dev)
-        x = torch.ones(4, requires_grad=True)
-        with prof:
-            for _ in range(2):
-                model(x).sum().backward()
-                dev.free(dev.allocated[0])
-
-    both = _both(stub, run)
+    both = _both(stub, _train(lambda: Checkpointed(reentrant)))
     assert both[True] == both[False]
     assert both[True]["Checkpointed.block"][8].max == 1  # recomputed once a step
 
@@ -500,16 +506,7 @@ def test_an_interrupt_that_skips_the_exit_hooks_agrees(stub: Any) -> None:
                 self.stop(h)
             return h * 2
 
-    def run(dev: StubDevice, prof: cudamem.ModuleProfiler) -> None:
-        model = Outer()
-        _bind(model, dev)
-        x = torch.ones(4, requires_grad=True)
-        with prof:
-            for _ in range(2):
-                model(x).sum().backward()
-                dev.free(dev.allocated[0])
-
-    both = _both(stub, run)
+    both = _both(stub, _train(Outer))
     assert both[True] == both[False]
     assert both[True]["Outer.a"][1].max == 1
 
