@@ -53,7 +53,7 @@ GROUPS = [
 
 
 def run(seconds: float, bare: bool, out: str, case: str) -> None:
-    import torch
+    from module_profile import _sync as sync
     from module_profile import gpt2_case, module_calls
 
     import cudamem
@@ -70,12 +70,6 @@ def run(seconds: float, bare: bool, out: str, case: str) -> None:
     prof = None if bare else cudamem.track_modules(model, optimizer=external).start()
     for _ in range(3):
         step()
-    cuda = torch.cuda.is_available()
-
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize()
-
     sync()
     steps = 0
     t0 = time.perf_counter()
