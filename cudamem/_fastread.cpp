@@ -53,6 +53,7 @@ inline void resetPeakStats(c10::DeviceIndex /*device*/) {
 #endif
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <ctime>
 #include <exception>
@@ -87,6 +88,9 @@ struct Event {
   int64_t allocated;
   int64_t peak;
   int64_t ns;
+  int64_t meta;   // a forward's entry: its module's slot times two plus 1 if it is a
+                  // recomputation (-1: none given); else -1
+  int64_t parent; // a forward's entry: the call of the forward it runs in (-1: none)
 };
 
 // Everything below is guarded by `mutex`: gates run on the autograd engine's device threads
@@ -107,9 +111,49 @@ struct Open {
   int64_t peak;  // the highest allocated since it opened
   int64_t start; // allocated when it opened
   int64_t ns;
+  int64_t slot;    // its module's slot (-1: not given)
+  bool recompute;  // a forward run inside a backward (activation checkpointing)
+  int64_t parent;  // the forward it runs in (-1: none)
+  int64_t child;   // bytes kept by the forwards that ran in it (not recomputations)
 };
 std::vector<Open> open_calls;
 std::unordered_set<int64_t> dropped_forwards;
+
+// A module's figures in the step in progress, added up by the replay (the order of
+// module_profile.STEP_FIELDS: forward calls, kept, self-kept, forward peak, forward ns,
+// backward calls, backward delta, backward peak, backward ns, recomputations, recomputed).
+enum Field : size_t {
+  kCalls,
+  kKept,
+  kSelf,
+  kForwardPeak,
+  kForwardNs,
+  kBackwardCalls,
+  kBackwardDelta,
+  kBackwardPeak,
+  kBackwardNs,
+  kRecalls,
+  kRekept,
+  kFields
+};
+using Figures = std::array<int64_t, kFields>;
+std::vector<Figures> figures;  // by slot
+std::vector<int64_t> touched;  // slots with figures this step, in the order first touched
+std::vector<char> is_touched;  // by slot
+// The slot of each call from its forward's entry (its backward adds to it), calls numbered
+// from `slots_base`.
+std::vector<int64_t> call_slots;
+int64_t slots_base = 0;
+
+void clear_replay() {
+  open_calls.clear();
+  dropped_forwards.clear();
+  figures.clear();
+  touched.clear();
+  is_touched.clear();
+  call_slots.clear();
+  slots_base = 0;
+}
 
 int64_t now_ns() {
   timespec ts{};
@@ -117,20 +161,22 @@ int64_t now_ns() {
   return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
 }
 
-void log_event(int64_t tag, int64_t allocated, int64_t peak, int64_t ns) {
+void log_event(int64_t tag, int64_t allocated, int64_t peak, int64_t ns, int64_t meta = -1,
+               int64_t parent = -1) {
   if (events.size() >= kMaxEvents) {
     ++dropped;
     return;
   }
-  events.push_back(Event{tag, allocated, peak, ns});
+  events.push_back(Event{tag, allocated, peak, ns, meta, parent});
 }
 
 // One read for `owner`'s log, with `mutex` taken here: the counters, the peak reset (what it
 // discards kept for Python's next read), one event per code. The first event has the peak
 // since the event before it; the others, logged at the same instant, the current level. A
-// gate of an earlier log (on a graph kept alive) does nothing, not even a reset.
-void gate_read(const int64_t* codes, size_t count, int64_t owner,
-               c10::DeviceIndex device) noexcept {
+// gate of an earlier log (on a graph kept alive) does nothing, not even a reset. `meta` and
+// `parent` go with the first code (a forward's entry).
+void gate_read(const int64_t* codes, size_t count, int64_t owner, c10::DeviceIndex device,
+               int64_t meta = -1, int64_t parent = -1) noexcept {
   try {
     std::lock_guard<std::mutex> lock(mutex);
     if (owner != session) {
@@ -145,7 +191,11 @@ void gate_read(const int64_t* codes, size_t count, int64_t owner,
     armed = true;
     const int64_t ns = now_ns();
     for (size_t i = 0; i < count; ++i) {
-      log_event(codes[i], current, i == 0 ? peak : current, ns);
+      if (i == 0) {
+        log_event(codes[0], current, peak, ns, meta, parent);
+      } else {
+        log_event(codes[i], current, current, ns);
+      }
     }
   } catch (...) {
     // A read that fails loses these edges (the Python side ends an unmatched call at the
@@ -396,8 +446,7 @@ PyObject* log_start(PyObject* /*module*/, PyObject* /*unused*/) {
   std::lock_guard<std::mutex> lock(mutex);
   session = ++sessions;
   events.clear();
-  open_calls.clear();
-  dropped_forwards.clear();
+  clear_replay();
   dropped = 0;
   armed = false;
   return PyLong_FromLongLong(session);
@@ -413,8 +462,7 @@ PyObject* log_stop(PyObject* /*module*/, PyObject* arg) {
   if (owner == session) {
     session = 0;
     events.clear();
-    open_calls.clear();
-    dropped_forwards.clear();
+    clear_replay();
     events.shrink_to_fit();
     dropped = 0;
     armed = false;
@@ -469,10 +517,57 @@ constexpr int64_t kForwardEnter = 0;
 constexpr int64_t kForwardExit = 1;
 constexpr int64_t kBackwardStart = 2;
 
-// End the call open at `open_calls[k]` at an event of `allocated` bytes: its figures (call,
-// 0 forward / 1 backward, allocated minus at its start, peak minus at its start, ns) go to
-// `out`. Its peak covers the calls opened inside it; it hands its own to the call below.
-void close_open(size_t k, int64_t allocated, int64_t ns, std::vector<int64_t>& out) {
+// The figures of module slot `slot` in this step (made, and marked touched, on first use).
+Figures& slot_figures(int64_t slot) {
+  const auto index = static_cast<size_t>(slot);
+  if (index >= figures.size()) {
+    figures.resize(index + 1, Figures{});
+    is_touched.resize(index + 1, 0);
+  }
+  if (is_touched[index] == 0) {
+    is_touched[index] = 1;
+    touched.push_back(slot);
+  }
+  return figures[index];
+}
+
+// The slot of `call` from its forward's entry (-1: unknown, or two steps old).
+int64_t slot_of(int64_t call) {
+  const int64_t i = call - slots_base;
+  if (i < 0 || i >= static_cast<int64_t>(call_slots.size())) {
+    return -1;
+  }
+  return call_slots[static_cast<size_t>(i)];
+}
+
+// Remember `call`'s slot (its backward adds to it); calls below `first` are forgotten.
+void remember_slot(int64_t call, int64_t slot, int64_t first) {
+  if (call_slots.empty()) {
+    slots_base = call;
+  } else if (first > slots_base) {
+    const auto gone = static_cast<size_t>(
+        std::min<int64_t>(first - slots_base, static_cast<int64_t>(call_slots.size())));
+    call_slots.erase(call_slots.begin(), call_slots.begin() + static_cast<std::ptrdiff_t>(gone));
+    slots_base += static_cast<int64_t>(gone);
+    if (call_slots.empty()) {
+      slots_base = call;
+    }
+  }
+  const int64_t i = call - slots_base;
+  if (i < 0) {
+    return; // numbered below the calls kept: out of order, not counted
+  }
+  if (i >= static_cast<int64_t>(call_slots.size())) {
+    call_slots.resize(static_cast<size_t>(i) + 1, -1);
+  }
+  call_slots[static_cast<size_t>(i)] = slot;
+}
+
+// End the call open at `open_calls[k]` at an event of `allocated` bytes and add its figures
+// (allocated minus at its start, peak minus at its start, ns) to its module's, as
+// modules.py adds a span's: a forward's kept bytes also count as its parent's children's.
+// Its peak covers the calls opened inside it; it hands its own to the call below.
+void close_open(size_t k, int64_t allocated, int64_t ns) {
   const Open entry = open_calls[k];
   int64_t peak = entry.peak;
   for (size_t j = k + 1; j < open_calls.size(); ++j) {
@@ -482,15 +577,43 @@ void close_open(size_t k, int64_t allocated, int64_t ns, std::vector<int64_t>& o
     open_calls[k - 1].peak = std::max(open_calls[k - 1].peak, entry.peak);
   }
   open_calls.erase(open_calls.begin() + static_cast<std::ptrdiff_t>(k));
-  out.insert(out.end(), {entry.call, entry.forward ? 0 : 1, allocated - entry.start,
-                         peak - entry.start, ns - entry.ns});
+  const int64_t delta = allocated - entry.start;
+  const int64_t top = peak - entry.start;
+  const int64_t spent = ns - entry.ns;
+  if (entry.forward && !entry.recompute && entry.parent >= 0) {
+    for (size_t j = open_calls.size(); j > 0; --j) {
+      Open& below = open_calls[j - 1];
+      if (below.forward && below.call == entry.parent) {
+        below.child += delta;
+        break;
+      }
+    }
+  }
+  if (entry.slot < 0) {
+    return;
+  }
+  Figures& f = slot_figures(entry.slot);
+  if (!entry.forward) {
+    f[kBackwardCalls] += 1;
+    f[kBackwardDelta] += delta;
+    f[kBackwardPeak] = std::max(f[kBackwardPeak], top);
+    f[kBackwardNs] += spent;
+  } else if (entry.recompute) {
+    f[kRecalls] += 1;
+    f[kRekept] += delta;
+  } else {
+    f[kCalls] += 1;
+    f[kKept] += delta;
+    f[kSelf] += delta - entry.child;
+    f[kForwardPeak] = std::max(f[kForwardPeak], top);
+    f[kForwardNs] += spent;
+  }
 }
 
-// log_replay(owner, first, active, close, forwards) -> (figures, dropped): the log's events
-// since the
-// last replay, as spans would have measured each module call, as one flat tuple of (call,
-// 0 forward / 1 backward, allocated delta, peak above the start, ns) quintuples in the order
-// the calls ended, and how many events the log dropped.
+// log_replay(owner, first, active, close, forwards) -> (ended, dropped): the log's events
+// since the last replay, as spans would have measured each module call, added to the
+// figures of its module's slot (``log_figures`` takes them); how many calls ended, and how
+// many events the log dropped.
 //
 // An event's peak is the highest allocated since the event before it: it goes to the
 // innermost open call, and a closing call hands its peak to the call below, so each call's
@@ -521,10 +644,9 @@ PyObject* log_replay(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nar
   std::vector<Event> taken;
   int64_t lost = 0;
   if (!take_events(owner, taken, lost)) {
-    return Py_BuildValue("(()L)", 0LL);
+    return Py_BuildValue("(LL)", 0LL, 0LL);
   }
-  std::vector<int64_t> out;
-  out.reserve(taken.size() * 3);
+  int64_t ended = 0;
   try {
     for (const Event& e : taken) {
       if (!open_calls.empty()) {
@@ -545,20 +667,26 @@ PyObject* log_replay(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nar
       }
       if (kind == kForwardEnter) {
         if (dropped_forwards.count(call) == 0) {
-          open_calls.push_back(Open{call, true, e.allocated, e.allocated, e.ns});
+          const int64_t slot = e.meta < 0 ? -1 : e.meta >> 1;
+          remember_slot(call, slot, first);
+          open_calls.push_back(Open{call, true, e.allocated, e.allocated, e.ns, slot,
+                                    e.meta >= 0 && (e.meta & 1) != 0, e.parent, 0});
         }
       } else if (kind == kBackwardStart) {
         if (active != 0 && k == 0) {
-          open_calls.push_back(Open{call, false, e.allocated, e.allocated, e.ns});
+          open_calls.push_back(
+              Open{call, false, e.allocated, e.allocated, e.ns, slot_of(call), false, -1, 0});
         }
       } else if (k > 0) {
-        close_open(k - 1, e.allocated, e.ns, out);
+        close_open(k - 1, e.allocated, e.ns);
+        ++ended;
       }
     }
     if (close != 0 && !taken.empty()) {
       for (size_t k = open_calls.size(); k > 0; --k) {
         if (!open_calls[k - 1].forward) {
-          close_open(k - 1, taken.back().allocated, taken.back().ns, out);
+          close_open(k - 1, taken.back().allocated, taken.back().ns);
+          ++ended;
         }
       }
     }
@@ -580,11 +708,34 @@ PyObject* log_replay(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nar
     std::lock_guard<std::mutex> lock(mutex);
     armed = true;
   }
-  PyObject* flat = int_tuple(out);
-  if (flat == nullptr) {
+  return Py_BuildValue("(LL)", static_cast<long long>(ended), static_cast<long long>(lost));
+}
+
+// log_figures(owner) -> figures: what the replays added up since the last call, as one flat
+// tuple of (slot, then the 11 figures of module_profile.STEP_FIELDS) per module slot that
+// ran, in the order they first ended a call; emptied. () for another log.
+PyObject* log_figures(PyObject* /*module*/, PyObject* arg) {
+  long long owner = 0;
+  if (!int_arg(arg, &owner)) {
     return nullptr;
   }
-  return Py_BuildValue("(NL)", flat, static_cast<long long>(lost));
+  std::vector<int64_t> out;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (owner != session) {
+      return PyTuple_New(0);
+    }
+  }
+  out.reserve(touched.size() * (kFields + 1));
+  for (const int64_t slot : touched) {
+    auto& f = figures[static_cast<size_t>(slot)];
+    out.push_back(slot);
+    out.insert(out.end(), f.begin(), f.end());
+    f = Figures{};
+    is_touched[static_cast<size_t>(slot)] = 0;
+  }
+  touched.clear();
+  return int_tuple(out);
 }
 
 // log_drop(owner, call): the forward of `call` ended without its exit (an exception skipped
@@ -606,20 +757,25 @@ PyObject* log_drop(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs
   Py_RETURN_NONE;
 }
 
-// mark(owner, device, tag): an event now, as a gate would log it (a module call's forward
-// entry or exit, the end of a backward, or the gate of a node the C++ hook cannot reach,
-// from a Python hook).
+// mark(owner, device, tag[, meta, parent]): an event now, as a gate would log it (a module
+// call's forward entry or exit, the end of a backward, or the gate of a node the C++ hook
+// cannot reach, from a Python hook). A forward's entry gives its module's slot times two
+// plus 1 for a recomputation (`meta`) and the call of the forward it runs in (`parent`, -1:
+// none): the replay adds its figures to that slot.
 PyObject* mark(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 3) {
-    PyErr_SetString(PyExc_TypeError, "mark(owner, device, tag) takes 3 arguments");
+  if (nargs != 3 && nargs != 5) {
+    PyErr_SetString(PyExc_TypeError,
+                    "mark(owner, device, tag[, meta, parent]) takes 3 or 5 arguments");
     return nullptr;
   }
-  const long long tag = PyLong_AsLongLong(args[2]);
-  if (tag == -1 && PyErr_Occurred() != nullptr) {
+  long long tag = 0;
+  long long owner = 0;
+  long long meta = -1;
+  long long parent = -1;
+  if (!int_arg(args[2], &tag) || !int_arg(args[0], &owner)) {
     return nullptr;
   }
-  const long long owner = PyLong_AsLongLong(args[0]);
-  if (owner == -1 && PyErr_Occurred() != nullptr) {
+  if (nargs == 5 && (!int_arg(args[3], &meta) || !int_arg(args[4], &parent))) {
     return nullptr;
   }
   const long device = device_arg(args[1]);
@@ -627,7 +783,7 @@ PyObject* mark(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
     return nullptr;
   }
   const int64_t code = tag;
-  gate_read(&code, 1, owner, static_cast<c10::DeviceIndex>(device));
+  gate_read(&code, 1, owner, static_cast<c10::DeviceIndex>(device), meta, parent);
   Py_RETURN_NONE;
 }
 
@@ -667,7 +823,11 @@ PyMethodDef methods[] = {
     {"log_replay",
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(log_replay)),
      METH_FASTCALL,
-     "log_replay(owner, first, active, close, forwards) -> (flat call figures, dropped)"},
+     "log_replay(owner, first, active, close, forwards) -> (calls ended, dropped)"},
+    {"log_figures",
+     log_figures,
+     METH_O,
+     "log_figures(owner) -> flat (slot, 11 figures) per module slot that ran; emptied"},
     {"log_drop",
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(log_drop)),
      METH_FASTCALL,
@@ -675,7 +835,7 @@ PyMethodDef methods[] = {
     {"mark",
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(mark)),
      METH_FASTCALL,
-     "mark(owner, device, tag): a gate event now"},
+     "mark(owner, device, tag[, meta, parent]): a gate event now"},
 #ifdef CUDAMEM_STUB_ALLOCATOR
     {"stub_set", stub_set, METH_VARARGS, "stub_set(allocated, peak)"},
 #endif

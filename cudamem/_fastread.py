@@ -141,18 +141,25 @@ class GateLog(Protocol):
 
     def log_replay(
         self, owner: int, first: int, active: bool, close: bool, forwards: bool, /
-    ) -> tuple[tuple[int, ...], int]:
-        """The events since the last replay as each module call's figures: flat (call,
-        0 forward / 1 backward, allocated delta, peak above its start, ns) quintuples in the
-        order the calls ended, and how many events were dropped (see ``_fastread.cpp``)."""
+    ) -> tuple[int, int]:
+        """The events since the last replay as each module call's figures, added up per
+        module slot (``log_figures``): how many calls ended, and how many events were
+        dropped (see ``_fastread.cpp``)."""
+        ...
+
+    def log_figures(self, owner: int, /) -> tuple[int, ...]:
+        """What the replays added up since the last call: flat (slot, then the 11 figures of
+        ``module_profile.STEP_FIELDS``) per module slot that ran; emptied."""
         ...
 
     def log_drop(self, owner: int, call: int, /) -> None:
         """The forward of ``call`` ended without its exit: the replay forgets it."""
         ...
 
-    def mark(self, owner: int, device: int, tag: int, /) -> None:
-        """Log ``tag`` now, as a gate would."""
+    def mark(self, owner: int, device: int, tag: int, meta: int = -1, parent: int = -1, /) -> None:
+        """Log ``tag`` now, as a gate would; a forward's entry also gives its module's slot
+        times two plus 1 for a recomputation (``meta``) and the call it runs in
+        (``parent``)."""
         ...
 
 

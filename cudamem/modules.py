@@ -98,12 +98,17 @@ class _Node:
         "notes",
         "parent",
         "raised",
+        "slot",
         "steps",
         "type_name",
     )
 
-    def __init__(self, name: str, module: torch.nn.Module, depth: int, parent: str | None) -> None:
+    def __init__(
+        self, name: str, module: torch.nn.Module, depth: int, parent: str | None, slot: int
+    ) -> None:
         self.name = name
+        #: Its index in the profile's nodes (the C++ log adds figures up by it).
+        self.slot = slot
         self.type_name = type(module).__name__
         self.depth = depth
         self.parent = parent
@@ -172,19 +177,9 @@ class _Gate:
 
 class _NativeLog:
     """The C++ log of one profiler (``_fastread.GateLog``) on one device: its events
-    replayed into the module calls' figures."""
+    replayed into the module calls' figures, added up per module there."""
 
-    __slots__ = (
-        "api",
-        "base",
-        "base_old",
-        "calls",
-        "device",
-        "next",
-        "old",
-        "owner",
-        "step",
-    )
+    __slots__ = ("api", "base", "base_old", "device", "next", "owner", "step")
 
     def __init__(self, api: Any, device: int) -> None:
         self.api = api
@@ -192,16 +187,13 @@ class _NativeLog:
         self.owner: int = api.log_start()
         #: The step the gates registered now belong to (their codes live two steps).
         self.step = 0
-        #: The records of this step's calls (numbered from ``base``) and of the step before
-        #: (from ``base_old``); ``next``: the next call's number.
-        self.calls: list[list[Any]] = []
-        self.old: list[list[Any]] = []
+        #: The first call of this step, of the step before (calls numbered below it are
+        #: gone: two steps old), and the next call's number.
         self.base = self.base_old = self.next = 0
 
     def new_step(self) -> None:
-        """Gates from here belong to a new step; records two steps old are let go."""
+        """Gates from here belong to a new step; calls two steps old are let go."""
         self.step += 1
-        self.old, self.calls = self.calls, []
         self.base_old, self.base = self.base, self.next
 
     def stop(self) -> None:
@@ -240,6 +232,8 @@ class ModuleProfiler(PresentedHtml):
         self._model = model
         self._optimizers: list[weakref.ref[Any]] = [weakref.ref(o) for o in optimizers]
         self._nodes: dict[int, _Node] = {}
+        #: The nodes by slot.
+        self._slots: list[_Node] = []
         self._order: list[tuple[str, weakref.ref[torch.nn.Module], str | None]] = []
         self._handles: list[Any] = []
         self._stack: list[list[Any]] = []
@@ -306,6 +300,7 @@ class ModuleProfiler(PresentedHtml):
         native, self._native = self._native, None
         if native is not None:
             self._replay(native, close=False)
+            self._collect(native)
             native.stop()
         for gate in (*self._pending_old, *self._pending):
             gate.remove()
@@ -377,8 +372,9 @@ class ModuleProfiler(PresentedHtml):
             name = f"{base}.{path}" if path else base
             parent = None if not path else (f"{base}.{path.rpartition('.')[0]}".rstrip("."))
             depth = path.count(".") + 1 if path else 0
-            node = _Node(name, module, depth, parent)
+            node = _Node(name, module, depth, parent, len(self._slots))
             self._nodes[id(module)] = node
+            self._slots.append(node)
             self._order.append((name, weakref.ref(module), parent))
             if hasattr(module, "_orig_mod") and type(module).__name__ == "OptimizedModule":
                 node.notes = (COMPILED_NOTE,)
@@ -443,10 +439,14 @@ class ModuleProfiler(PresentedHtml):
             return
         idx = native.next
         native.next = idx + 1
-        entry = [node, None, in_backward, 0, source, -1, idx, parent]
-        native.calls.append(entry)
-        stack.append(entry)
-        native.api.mark(native.owner, native.device, idx * 4)  # its forward's entry
+        stack.append([node, None, in_backward, 0, source, -1, idx, parent])
+        native.api.mark(  # its forward's entry, its module's slot, the forward it runs in
+            native.owner,
+            native.device,
+            idx * 4,
+            node.slot * 2 + in_backward,
+            -1 if parent is None else parent[_IDX],
+        )
 
     def _post(self, node: _Node, module: torch.nn.Module, args: Any, output: Any) -> None:
         if _is_compiling():
@@ -603,28 +603,40 @@ class ModuleProfiler(PresentedHtml):
 
     def _replay(self, native: _NativeLog, *, close: bool) -> None:
         """The C++ log's events since the last replay, into the figures spans would have
-        measured (``log_replay`` in ``_fastread.cpp`` keeps the calls open at each event on a
-        stack, as spans nest; forwards still running stay open for the next replay).
-        ``close``: the backward pass ended, backward calls still open end there; else they
-        are dropped unrecorded, as spans a failed backward left open are."""
+        measured, added up per module in C++ (``log_replay`` in ``_fastread.cpp`` keeps the
+        calls open at each event on a stack, as spans nest; forwards still running stay open
+        for the next replay). ``close``: the backward pass ended, backward calls still open
+        end there; else they are dropped unrecorded, as spans a failed backward left open
+        are."""
         try:
-            flat, lost = native.api.log_replay(
+            _, lost = native.api.log_replay(
                 native.owner, native.base_old, self._active, close, bool(self._stack)
             )
         except Exception as exc:
             self._notes.append(f"C++ gate log not read: {type(exc).__name__}: {exc}")
             return
         self._lost += lost
-        calls, base = native.calls, native.base
-        old, base_old = native.old, native.base_old
-        add_forward, add_backward = self._add_forward, self._add_backward
-        for i in range(0, len(flat), 5):
-            idx, backward, delta, peak, ns = flat[i : i + 5]
-            call = calls[idx - base] if idx >= base else old[idx - base_old]
-            if backward:
-                add_backward(call[_N], delta, peak, ns)
-            else:
-                add_forward(call, delta, peak, ns)
+
+    def _collect(self, native: _NativeLog) -> None:
+        """The figures the C++ log added up since the step began, into the modules' steps."""
+        try:
+            flat = native.api.log_figures(native.owner)
+        except Exception as exc:
+            self._notes.append(f"C++ gate log not read: {type(exc).__name__}: {exc}")
+            return
+        slots, touched = self._slots, self._touched
+        for i in range(0, len(flat), 12):
+            node = slots[flat[i]]
+            cur = node.cur
+            if cur is None:
+                node.cur = list(flat[i + 1 : i + 12])
+                touched.append(node)
+                continue
+            for field, value in enumerate(flat[i + 1 : i + 12]):
+                if field in (_FPEAK, _BPEAK):
+                    cur[field] = max(cur[field], value)
+                else:
+                    cur[field] += value
 
     def _backward_started(self, task: int) -> None:
         if self._callback_task != task:
@@ -680,6 +692,8 @@ class ModuleProfiler(PresentedHtml):
 
     def _end_step(self) -> None:
         self._backward_done = False
+        if self._native is not None:
+            self._collect(self._native)
         touched, self._touched = self._touched, []
         if touched:
             self._steps += 1

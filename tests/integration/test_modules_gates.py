@@ -9,6 +9,7 @@ replayed at the backward's end). Every figure must agree. The H200 runs the real
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import weakref
@@ -298,6 +299,46 @@ def test_a_gate_drops_codes_two_steps_old(stub: Any) -> None:
         stub.log_stop(owner)
 
 
+def test_the_replay_adds_figures_up_per_module_slot(stub: Any) -> None:
+    """``log_replay`` adds each ended call to its module's slot as modules.py adds a span:
+    kept, self-kept (minus the kept of the forwards run inside it), peaks, recomputations,
+    backward; ``log_figures`` hands them over once."""
+    stub.stub_set(0, 0)
+    stub.counters_reset_peak(0)
+    owner = stub.log_start()
+    try:
+        mark = functools.partial(stub.mark, owner, 0)
+        mark(0 * 4, 5 * 2, -1)  # call 0 of slot 5 enters
+        mark(1 * 4, 7 * 2, 0)  # call 1 of slot 7, inside call 0
+        stub.stub_set(300, 900)  # a peak of 900 inside call 1
+        mark(1 * 4 + 1)  # call 1 exits: kept 300, peak 900
+        stub.stub_set(1000, 1000)
+        mark(0 * 4 + 1)  # call 0 exits: kept 1000, of which 300 by call 1
+        mark(2 * 4, 7 * 2 + 1, -1)  # call 2 of slot 7: a recomputation
+        stub.stub_set(1200, 1200)
+        mark(2 * 4 + 1)
+        mark(1 * 4 + 2)  # call 1's backward starts
+        stub.stub_set(1100, 1500)
+        mark(1 * 4 + 3)  # and ends: -100 bytes, a peak 300 above its start
+        ended, lost = stub.log_replay(owner, 0, True, False, False)
+        assert (ended, lost) == (4, 0)
+        flat = stub.log_figures(owner)
+        by_slot = {flat[i]: flat[i + 1 : i + 12] for i in range(0, len(flat), 12)}
+        assert list(by_slot) == [7, 5]  # in the order they first ended a call
+        calls, kept, self_kept, fpeak, _, bcalls, bdelta, bpeak, _, recalls, rekept = by_slot[7]
+        assert (calls, kept, self_kept, fpeak) == (1, 300, 300, 900)
+        assert (bcalls, bdelta, bpeak) == (1, -100, 300)
+        assert (recalls, rekept) == (1, 200)
+        calls, kept, self_kept, fpeak, *_ = by_slot[5]
+        assert (calls, kept, self_kept, fpeak) == (1, 1000, 700, 1000)
+        assert stub.log_figures(owner) == ()  # handed over once
+        assert stub.log_figures(owner + 1) == ()  # another log's: none
+    finally:
+        stub.log_stop(owner)
+    with pytest.raises(TypeError, match="takes 3 or 5 arguments"):
+        stub.mark(owner, 0, 0, 1)
+
+
 def test_a_failed_backward_drops_the_open_calls_and_leaves_no_span_open(stub: Any) -> None:
     class Failing(nn.Module):
         def __init__(self) -> None:
@@ -557,7 +598,7 @@ def test_a_full_log_drops_events_says_so_and_leaves_nothing_open(small_stub: Any
             assert prof._native is not None
             owner = prof._native.owner
             # The next replay finds no forward open (none is running): nothing kept.
-            assert small_stub.log_replay(owner, 0, True, False, False) == ((), 0)
+            assert small_stub.log_replay(owner, 0, True, False, False) == (0, 0)
     p = prof.profile
     (note,) = [n for n in p.notes if "C++ log was full" in n]
     lost = int(note.split("(")[1].split()[0])
