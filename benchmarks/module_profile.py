@@ -8,12 +8,16 @@ Steps: a GPT-2 built from a transformers config (no download; GPT-2 small's shap
 momentum). The model is copied: one profile (``track_modules`` with its hooks installed
 once) stays on the copy for the whole run, over every profiled block, as a user's profile
 stays over a training run; the original runs bare. Each round times one block of
-``--steps`` steps per case, back to back, in turn: ``bare`` (the original), ``cudamem`` (the
-profiled copy) and ``memtracker`` (``MemTracker`` around each step of the original, its
-stats reset in between: it refuses a second iteration otherwise). Per-step time is the
-block's wall time (synchronized at both ends) over its steps; the overhead is the median
-over rounds of each round's ratio to its own bare block, and beside it the same difference
-in µs per module call (the module calls of one step, counted once).
+``--steps`` steps per case, back to back: ``bare`` (the original), ``cudamem`` (the
+profiled copy), ``cudamem paused`` (the same copy with the profile paused: its hooks still
+installed, so the floor of torch's hook dispatch and cudamem's early return) and
+``memtracker`` (``MemTracker`` around each step of the original, its stats reset in
+between: it refuses a second iteration otherwise). The order rotates from round to round
+(no case always follows the same one); before each block, a garbage collection and one
+untimed step (the GPU's clocks up again after the collection's pause). Per-step time is
+the block's wall time (synchronized at both ends) over its steps; the overhead is the
+median over rounds of each round's ratio to its own bare block, and beside it the same
+difference in µs per module call (the module calls of one step, counted once).
 
 Agreement: each module's bytes kept by its forward, cudamem's against MemTracker's (its
 total at the forward's exit minus at entry), for the same step.
@@ -22,8 +26,8 @@ Goals (issue 36, H200): at most 20 µs per module call; ResNet-18 at batch 32 at
 per step, GPT-2 2 x 128 at most +10 %, GPT-2 small and BERT-base within 1 %; at least 10x
 cheaper than MemTracker on every row.
 
-Usage: ``python benchmarks/module_profile.py [--quick] [--rounds N] [--out PATH]`` (default
-``benchmarks/results/module-profile.json``)
+Usage: ``python benchmarks/module_profile.py [--quick] [--rounds N] [--steps N] [--out PATH]``
+(default ``benchmarks/results/module-profile.json``)
 (``--quick``: a 2-layer, 128-wide GPT-2 at batch 8 x 128 and the ResNet-18, fewer rounds,
 about a minute on an H200; the full run's MemTracker steps on GPT-2 small and BERT-base
 dominate its time: a few minutes).
@@ -192,16 +196,28 @@ def time_cases(
     s0 = time.perf_counter()
     prof = cudamem.track_modules(twin_model, optimizer=twin_external).start()
     setup = time.perf_counter() - s0
-    cases = {"bare": step, "cudamem": twin_step, "memtracker": tracked}
+
+    def profiled() -> None:
+        prof.resume()
+        twin_step()
+
+    def paused() -> None:
+        prof.pause()
+        twin_step()
+
+    cases = {"bare": step, "cudamem": profiled, "paused": paused, "memtracker": tracked}
     out: dict[str, list[float]] = {k: [] for k in cases}
+    names = list(cases)
     try:
         for run in cases.values():  # warm every path
             timed(run)
-        for _ in range(rounds):
-            for name, run in cases.items():
+        for r in range(rounds):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
                 gc.collect()
-                out[name].append(timed(run) / steps)
+                cases[name]()  # untimed: the GPU's clocks up again after the collection
+                out[name].append(timed(cases[name]) / steps)
     finally:
+        prof.resume()
         s0 = time.perf_counter()
         prof.stop()
         setup += time.perf_counter() - s0
@@ -251,11 +267,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default="benchmarks/results/module-profile.json")
-    parser.add_argument("--rounds", type=int, help="rounds of blocks (default 5 quick, 9 full)")
+    parser.add_argument("--rounds", type=int, help="rounds of blocks (default 9)")
+    parser.add_argument("--steps", type=int, help="steps per block (default 16 quick, 8 full)")
     args = parser.parse_args()
+    for flag in ("rounds", "steps"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            parser.error(f"--{flag} must be at least 1, got {value}")
     paths = ready_paths()
-    rounds = args.rounds or (5 if args.quick else 9)
-    steps = 8
+    rounds = args.rounds or 9
+    steps = args.steps or (16 if args.quick else 8)
     makers: list[Callable[[], Case]] = [lambda: gpt2_case(args.quick)]
     if not args.quick:
         makers.append(bert_case)
@@ -281,15 +302,19 @@ def main() -> None:
         times, setup = time_cases(case, twin, steps, rounds)
         ours, theirs = overhead(times, "cudamem"), overhead(times, "memtracker")
         ratio = theirs[0] / ours[0] if ours[0] > 0 else None
-        per_call = {name: per_module_call(times, name, calls) for name in ("cudamem", "memtracker")}
-        for name in ("bare", "cudamem", "memtracker"):
+        per_call = {
+            name: per_module_call(times, name, calls)
+            for name in ("cudamem", "paused", "memtracker")
+        }
+        for name in ("bare", "cudamem", "paused", "memtracker"):
             if name == "bare":
                 pct = us = ""
             else:
                 pct = "{:+.1f} % ({:+.1f} to {:+.1f})".format(*overhead(times, name))
                 us = "{:.1f} ({:.1f} to {:.1f})".format(*per_call[name])
             first = f"{label} ({calls} module calls)" if name == "bare" else ""
-            rows.append([first, name, fmt_seconds(times[name]), pct, us])
+            shown_name = "cudamem, paused (hooks installed)" if name == "paused" else name
+            rows.append([first, shown_name, fmt_seconds(times[name]), pct, us])
         shown = "n/a (cudamem's median is not above bare)" if ratio is None else f"{ratio:.1f}x"
         rows.append(["", "MemTracker / cudamem overhead", "", shown, ""])
         rows.append(
@@ -309,7 +334,11 @@ def main() -> None:
         data["cases"][label] = {
             "module_calls": calls,
             "seconds_per_step": times,
-            "overhead_percent": {"cudamem": ours, "memtracker": theirs},
+            "overhead_percent": {
+                "cudamem": ours,
+                "paused": overhead(times, "paused"),
+                "memtracker": theirs,
+            },
             "us_per_module_call": per_call,
             "memtracker_over_cudamem": ratio,
             "cudamem_install_and_remove_seconds": setup,
