@@ -16,7 +16,9 @@
 // event before it; what an event's reset discards is kept (``discarded``) and merged into the
 // next read from Python, so that the spans, which reset the peak themselves, see every byte of
 // it. While a log is on, the Python reads that reset the peak are logged too (tag -1): the
-// log's intervals tile time, and its replay gives each call the figures a span would.
+// log's intervals tile time, and its replay gives each call the figures a span would, added
+// up per module slot here (a forward's entry event carries its slot and the forward it runs
+// in), so that Python takes one record per module per step (``log_figures``), none per call.
 //
 // Plain CPython C API (no pybind11 of our own) so that a call costs ~0.2 us. Built by
 // cudamem/_fastread.py with torch.utils.cpp_extension.load_inline, which defines

@@ -33,7 +33,10 @@ dispatch mode):
   allocated since the event before it; the log is replayed at the end of the backward pass
   (one Python pre-hook per top-level call queues the engine callback), at the next
   top-level forward, at ``step()`` and at exit, into exactly the figures a span per call
-  would give: the replay keeps the calls open at each event on a stack, as spans nest.
+  would give: the replay keeps the calls open at each event on a stack, as spans nest, and
+  adds each ended call to its module's figures in C++ (the entry event carries the
+  module's slot and the forward it runs in), which step end takes once (``log_figures``):
+  no Python object per call is made or kept.
   Elsewhere (the dict path, several devices, a fake allocator) the forward opens a span and
   the gates are Python hooks that open and close spans.
 - **Recomputation.** A forward that runs inside the backward (activation checkpointing
