@@ -20,7 +20,7 @@ median over rounds of each round's ratio to its own bare block, and beside it th
 difference in µs per module call (the module calls of one step, counted once).
 
 Agreement: each module's bytes kept by its forward, cudamem's against MemTracker's (its
-total at the forward's exit minus at entry), for the same step.
+total at the forward's exit minus at entry), for the same step, each from an emptied cache.
 
 Goals (issue 36, H200): at most 20 µs per module call; ResNet-18 at batch 32 at most +15 %
 per step, GPT-2 2 x 128 at most +10 %, GPT-2 small and BERT-base within 1 %; at least 10x
@@ -135,6 +135,13 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def _fresh_cache() -> None:
+    gc.collect()
+    if CUDA:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
 def ready_paths() -> dict[str, str]:
     """Build the C++ counter reader and the compiled span core now, as a run has them a
     minute in (both build in the background at first use; until then every read takes the
@@ -241,13 +248,16 @@ def per_module_call(
 def agreement(
     model: torch.nn.Module, external: list[Any], step: Callable[[], None]
 ) -> dict[str, Any]:
-    """cudamem's and MemTracker's kept bytes per module for one step each."""
-    gc.collect()
+    """cudamem's and MemTracker's kept bytes per module for one step each, each from an
+    emptied cache: the allocator counts a block it reuses unsplit (a cached 2.5 MiB block
+    for a 2 MiB tensor) at its size, MemTracker the tensor's, so the cache state the timed
+    blocks leave would make the two differ by what neither measured."""
+    _fresh_cache()
     with cudamem.track_modules(model, optimizer=external) as prof:
         step()
     if prof.profile.unmeasured:
         return {"modules": [], "worst_relative_difference_at_1MiB": None, "compared": 0}
-    gc.collect()
+    _fresh_cache()
     theirs = memtracker_kept(model, external, step, DEVICE)
     rows = []
     for row in prof.profile.modules:
