@@ -10,7 +10,8 @@ once) stays on the copy for the whole run, over every profiled block, as a user'
 stays over a training run; the original runs bare. Each round times one block of
 ``--steps`` steps per case, back to back: ``bare`` (the original), ``cudamem`` (the
 profiled copy), ``cudamem paused`` (the same copy with the profile paused: its hooks still
-installed, so the floor of torch's hook dispatch and cudamem's early return) and
+installed, so the floor of torch's hook dispatch and cudamem's early return), ``control``
+(a third copy, bare: how far two bare blocks of one step differ on this host) and
 ``memtracker`` (``MemTracker`` around each step of the original, its stats reset in
 between: it refuses a second iteration otherwise). The order rotates from round to round
 (no case always follows the same one); before each block, a garbage collection and one
@@ -175,12 +176,13 @@ def module_calls(step: Callable[[], None]) -> int:
 
 
 def time_cases(
-    case: Case, twin: Case, steps: int, rounds: int
+    case: Case, twin: Case, control: Case, steps: int, rounds: int
 ) -> tuple[dict[str, list[float]], float]:
     """Seconds per step of each case, one block per case per round, interleaved; and the
     seconds the profile took to install and remove its hooks, once for the whole run
     (outside every block's time: a profile is meant to run over many steps). ``twin`` is a
-    copy of ``case``'s model and step: the one profile stays on it throughout."""
+    copy of ``case``'s model and step: the one profile stays on it throughout; ``control``
+    another copy, run bare: how far two bare blocks of the same step differ here."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     model, external, step, _ = case
@@ -213,7 +215,13 @@ def time_cases(
         prof.pause()
         twin_step()
 
-    cases = {"bare": step, "cudamem": profiled, "paused": paused, "memtracker": tracked}
+    cases = {
+        "bare": step,
+        "control": control[2],
+        "cudamem": profiled,
+        "paused": paused,
+        "memtracker": tracked,
+    }
     out: dict[str, list[float]] = {k: [] for k in cases}
     names = list(cases)
     try:
@@ -309,23 +317,25 @@ def main() -> None:
     }
     for maker in makers:
         try:
-            case, twin = maker(), maker()  # the same seed: two equal models and batches
+            # The same seed: equal models and batches.
+            case, twin, control = maker(), maker(), maker()
         except ImportError as exc:
             print(f"{exc.name} is not installed: its rows are skipped")
             continue
         model, external, step, label = case
         step()  # the optimizer's state exists before anything is timed
         twin[2]()
+        control[2]()
         calls = module_calls(step)
-        times, setup = time_cases(case, twin, steps, rounds)
+        times, setup = time_cases(case, twin, control, steps, rounds)
         ours, theirs = overhead(times, "cudamem"), overhead(times, "memtracker")
         ratio = theirs[0] / ours[0] if ours[0] > 0 else None
         per_call = {
             name: per_module_call(times, name, calls)
-            for name in ("cudamem", "paused", "memtracker")
+            for name in ("control", "cudamem", "paused", "memtracker")
         }
         best = {name: best_per_call(times, name, calls) for name in per_call}
-        for name in ("bare", "cudamem", "paused", "memtracker"):
+        for name in ("bare", "control", "cudamem", "paused", "memtracker"):
             if name == "bare":
                 pct = us = fastest = ""
             else:
@@ -333,7 +343,10 @@ def main() -> None:
                 us = "{:.1f} ({:.1f} to {:.1f})".format(*per_call[name])
                 fastest = f"{best[name]:.1f}"
             first = f"{label} ({calls} module calls)" if name == "bare" else ""
-            shown_name = "cudamem, paused (hooks installed)" if name == "paused" else name
+            shown_name = {
+                "paused": "cudamem, paused (hooks installed)",
+                "control": "bare, a second copy (the noise)",
+            }.get(name, name)
             rows.append([first, shown_name, fmt_seconds(times[name]), pct, us, fastest])
         shown = "n/a (cudamem's median is not above bare)" if ratio is None else f"{ratio:.1f}x"
         rows.append(["", "MemTracker / cudamem overhead", "", shown, "", ""])
@@ -358,6 +371,7 @@ def main() -> None:
             "overhead_percent": {
                 "cudamem": ours,
                 "paused": overhead(times, "paused"),
+                "control": overhead(times, "control"),
                 "memtracker": theirs,
             },
             "us_per_module_call": per_call,
@@ -366,7 +380,7 @@ def main() -> None:
             "cudamem_install_and_remove_seconds": setup,
             "agreement": agree,
         }
-        del model, external, step, case, twin
+        del model, external, step, case, twin, control
         gc.collect()
         if CUDA:
             torch.cuda.empty_cache()
