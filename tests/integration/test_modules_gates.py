@@ -445,8 +445,12 @@ def _both(stub: Any, run: Any) -> dict[bool, dict[str, tuple[Any, ...]]]:
         torch.manual_seed(0)
         with device(stub, gates) as dev:
             prof = cudamem.track_modules(None)
+            first = stub.log_start()  # logs are numbered: how many the run started
+            stub.log_stop(first)
             run(dev, prof)
-            assert (prof._native is not None) is gates or prof.result is not None
+            last = stub.log_start()
+            stub.log_stop(last)
+            assert (last - first > 1) is gates  # the C++ log served exactly when meant to
             out[gates] = _all_figures(prof)
     return out
 
