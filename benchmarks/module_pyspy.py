@@ -19,6 +19,12 @@ backward in C++ and shows only where it calls into Python (those samples are cou
 loop's time: its thread waits in the backward meanwhile); the C++ gates run there with no
 Python and do not show. The step's own Python work (the model's forward, the optimizer)
 shows as the rest.
+
+With ``py-spy record --native --threads`` the C++ frames show too: the table then adds the
+native parts (the C++ gates, the allocator's counter reads and peak resets, the log's
+writes and replay) and the autograd engine's thread, each as a share of the loop's wall
+time and in µs per module call. The engine's thread runs beside the loop's (which waits in
+the backward meanwhile): its rows say how busy it was, not time added to the loop's.
 """
 
 from __future__ import annotations
@@ -50,6 +56,18 @@ GROUPS = [
     ("torch: hook dispatch (_call_impl's inner)", r"^Module\._call_impl\.<locals>\.inner \("),
     ("torch: is_compiling", r"^is_compiling \("),
 ]
+
+#: Native parts (``py-spy --native``), by any frame of the sample.
+NATIVE_GROUPS = [
+    ("C++: gate hooks on autograd nodes (GateHook)", r"GateHook"),
+    ("C++: the log's counter reads (gate_read)", r"gate_read"),
+    ("C++: allocator counter reads", r"getDeviceStats"),
+    ("C++: allocator peak resets", r"resetPeakStats"),
+    ("C++: the log's replay (log_replay)", r"log_replay"),
+    ("C++: autograd pre-hooks run by the engine", r"call_pre_hooks|call_tensor_pre_hooks"),
+]
+#: A sample of the autograd engine's own thread.
+ENGINE_THREAD = r"Engine::thread_main|Engine::thread_init"
 
 
 def run(seconds: float, bare: bool, out: str, case: str) -> None:
@@ -92,9 +110,10 @@ def table(raw: str, run_json: str, out: str | None) -> None:
         info = json.load(fh)
     per_step = info["seconds"] / info["steps"]
     calls = info["module_calls"]
-    total = 0
+    total = engine = 0
     self_n: collections.Counter[str] = collections.Counter()
     incl_n: collections.Counter[str] = collections.Counter()
+    native_n: collections.Counter[str] = collections.Counter()
     with open(raw, encoding="utf-8") as fh:
         for line in fh:
             found = re.match(r"^(.*) (\d+)$", line.rstrip("\n"))
@@ -102,7 +121,14 @@ def table(raw: str, run_json: str, out: str | None) -> None:
                 continue
             stack, n = found.group(1), int(found.group(2))
             frames = stack.split(";")
-            if "module_pyspy.py" in stack and "run (" in stack:
+            loop = "module_pyspy.py" in stack and "run (" in stack
+            if not loop and re.search(ENGINE_THREAD, stack):
+                engine += n
+            if loop or re.search(ENGINE_THREAD, stack):
+                for label, pattern in NATIVE_GROUPS:
+                    if re.search(pattern, stack):
+                        native_n[label] += n
+            if loop:
                 total += n  # the timed loop's thread
             elif "cudamem/" not in stack:
                 continue  # set-up, imports, idle threads
@@ -126,6 +152,20 @@ def table(raw: str, run_json: str, out: str | None) -> None:
                 "inclusive_us_per_call": i * per_step / calls * 1e6,
             }
         )
+    if engine or native_n:
+        for label, n in [("autograd engine thread: every sample", engine)] + [
+            (label, native_n[label]) for label, _ in NATIVE_GROUPS
+        ]:
+            share = n / max(total, 1)
+            rows.append(
+                {
+                    "part": label,
+                    "self_share": None,
+                    "inclusive_share": share,
+                    "self_us_per_call": None,
+                    "inclusive_us_per_call": share * per_step / calls * 1e6,
+                }
+            )
     head = (
         f"{info['case']}: {info['steps']} steps, {per_step * 1e3:.2f} ms a step, "
         f"{calls} module calls a step, {total} samples in the loop"
@@ -133,9 +173,11 @@ def table(raw: str, run_json: str, out: str | None) -> None:
     print(head)
     print(f"{'part':45} {'self %':>7} {'incl %':>7} {'self µs/call':>13} {'incl µs/call':>13}")
     for r in rows:
+        self_pct = "" if r["self_share"] is None else f"{r['self_share'] * 100:.1f}"
+        self_us = "" if r["self_us_per_call"] is None else f"{r['self_us_per_call']:.2f}"
         print(
-            f"{r['part']:45} {r['self_share'] * 100:7.1f} {r['inclusive_share'] * 100:7.1f} "
-            f"{r['self_us_per_call']:13.2f} {r['inclusive_us_per_call']:13.2f}"
+            f"{r['part']:45} {self_pct:>7} {r['inclusive_share'] * 100:7.1f} "
+            f"{self_us:>13} {r['inclusive_us_per_call']:13.2f}"
         )
     if out:
         with open(out, "w", encoding="utf-8") as fh:
