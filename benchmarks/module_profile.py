@@ -265,9 +265,9 @@ def agreement(
     model: torch.nn.Module, external: list[Any], step: Callable[[], None]
 ) -> dict[str, Any]:
     """cudamem's and MemTracker's kept bytes per module for one step each, each from an
-    emptied cache: the allocator counts a block it reuses unsplit (a cached 2.5 MiB block
-    for a 2 MiB tensor) at its size, MemTracker the tensor's, so the cache state the timed
-    blocks leave would make the two differ by what neither measured."""
+    emptied cache, so that neither depends on the cache state the timed blocks leave (the
+    allocator counts a block it reuses unsplit at the block's size, MemTracker the
+    tensor's)."""
     _fresh_cache()
     with cudamem.track_modules(model, optimizer=external) as prof:
         step()
@@ -328,18 +328,17 @@ def main() -> None:
         control[2]()
         calls = module_calls(step)
         times, setup = time_cases(case, twin, control, steps, rounds)
-        ours, theirs = overhead(times, "cudamem"), overhead(times, "memtracker")
+        measured = ("control", "cudamem", "paused", "memtracker")
+        pcts = {name: overhead(times, name) for name in measured}
+        ours, theirs = pcts["cudamem"], pcts["memtracker"]
         ratio = theirs[0] / ours[0] if ours[0] > 0 else None
-        per_call = {
-            name: per_module_call(times, name, calls)
-            for name in ("control", "cudamem", "paused", "memtracker")
-        }
-        best = {name: best_per_call(times, name, calls) for name in per_call}
+        per_call = {name: per_module_call(times, name, calls) for name in measured}
+        best = {name: best_per_call(times, name, calls) for name in measured}
         for name in ("bare", "control", "cudamem", "paused", "memtracker"):
             if name == "bare":
                 pct = us = fastest = ""
             else:
-                pct = "{:+.1f} % ({:+.1f} to {:+.1f})".format(*overhead(times, name))
+                pct = "{:+.1f} % ({:+.1f} to {:+.1f})".format(*pcts[name])
                 us = "{:.1f} ({:.1f} to {:.1f})".format(*per_call[name])
                 fastest = f"{best[name]:.1f}"
             first = f"{label} ({calls} module calls)" if name == "bare" else ""
@@ -368,12 +367,7 @@ def main() -> None:
         data["cases"][label] = {
             "module_calls": calls,
             "seconds_per_step": times,
-            "overhead_percent": {
-                "cudamem": ours,
-                "paused": overhead(times, "paused"),
-                "control": overhead(times, "control"),
-                "memtracker": theirs,
-            },
+            "overhead_percent": pcts,
             "us_per_module_call": per_call,
             "us_per_module_call_best_blocks": best,
             "memtracker_over_cudamem": ratio,
@@ -381,9 +375,7 @@ def main() -> None:
             "agreement": agree,
         }
         del model, external, step, case, twin, control
-        gc.collect()
-        if CUDA:
-            torch.cuda.empty_cache()
+        _fresh_cache()
     emit(
         "per-module profile: time per step (median, range over rounds), interleaved, "
         "one profile over the whole run",

@@ -122,9 +122,10 @@ def table(raw: str, run_json: str, out: str | None) -> None:
             stack, n = found.group(1), int(found.group(2))
             frames = stack.split(";")
             loop = "module_pyspy.py" in stack and "run (" in stack
-            if not loop and re.search(ENGINE_THREAD, stack):
+            in_engine = not loop and re.search(ENGINE_THREAD, stack) is not None
+            if in_engine:
                 engine += n
-            if loop or re.search(ENGINE_THREAD, stack):
+            if loop or in_engine:
                 for label, pattern in NATIVE_GROUPS:
                     if re.search(pattern, stack):
                         native_n[label] += n
