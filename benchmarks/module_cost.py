@@ -283,6 +283,10 @@ def time_case(case: Case, rounds: int, steps: int) -> dict[str, Any]:
 #: The labelled parts of each implementation: (row, owner, attribute names).
 #: Stands for the C++ reader's module (``_backend.get().gates``), found when the profile runs.
 GATES = "the C++ reader"
+#: Stands for a profiler's forward hooks in C (``_NativeLog.fwd``'s ``pre`` and ``post``, which
+#: ``_choose_gates`` puts in ``_fwd_pre`` and ``_fwd_post``): what they hand on to ``_pre`` and
+#: ``_post`` lands in those rows.
+FWD = "the forward hooks in C"
 PARTS: dict[str, list[tuple[str, Any, tuple[str, ...]]]] = {
     "before": [
         ("forward pre-hook", before.ModuleProfiler, ("_pre",)),
@@ -302,6 +306,7 @@ PARTS: dict[str, list[tuple[str, Any, tuple[str, ...]]]] = {
     "after": [
         ("forward pre-hook", after.ModuleProfiler, ("_pre",)),
         ("forward post-hook", after.ModuleProfiler, ("_post",)),
+        ("forward hooks in C (pre + post)", FWD, ("_fwd_pre", "_fwd_post")),
         ("first grad input / output search", after, ("_grad_tensor",)),
         ("forward edges logged (C++ log)", GATES, ("mark",)),
         ("backward hooks registered", after.ModuleProfiler, ("_gate", "_native_fallback")),
@@ -322,6 +327,7 @@ ROWS = [
     "torch's hook dispatch (no-op hooks)",
     "forward pre-hook",
     "forward post-hook",
+    "forward hooks in C (pre + post)",
     "first grad input / output search",
     "backward hooks registered",
     "forward edges logged (C++ log)",
@@ -408,6 +414,19 @@ def timer_cost() -> tuple[float, float]:
 def instrumented(impl: str, timers: Timers) -> Iterator[None]:
     saved = []
     for label, part, names in PARTS[impl]:
+        if part is FWD:
+            profiler = after.ModuleProfiler
+            choose = profiler.__dict__["_choose_gates"]
+
+            def chosen(self: Any, _real: Any = choose, _label: str = label) -> None:
+                _real(self)
+                if self._native is not None:  # the C hooks serve: time them
+                    self._fwd_pre = timers.wrap(_label, self._fwd_pre)
+                    self._fwd_post = timers.wrap(_label, self._fwd_post)
+
+            saved.append((profiler, "_choose_gates", choose))
+            profiler._choose_gates = chosen
+            continue
         owner = getattr(_backend.get(), "gates", None) if part is GATES else part
         if owner is None:  # no C++ reader here: that row stays empty
             continue

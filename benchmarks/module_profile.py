@@ -2,10 +2,13 @@
 against no instrumentation, in one interleaved run, measured the way a user runs it; and
 whether the two agree.
 
-Steps: a GPT-2 built from a transformers config (no download; GPT-2 small's shape by default:
-12 layers, 768 wide, batch 8 x 512 tokens, AdamW), a BERT-base (``BertForMaskedLM``, batch
-16 x 256, AdamW; not in ``--quick``) and a torchvision ResNet-18 (batch 32 at 224², SGD with
-momentum). The model is copied: one profile (``track_modules`` with its hooks installed
+Steps: GPT-2s built from a transformers config (no download): a 2-layer, 128-wide one at
+batch 8 x 128 and GPT-2 small (12 layers, 768 wide, batch 8 x 512 tokens; not in
+``--quick``), both with AdamW; a BERT-base (``BertForMaskedLM``, batch 16 x 256, AdamW; not
+in ``--quick``) and a torchvision ResNet-18 (batch 32 at 224², SGD with momentum): every
+step the goals name, in one run. The two launch-bound steps (the small GPT-2, the ResNet-18)
+run 16 steps a block and at least 15 rounds (their blocks are short and their hosts' noise
+large); the two large ones ``--steps`` (8) and ``--rounds`` (9). The model is copied: one profile (``track_modules`` with its hooks installed
 once) stays on the copy for the whole run, over every profiled block, as a user's profile
 stays over a training run; the original runs bare. Each round times one block of
 ``--steps`` steps per case, back to back: ``bare`` (the original), ``cudamem`` (the
@@ -30,9 +33,9 @@ cheaper than MemTracker on every row.
 
 Usage: ``python benchmarks/module_profile.py [--quick] [--rounds N] [--steps N] [--out PATH]``
 (default ``benchmarks/results/module-profile.json``)
-(``--quick``: a 2-layer, 128-wide GPT-2 at batch 8 x 128 and the ResNet-18, fewer rounds,
-about a minute on an H200; the full run's MemTracker steps on GPT-2 small and BERT-base
-dominate its time: a few minutes).
+(``--quick``: the 2-layer GPT-2 and the ResNet-18 only, 9 rounds of 16 steps, about a
+minute on an H200; the full run's MemTracker steps on GPT-2 small and BERT-base dominate its
+time: about five minutes).
 """
 
 from __future__ import annotations
@@ -303,19 +306,22 @@ def main() -> None:
     paths = ready_paths()
     rounds = args.rounds or 9
     steps = args.steps or (16 if args.quick else 8)
-    makers: list[Callable[[], Case]] = [lambda: gpt2_case(args.quick)]
+    # Each case with its rounds and steps: the launch-bound ones more of both in a full run.
+    small = (args.rounds or (9 if args.quick else 15), args.steps or 16)
+    makers: list[tuple[Callable[[], Case], tuple[int, int]]] = [(lambda: gpt2_case(True), small)]
     if not args.quick:
-        makers.append(bert_case)
-    makers.append(resnet_case)
+        makers += [(lambda: gpt2_case(False), (rounds, steps)), (bert_case, (rounds, steps))]
+    makers.append((resnet_case, small))
     rows: list[list[str]] = []
     data: dict[str, Any] = {
         "rounds": rounds,
         "steps_per_block": steps,
+        "launch_bound_rounds_and_steps": list(small),
         "device": DEVICE,
         "paths": paths,
         "cases": {},
     }
-    for maker in makers:
+    for maker, (case_rounds, case_steps) in makers:
         try:
             # The same seed: equal models and batches.
             case, twin, control = maker(), maker(), maker()
@@ -327,7 +333,7 @@ def main() -> None:
         twin[2]()
         control[2]()
         calls = module_calls(step)
-        times, setup = time_cases(case, twin, control, steps, rounds)
+        times, setup = time_cases(case, twin, control, case_steps, case_rounds)
         measured = ("control", "cudamem", "paused", "memtracker")
         pcts = {name: overhead(times, name) for name in measured}
         ours, theirs = pcts["cudamem"], pcts["memtracker"]
@@ -365,6 +371,8 @@ def main() -> None:
             ]
         )
         data["cases"][label] = {
+            "rounds": case_rounds,
+            "steps_per_block": case_steps,
             "module_calls": calls,
             "seconds_per_step": times,
             "overhead_percent": pcts,

@@ -60,7 +60,7 @@ GROUPS = [
 #: Native parts (``py-spy --native``), by any frame of the sample.
 NATIVE_GROUPS = [
     ("C++: gate hooks on autograd nodes (GateHook)", r"GateHook"),
-    ("C++: the log's counter reads (gate_read)", r"gate_read"),
+    ("C++: the log's counter reads (gate_read, read_locked)", r"gate_read|read_locked"),
     ("C++: allocator counter reads", r"getDeviceStats"),
     ("C++: allocator peak resets", r"resetPeakStats"),
     ("C++: the log's replay (log_replay)", r"log_replay"),
@@ -72,9 +72,11 @@ ENGINE_THREAD = r"Engine::thread_main|Engine::thread_init"
 
 def run(seconds: float, bare: bool, out: str, case: str) -> None:
     from module_profile import _sync as sync
-    from module_profile import gpt2_case, module_calls
+    from module_profile import gpt2_case, module_calls, ready_paths
 
     import cudamem
+
+    paths = ready_paths()  # the C++ reader built first, as a run has it a minute in
 
     if case == "gpt2":
         model, external, step, label = gpt2_case(True)
@@ -97,9 +99,18 @@ def run(seconds: float, bare: bool, out: str, case: str) -> None:
         sync()
         steps += 8
     wall = time.perf_counter() - t0
+    native = prof is not None and prof._native is not None
     if prof is not None:
         prof.stop()
-    data = {"case": label, "bare": bare, "steps": steps, "seconds": wall, "module_calls": calls}
+    data = {
+        "case": label,
+        "bare": bare,
+        "steps": steps,
+        "seconds": wall,
+        "module_calls": calls,
+        "paths": paths,
+        "c++ log": native,
+    }
     with open(out, "w", encoding="utf-8") as fh:
         json.dump(data, fh, indent=1)
     print(json.dumps(data))

@@ -111,6 +111,21 @@ class Reader(Protocol):
         ...
 
 
+class ForwardHooks(Protocol):
+    """A module profile's forward hooks in C (``GateLog.Forward``): ``pre`` and ``post``
+    take a module call's entry and exit as ``ModuleProfiler._pre`` and ``_post`` would,
+    handing them what they do not take (a top-level call, an exception, the span path)."""
+
+    owner: int
+    step: int
+    next: int
+    paused: bool
+
+    def pre(self, node: object, module: object, args: object, kwargs: object, /) -> None: ...
+
+    def post(self, node: object, module: object, args: object, output: object, /) -> None: ...
+
+
 class GateLog(Protocol):
     """The per-module profile's counter log (``cudamem.modules``): module calls' forward
     edges logged by ``mark``, their backward edges by C++ pre-hooks on autograd nodes that
@@ -154,6 +169,21 @@ class GateLog(Protocol):
 
     def log_drop(self, owner: int, call: int, /) -> None:
         """The forward of ``call`` ended without its exit: the replay forgets it."""
+        ...
+
+    def Forward(
+        self,
+        stack: list[Any],
+        pre: Callable[..., Any],
+        post: Callable[..., Any],
+        grad_tensor: Callable[..., Any],
+        owner: int,
+        device: int,
+        /,
+    ) -> ForwardHooks:
+        """The forward hooks' fast path of log ``owner`` over the profiler's ``stack`` of
+        open forwards; ``pre`` and ``post`` take what it hands on, ``grad_tensor`` finds a
+        grad-requiring tensor in what it does not read itself."""
         ...
 
     def mark(self, owner: int, device: int, tag: int, meta: int = -1, parent: int = -1, /) -> None:

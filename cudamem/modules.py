@@ -35,8 +35,16 @@ dispatch mode):
   top-level forward, at ``step()`` and at exit, into exactly the figures a span per call
   would give: the replay keeps the calls open at each event on a stack, as spans nest, and
   adds each ended call to its module's figures in C++ (the entry event carries the
-  module's slot and the forward it runs in), which step end takes once (``log_figures``):
-  no Python object per call is made or kept.
+  module's slot and the forward it runs in), which step end takes once (``log_figures``).
+  The forward hooks themselves run in C there (``Forward`` in ``_fastread.cpp``): a module's
+  hook is a two-line Python function (``is_compiling()`` first, so that dynamo traces it
+  and drops it) that calls the C hook, which does what ``_pre`` and ``_post`` do for a call
+  inside another one (the stack entry, a list, made and dropped in C; the first
+  grad-requiring input's node held from C++, no Python ``grad_fn``; the two marks; the
+  gates) and hands the rest to them: a top-level call (where steps begin and end), an
+  exception, a forward's entry Python made, anything the C search does not read itself (a
+  tensor subclass, a ``ModelOutput``: ``_grad_tensor`` looks). No per-call record is kept
+  past the forward's exit.
   Elsewhere (the dict path, several devices, a fake allocator) the forward opens a span and
   the gates are Python hooks that open and close spans.
 - **Recomputation.** A forward that runs inside the backward (activation checkpointing
@@ -180,26 +188,35 @@ class _Gate:
 
 class _NativeLog:
     """The C++ log of one profiler (``_fastread.GateLog``) on one device: its events
-    replayed into the module calls' figures, added up per module there."""
+    replayed into the module calls' figures, added up per module there; ``fwd``, the
+    forward hooks' fast path in C, numbers the calls and knows the step."""
 
-    __slots__ = ("api", "base", "base_old", "device", "next", "owner", "step")
+    __slots__ = ("api", "base", "base_old", "device", "fwd", "owner")
 
-    def __init__(self, api: Any, device: int) -> None:
+    def __init__(self, api: Any, device: int, profiler: ModuleProfiler) -> None:
         self.api = api
         self.device = device
         self.owner: int = api.log_start()
-        #: The step the gates registered now belong to (their codes live two steps).
-        self.step = 0
-        #: The first call of this step, of the step before (calls numbered below it are
-        #: gone: two steps old), and the next call's number.
-        self.base = self.base_old = self.next = 0
+        try:
+            #: ``fwd.step``: the step the gates registered now belong to (their codes live
+            #: two steps); ``fwd.next``: the next call's number.
+            self.fwd = api.Forward(
+                profiler._stack, profiler._pre, profiler._post, _grad_tensor, self.owner, device
+            )
+        except BaseException:
+            api.log_stop(self.owner)
+            raise
+        #: The first call of this step and of the step before (calls numbered below it are
+        #: gone: two steps old).
+        self.base = self.base_old = 0
 
     def new_step(self) -> None:
         """Gates from here belong to a new step; calls two steps old are let go."""
-        self.step += 1
-        self.base_old, self.base = self.base, self.next
+        self.fwd.step += 1
+        self.base_old, self.base = self.base, self.fwd.next
 
     def stop(self) -> None:
+        self.fwd.owner = 0  # its calls go to Python, which sees no log
         self.api.log_stop(self.owner)
 
 
@@ -266,6 +283,10 @@ class ModuleProfiler(PresentedHtml):
         self._paused = False
         self._used = False
         self._profile: ModuleProfile | None = None
+        #: What the module hooks call: the C fast path (``_NativeLog.fwd``) while the C++
+        #: log serves, else these.
+        self._fwd_pre: Any = self._pre
+        self._fwd_post: Any = self._post
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -301,6 +322,7 @@ class ModuleProfiler(PresentedHtml):
             self._drop_forward(self._stack.pop())
         self._drop_backward()
         native, self._native = self._native, None
+        self._fwd_pre, self._fwd_post = self._pre, self._post
         if native is not None:
             self._replay(native, close=False)
             self._collect(native)
@@ -328,11 +350,16 @@ class ModuleProfiler(PresentedHtml):
 
     def pause(self) -> None:
         """Leave the module calls that follow out (a validation loop) until ``resume()``."""
-        self._paused = True
+        self._set_paused(True)
 
     def resume(self) -> None:
         """Profile module calls again after ``pause()``."""
-        self._paused = False
+        self._set_paused(False)
+
+    def _set_paused(self, paused: bool) -> None:
+        self._paused = paused
+        if self._native is not None:
+            self._native.fwd.paused = paused
 
     @property
     def profile(self) -> ModuleProfile:
@@ -390,14 +417,28 @@ class ModuleProfiler(PresentedHtml):
                 )
                 skip.append(path)
                 continue
+            pre, post = self._hooks(node)
             self._handles.append(
-                module.register_forward_pre_hook(
-                    functools.partial(self._pre, node), prepend=True, with_kwargs=True
-                )
+                module.register_forward_pre_hook(pre, prepend=True, with_kwargs=True)
             )
-            self._handles.append(
-                module.register_forward_hook(functools.partial(self._post, node), always_call=True)
-            )
+            self._handles.append(module.register_forward_hook(post, always_call=True))
+
+    def _hooks(self, node: _Node) -> tuple[Any, Any]:
+        """A module's forward pre- and post-hook: past ``is_compiling()`` (dynamo traces
+        these and drops them), they call the C fast path while the C++ log serves, else
+        ``_pre`` and ``_post``."""
+
+        def pre(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+            if _is_compiling():
+                return
+            self._fwd_pre(node, module, args, kwargs)
+
+        def post(module: torch.nn.Module, args: Any, output: Any) -> None:
+            if _is_compiling():
+                return
+            self._fwd_post(node, module, args, output)
+
+        return pre, post
 
     def _discover(self, module: torch.nn.Module, args: Any) -> None:
         """Without a model: a module called outside every profiled forward is a new root."""
@@ -440,8 +481,9 @@ class ModuleProfiler(PresentedHtml):
         if native is None:
             stack.append([node, open_quiet(node.name), in_backward, 0, source, -1, -1, parent])
             return
-        idx = native.next
-        native.next = idx + 1
+        fwd = native.fwd
+        idx = fwd.next
+        fwd.next = idx + 1
         stack.append([node, None, in_backward, 0, source, -1, idx, parent])
         native.api.mark(  # its forward's entry, its module's slot, the forward it runs in
             native.owner,
@@ -493,7 +535,7 @@ class ModuleProfiler(PresentedHtml):
                         return
                     assert native is not None
                     gate = native.api.gate
-                    owner, step, device = native.owner, native.step, native.device
+                    owner, step, device = native.owner, native.fwd.step, native.device
                     if not gate(start, idx * 4 + 2, owner, step, device):  # backward start
                         self._native_fallback(native, start, idx * 4 + 2)
                     if end is not None and not gate(end, idx * 4 + 3, owner, step, device):
@@ -579,9 +621,13 @@ class ModuleProfiler(PresentedHtml):
         if api is None or devices is None or len(devices) != 1:
             return
         try:
-            self._native = _NativeLog(api, devices[0])
+            native = _NativeLog(api, devices[0], self)
         except Exception as exc:  # bookkeeping never breaks the user's step
             self._notes.append(f"C++ gates not used: {type(exc).__name__}: {exc}")
+            return
+        native.fwd.paused = self._paused
+        self._native = native
+        self._fwd_pre, self._fwd_post = native.fwd.pre, native.fwd.post
 
     def _native_backward(self, grad_outputs: Any) -> None:
         """A top-level call's backward starts: the engine's callback at the pass's end

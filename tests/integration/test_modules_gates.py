@@ -610,3 +610,193 @@ def test_a_full_log_drops_events_says_so_and_leaves_nothing_open(small_stub: Any
     assert p.module("Sequential.0").calls.max == 1  # the first events of a step fit
     with pytest.raises(TypeError, match="takes 5 arguments"):
         small_stub.log_replay(owner, 0, True, False)
+
+
+# -- the forward hooks' fast path in C (``Forward`` in ``_fastread.cpp``) ---------------------
+
+
+def test_inner_calls_take_the_c_hooks_and_only_top_level_calls_reach_python(
+    stub: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the C++ log, a call inside another one is entered and left in C: Python's
+    ``_pre`` and ``_post`` see the top-level call of each step (where steps begin and
+    end), no other; the figures are the span path's (``test_cpp_gates_give_...``)."""
+    from cudamem.modules import ModuleProfiler as profiler
+
+    seen: dict[str, list[str]] = {"pre": [], "post": []}
+    real_pre, real_post = profiler._pre, profiler._post
+
+    def pre(self: Any, node: Any, *rest: Any) -> None:
+        seen["pre"].append(node.name)
+        real_pre(self, node, *rest)
+
+    def post(self: Any, node: Any, *rest: Any) -> None:
+        seen["post"].append(node.name)
+        real_post(self, node, *rest)
+
+    monkeypatch.setattr(profiler, "_pre", pre)
+    monkeypatch.setattr(profiler, "_post", post)
+    for gates in (True, False):
+        seen = {"pre": [], "post": []}
+        figures, native = _run(stub, gates, steps=3)
+        assert native is gates
+        calls = sum(f[0].max for f in figures.values())  # per step: the root and 14 inside
+        assert calls == 15
+        if gates:
+            assert seen == {"pre": ["Net"] * 3, "post": ["Net"] * 3}
+        else:
+            assert len(seen["pre"]) == len(seen["post"]) == 3 * calls
+
+
+class Tagged(torch.Tensor):
+    """A tensor subclass: the C hooks ask Python's ``_grad_tensor`` about it."""
+
+
+class Fields(dict[str, Any]):
+    """A dict subclass (as ``ModelOutput`` is): read by Python's ``_grad_tensor``."""
+
+
+class Reader(nn.Module):
+    """Finds its grad-requiring input wherever the C hooks or Python must look for it, and
+    returns it in the shape given: its backward must end at that input's node."""
+
+    def __init__(self, keep: int, where: str, shape: str) -> None:
+        super().__init__()
+        self.inner = Grad(keep=keep, temp=5 * KiB)
+        self.where, self.shape = where, shape
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        x = {
+            "second": lambda: args[1],
+            "keyword": lambda: kwargs["x"],
+            "tuple": lambda: args[0][1],
+            "dict": lambda: args[0]["x"],
+            "fields": lambda: args[0]["x"],
+            "subclass": lambda: args[0],
+        }[self.where]()
+        h = self.inner(x)
+        if self.shape == "dict":
+            return {"none": None, "h": h}
+        if self.shape == "tuple":
+            return (None, 3, [h])
+        if self.shape == "fields":
+            return Fields(h=h)
+        return h
+
+
+class Readers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.second = Reader(KiB, "second", "dict")
+        self.keyword = Reader(2 * KiB, "keyword", "tuple")
+        self.tuple = Reader(3 * KiB, "tuple", "fields")
+        self.dict = Reader(4 * KiB, "dict", "tensor")
+        self.fields = Reader(5 * KiB, "fields", "tensor")
+        self.subclass = Reader(6 * KiB, "subclass", "tensor")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = torch.zeros(4)  # needs no grad: the search goes on past it
+        h = self.second(mask, x * 2)["h"]
+        h = self.keyword(mask, x=h, flag=True, name="k", scale=1.5, nothing=None)[2][0]
+        h = self.tuple((mask, h))["h"]
+        h = self.dict({"mask": mask, "x": h})
+        h = self.fields(Fields(mask=mask, x=h))
+        return self.subclass(h.as_subclass(Tagged))  # type: ignore[no-any-return]
+
+
+def test_inputs_and_outputs_the_c_hooks_read_or_hand_to_python_agree(stub: Any) -> None:
+    """A grad-requiring input found second, by keyword, in a tuple, in a dict, in a dict
+    subclass and as a tensor subclass; outputs as a dict, a nested tuple, a dict subclass:
+    the C hooks and Python's find the same nodes, so every backward ends where it should."""
+    both = _both(stub, _train(Readers))
+    assert both[True] == both[False]
+    for keep, name in enumerate(("second", "keyword", "tuple", "dict", "fields", "subclass")):
+        row = both[True][f"Readers.{name}"]
+        assert row[1].max == row[5].max == 1  # one forward, one backward a step
+        # Its backward ended at its input's node: it holds its own keep, not the keeps of
+        # the modules before it, whose backwards run after it.
+        assert row[6].max == (keep + 1) * KiB
+
+
+class Hostile(dict[str, Any]):
+    """A mapping whose values cannot be read."""
+
+    def values(self) -> Any:
+        raise RuntimeError("values refused")
+
+
+def test_a_hostile_argument_raises_from_the_forward_on_both_paths_alike(stub: Any) -> None:
+    class Taking(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = Grad(keep=KiB, temp=3 * KiB)
+            self.b = Grad(keep=KiB, temp=3 * KiB)
+
+        def forward(self, x: torch.Tensor, extra: Any = None) -> torch.Tensor:
+            return self.b(x)  # type: ignore[no-any-return]
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.taking = Taking()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with pytest.raises(RuntimeError, match="values refused"):
+                self.taking(torch.zeros(4), Hostile(x=x))  # the search reaches the mapping
+            return self.taking(x)  # type: ignore[no-any-return]
+
+    both = _both(stub, _train(Outer))
+    assert both[True] == both[False]
+    assert both[True]["Outer.taking"][1].max == 1  # the refused call never began
+    assert both[True]["Outer.taking.b"][1].max == 1
+
+
+def test_the_c_hooks_check_their_arguments(stub: Any) -> None:
+    from cudamem.modules import _grad_tensor
+
+    stack: list[Any] = []
+    with pytest.raises(TypeError):
+        stub.Forward((), print, print, _grad_tensor, 1, 0)  # the stack must be a list
+    with pytest.raises(ValueError, match=r"device must be in 0\.\.127, got 128"):
+        stub.Forward(stack, print, print, _grad_tensor, 1, 128)
+    fwd = stub.Forward(stack, print, print, _grad_tensor, 0, 3)
+    assert (fwd.owner, fwd.device, fwd.step, fwd.next, fwd.paused) == (0, 3, 0, 0, False)
+    with pytest.raises(TypeError, match=r"pre\(node, module, args, kwargs\) takes 4"):
+        fwd.pre(None, None, ())
+    with pytest.raises(TypeError, match=r"post\(node, module, args, output\) takes 4"):
+        fwd.post(None, None, (), None, None)
+    with pytest.raises(AttributeError):
+        fwd.device = 1  # type: ignore[misc]
+    handed: list[tuple[Any, ...]] = []
+    fwd = stub.Forward(stack, lambda *a: handed.append(("pre", *a)), print, _grad_tensor, 0, 0)
+    fwd.pre("node", "module", (1,), {})  # no log: handed to Python as it came
+    assert handed == [("pre", "node", "module", (1,), {})] and stack == []
+    fwd.paused = True
+    fwd.pre("node", "module", (1,), {})  # paused: nothing at all
+    assert len(handed) == 1
+
+
+def test_a_node_held_from_c_takes_a_gate_as_a_grad_fn_does(stub: Any) -> None:
+    """Where Python's ``_post`` meets a source the C hook took (a ``NodeRef``), ``gate``
+    reaches its node all the same."""
+    owner = stub.log_start()
+    try:
+        x = torch.ones(4, requires_grad=True)
+        y = x * 2
+        stack: list[Any] = [["top", None, False, 0, None, -1, 0, None]]
+
+        class Node:
+            slot = 0
+
+        from cudamem.modules import _grad_tensor
+
+        fwd = stub.Forward(stack, print, print, _grad_tensor, owner, 0)
+        fwd.next = 1
+        fwd.pre(Node(), None, (y,), {})
+        source = stack[-1][4]
+        assert type(source).__name__ == "NodeRef" and stack[-1][6] == 1
+        assert stub.gate(source, 7, owner, 0, 0) is True
+        assert stub.codes(y.grad_fn, owner) == (7,)
+        assert fwd.next == 2
+    finally:
+        stub.log_stop(owner)
