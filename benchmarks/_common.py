@@ -89,11 +89,17 @@ def emit(
 ) -> None:
     """Print the table and write the JSON next to it."""
     print(render_table(headers, rows, title=title))
+    write_json(data, out)
+    print(f"\nwrote {out}")
+
+
+def write_json(data: dict[str, Any], out: str) -> None:
+    """``data`` with the machine it was measured on, as JSON at ``out`` (a long run also
+    writes what it has after each part, so that a run cut short keeps it)."""
     data = {"machine": machine(), **data}
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as fh:
         json.dump(data, fh, indent=2)
-    print(f"\nwrote {out}")
 
 
 class ConstantReader(_backend.Backend):

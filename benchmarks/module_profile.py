@@ -34,8 +34,10 @@ cheaper than MemTracker on every row.
 Usage: ``python benchmarks/module_profile.py [--quick] [--rounds N] [--steps N] [--out PATH]``
 (default ``benchmarks/results/module-profile.json``)
 (``--quick``: the 2-layer GPT-2 and the ResNet-18 only, 9 rounds of 16 steps, about a
-minute on an H200; the full run's MemTracker steps on GPT-2 small and BERT-base dominate its
-time: about five minutes).
+minute on an H200. The full run's MemTracker steps on GPT-2 small and BERT-base dominate its
+time: with MemTracker in every round it did not finish in six minutes on an H200, hence
+MemTracker in every third round by default (``--memtracker-every``). The JSON is written
+after each case, marked ``partial``, so that a run cut short keeps what it measured.)
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from _common import CUDA, emit, fmt_seconds
+from _common import CUDA, emit, fmt_seconds, write_json
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -179,13 +181,15 @@ def module_calls(step: Callable[[], None]) -> int:
 
 
 def time_cases(
-    case: Case, twin: Case, control: Case, steps: int, rounds: int
+    case: Case, twin: Case, control: Case, steps: int, rounds: int, memtracker_every: int = 1
 ) -> tuple[dict[str, list[float]], float]:
     """Seconds per step of each case, one block per case per round, interleaved; and the
     seconds the profile took to install and remove its hooks, once for the whole run
     (outside every block's time: a profile is meant to run over many steps). ``twin`` is a
     copy of ``case``'s model and step: the one profile stays on it throughout; ``control``
-    another copy, run bare: how far two bare blocks of the same step differ here."""
+    another copy, run bare: how far two bare blocks of the same step differ here.
+    MemTracker's block runs in every ``memtracker_every``-th round only (its steps cost ten
+    to a thousand times a bare one); ``memtracker_bare`` holds those rounds' bare blocks."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     model, external, step, _ = case
@@ -226,15 +230,21 @@ def time_cases(
         "memtracker": tracked,
     }
     out: dict[str, list[float]] = {k: [] for k in cases}
+    out["memtracker_bare"] = []
     names = list(cases)
     try:
         for run in cases.values():  # warm every path
             timed(run)
         for r in range(rounds):
-            for name in names[r % len(names) :] + names[: r % len(names)]:
+            order = names[r % len(names) :] + names[: r % len(names)]
+            if r % memtracker_every:
+                order.remove("memtracker")
+            for name in order:
                 gc.collect()
                 cases[name]()  # untimed: the GPU's clocks up again after the collection
                 out[name].append(timed(cases[name]) / steps)
+            if "memtracker" in order:
+                out["memtracker_bare"].append(out["bare"][-1])
     finally:
         prof.resume()
         s0 = time.perf_counter()
@@ -243,9 +253,14 @@ def time_cases(
     return out, setup
 
 
+def _bare(case: str) -> str:
+    """The bare blocks of the rounds ``case`` ran in."""
+    return "memtracker_bare" if case == "memtracker" else "bare"
+
+
 def overhead(times: dict[str, list[float]], case: str) -> tuple[float, float, float]:
     """(median, min, max) percent over the same round's bare block."""
-    ratios = [(c / b - 1) * 100 for c, b in zip(times[case], times["bare"], strict=True)]
+    ratios = [(c / b - 1) * 100 for c, b in zip(times[case], times[_bare(case)], strict=True)]
     return statistics.median(ratios), min(ratios), max(ratios)
 
 
@@ -253,7 +268,7 @@ def per_module_call(
     times: dict[str, list[float]], case: str, calls: int
 ) -> tuple[float, float, float]:
     """(median, min, max) µs per module call over the same round's bare block."""
-    diffs = [(c - b) / calls * 1e6 for c, b in zip(times[case], times["bare"], strict=True)]
+    diffs = [(c - b) / calls * 1e6 for c, b in zip(times[case], times[_bare(case)], strict=True)]
     return statistics.median(diffs), min(diffs), max(diffs)
 
 
@@ -298,12 +313,18 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/module-profile.json")
     parser.add_argument("--rounds", type=int, help="rounds of blocks (default 9)")
     parser.add_argument("--steps", type=int, help="steps per block (default 16 quick, 8 full)")
+    parser.add_argument(
+        "--memtracker-every",
+        type=int,
+        help="time MemTracker in every Nth round (default 1 quick, 3 full: its steps are slow)",
+    )
     args = parser.parse_args()
-    for flag in ("rounds", "steps"):
+    for flag in ("rounds", "steps", "memtracker_every"):
         value = getattr(args, flag)
         if value is not None and value < 1:
-            parser.error(f"--{flag} must be at least 1, got {value}")
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
     paths = ready_paths()
+    every = args.memtracker_every or (1 if args.quick else 3)
     rounds = args.rounds or 9
     steps = args.steps or (16 if args.quick else 8)
     # Each case with its rounds and steps: the launch-bound ones more of both in a full run.
@@ -317,6 +338,7 @@ def main() -> None:
         "rounds": rounds,
         "steps_per_block": steps,
         "launch_bound_rounds_and_steps": list(small),
+        "memtracker_every": every,
         "device": DEVICE,
         "paths": paths,
         "cases": {},
@@ -333,7 +355,7 @@ def main() -> None:
         twin[2]()
         control[2]()
         calls = module_calls(step)
-        times, setup = time_cases(case, twin, control, case_steps, case_rounds)
+        times, setup = time_cases(case, twin, control, case_steps, case_rounds, every)
         measured = ("control", "cudamem", "paused", "memtracker")
         pcts = {name: overhead(times, name) for name in measured}
         ours, theirs = pcts["cudamem"], pcts["memtracker"]
@@ -382,6 +404,7 @@ def main() -> None:
             "cudamem_install_and_remove_seconds": setup,
             "agreement": agree,
         }
+        write_json({**data, "partial": "cases measured so far"}, args.out)
         del model, external, step, case, twin, control
         _fresh_cache()
     emit(
