@@ -235,7 +235,9 @@ def time_cases(
     try:
         for run in cases.values():  # warm every path
             timed(run)
+        started = time.perf_counter()
         for r in range(rounds):
+            _progress(f"round {r + 1}/{rounds}, {time.perf_counter() - started:.0f} s in")
             order = names[r % len(names) :] + names[: r % len(names)]
             if r % memtracker_every:
                 order.remove("memtracker")
@@ -251,6 +253,11 @@ def time_cases(
         prof.stop()
         setup += time.perf_counter() - s0
     return out, setup
+
+
+def _progress(line: str) -> None:
+    """A progress line on stderr (a full run takes minutes; the table comes at the end)."""
+    print(f"  {line}", file=sys.stderr, flush=True)
 
 
 def _bare(case: str) -> str:
@@ -351,6 +358,7 @@ def main() -> None:
             print(f"{exc.name} is not installed: its rows are skipped")
             continue
         model, external, step, label = case
+        _progress(f"{label}: {case_rounds} rounds of {case_steps} steps")
         step()  # the optimizer's state exists before anything is timed
         twin[2]()
         control[2]()
