@@ -800,3 +800,82 @@ def test_a_node_held_from_c_takes_a_gate_as_a_grad_fn_does(stub: Any) -> None:
         assert fwd.next == 2
     finally:
         stub.log_stop(owner)
+
+
+class Opaque:
+    """An argument whose every attribute read raises (``__class__`` included)."""
+
+    def __getattribute__(self, name: str) -> Any:
+        raise RuntimeError(f"no {name} here")
+
+
+def test_deep_huge_and_opaque_arguments_agree(stub: Any) -> None:
+    class Wide(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = Grad(keep=2 * KiB, temp=3 * KiB)
+
+        def forward(self, *args: Any) -> torch.Tensor:
+            return self.inner(args[-1])  # type: ignore[no-any-return]
+
+    class Odd(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = Grad(keep=3 * KiB, temp=3 * KiB)
+
+        def forward(self, x: torch.Tensor, opaque: Opaque) -> torch.Tensor:
+            return self.inner(x)  # type: ignore[no-any-return]
+
+    class Top(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.deep = Reader(KiB, "tuple", "tensor")
+            self.wide = Wide()
+            self.odd = Odd()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.deep(((None, (x,)), x * 2))  # x too deep to be searched, then x * 2
+            h = self.wide(*((torch.zeros(1),) * 100_000), h)  # found last of 100,001
+            return self.odd(h, Opaque())  # type: ignore[no-any-return]
+
+    both = _both(stub, _train(Top))
+    assert both[True] == both[False]
+    # Each backward ended at its input's node (its own keep only), the search having gone
+    # past what needs no grad, over a hundred thousand tensors and around an object whose
+    # every attribute read raises.
+    assert both[True]["Top.wide"][6].max == 2 * KiB
+    assert both[True]["Top.odd"][6].max == 3 * KiB
+    assert both[True]["Top.deep"][5].max == 1
+
+
+def test_two_threads_calling_the_model_at_once_break_nothing(stub: Any) -> None:
+    """Calls from two threads at once are not attributed (documented), but the C hooks and
+    the Python ones they hand on to keep the stack sound: no error, every hook gone."""
+    import threading
+
+    errors: list[BaseException] = []
+    model = nn.Sequential(*(Block(i % 3) for i in range(6)))
+    with device(stub, True) as dev:
+        _bind(model, dev)
+        prof = cudamem.track_modules(model).start()
+        assert prof._native is not None
+        barrier = threading.Barrier(2)
+
+        def work() -> None:
+            try:
+                barrier.wait()
+                for _ in range(30):
+                    model(torch.ones(4, requires_grad=True)).sum().backward()
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=work) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not any(t.is_alive() for t in threads)
+        profile = prof.stop()
+    assert errors == []
+    assert prof.hooks == 0 and prof._stack == []
+    assert profile.module("Sequential.0.a").calls.max >= 1
