@@ -43,17 +43,13 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from module_profile import DEVICE, _sync, ready_paths
+
 import cudamem
 from cudamem import _backend
 
-DEVICE = "cuda" if CUDA else "cpu"
 CALLS_PER_READING = 20_000
 CHAIN_NODES = 400
-
-
-def _sync() -> None:
-    if CUDA:
-        torch.cuda.synchronize()
 
 
 def stub_reader() -> Any:
@@ -266,8 +262,6 @@ def main() -> None:
         if getattr(args, flag) < 1:
             parser.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
     if CUDA:
-        from module_profile import ready_paths
-
         paths = ready_paths()
         backend = _backend.get()
         api = getattr(backend, "gates", None)
