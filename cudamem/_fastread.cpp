@@ -591,6 +591,16 @@ PyObject* forward_pre(PyObject* obj, PyObject* const* args, Py_ssize_t nargs) {
     }
     const long long slot = PyLong_AsLongLong(slot_obj);
     Py_DECREF(slot_obj);
+    // The search can run Python (a Mapping's values()): the profile may have stopped or its
+    // open forwards been dropped meanwhile.
+    if (!forward_ready(self)) {
+      Py_DECREF(source);
+      Py_RETURN_NONE;
+    }
+    if (PyList_GET_SIZE(self->stack) == 0) {
+      Py_DECREF(source);
+      return PyObject_Vectorcall(self->slow_pre, args, 4, nullptr);
+    }
     PyObject* parent = PyList_GET_ITEM(self->stack, PyList_GET_SIZE(self->stack) - 1);
     long long parent_call = -1;
     if (PyList_Check(parent) && PyList_GET_SIZE(parent) == kEntryFields) {

@@ -476,6 +476,8 @@ class ModuleProfiler(PresentedHtml):
                     first = _grad_tensor(kwargs)
             if first is not None:
                 source = first.grad_fn
+            if not self._active:  # the search ran Python (a Mapping's values()) that stopped us
+                return
         parent = stack[-1] if stack else None
         native = self._native
         if native is None:

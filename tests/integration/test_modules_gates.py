@@ -879,3 +879,66 @@ def test_two_threads_calling_the_model_at_once_break_nothing(stub: Any) -> None:
     assert errors == []
     assert prof.hooks == 0 and prof._stack == []
     assert profile.module("Sequential.0.a").calls.max >= 1
+
+
+class Stopping(dict[str, Any]):
+    """A mapping whose ``values()`` stops the profile: the search for a grad-requiring input
+    runs it in the middle of a module call's pre-hook."""
+
+    prof: Any = None
+
+    def values(self) -> Any:
+        if Stopping.prof is not None:
+            Stopping.prof.stop()
+        return super().values()
+
+
+def test_a_profile_stopped_by_the_argument_search_drops_the_call(
+    stub: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The search runs Python; should that stop the profile, the call is dropped on both
+    paths: no read past an emptied stack in C, no span left open in Python."""
+    from cudamem import modules
+
+    class Inner(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = Grad(keep=KiB, temp=3 * KiB)
+
+        def forward(self, mask: torch.Tensor, extra: Any) -> torch.Tensor:
+            return self.a(extra["x"])  # type: ignore[no-any-return]
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = Inner()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(torch.zeros(4), Stopping(x=x))  # type: ignore[no-any-return]
+
+    spans = {"open": 0, "closed": 0}
+    real_open, real_close = modules.open_quiet, modules.close_quiet
+
+    def counted_open(*args: Any) -> Any:
+        spans["open"] += 1
+        return real_open(*args)
+
+    def counted_close(*args: Any) -> None:
+        spans["closed"] += 1
+        real_close(*args)
+
+    monkeypatch.setattr(modules, "open_quiet", counted_open)
+    monkeypatch.setattr(modules, "close_quiet", counted_close)
+    for gates in (True, False):
+        model = Outer()
+        with device(stub, gates) as dev:
+            _bind(model, dev)
+            prof = cudamem.track_modules(model).start()
+            Stopping.prof = prof
+            try:
+                model(torch.ones(4, requires_grad=True)).sum().backward()
+            finally:
+                Stopping.prof = None
+            assert prof.hooks == 0 and prof._stack == []
+            assert prof.profile.steps == 0  # nothing of the stopped step was kept
+    assert spans["open"] == spans["closed"] == 1  # the span path's Outer, dropped at stop
