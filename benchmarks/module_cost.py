@@ -419,8 +419,12 @@ def instrumented(impl: str, timers: Timers) -> Iterator[None]:
             choose = profiler.__dict__["_choose_gates"]
 
             def chosen(self: Any, _real: Any = choose, _label: str = label) -> None:
+                had = self._native
                 _real(self)
-                if self._native is not None:  # the C hooks serve: time them
+                # The C hooks serve from here: time them, once (a profile chooses at every
+                # step's start; wrapping again there nested a timer a step, and their own
+                # cost grew into this row).
+                if had is None and self._native is not None:
                     self._fwd_pre = timers.wrap(_label, self._fwd_pre)
                     self._fwd_post = timers.wrap(_label, self._fwd_post)
 
@@ -608,6 +612,10 @@ def backend_named(name: str) -> Iterator[None]:
         return
     if name == "constant":
         chosen: _backend.Backend = ConstantReader()
+    elif name == "stub":  # the C++ log and C hooks on the CPU: the reader's source, stubbed
+        from module_units import stub_reader
+
+        chosen = stub_reader()
     else:
         from tests.fakes import FakeAllocator
 
@@ -622,6 +630,14 @@ def main() -> None:
     parser.add_argument("--json", metavar="PATH", help="write the figures there too")
     parser.add_argument("--case", choices=["resnet", "gpt2", "chain"], action="append")
     parser.add_argument(
+        "--backend",
+        choices=["constant", "fake", "stub"],
+        action="append",
+        help="the CPU's counters (default: constant with --quick, else constant and fake); "
+        "stub builds the C++ reader against a stub allocator, so the C++ log and the C "
+        "hooks serve as on a GPU",
+    )
+    parser.add_argument(
         "--step-span",
         action="store_true",
         help="each step inside cudamem.track('step'), as `cudamem run` and the trainer "
@@ -635,7 +651,12 @@ def main() -> None:
         _backend.build_reader()
     span.span_core_status(wait=60)  # the compiled span core serves, as in a user's run
     rounds, steps = (5, 5) if args.quick else (9, 8)
-    backends = ["cuda"] if CUDA else (["constant"] if args.quick else ["constant", "fake"])
+    if CUDA:
+        backends = ["cuda"]
+    elif args.backend:
+        backends = args.backend
+    else:
+        backends = ["constant"] if args.quick else ["constant", "fake"]
     makers: dict[str, Callable[[], Case | None]] = {
         "resnet": resnet_case,
         "gpt2": gpt2_case,
