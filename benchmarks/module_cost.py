@@ -651,12 +651,8 @@ def main() -> None:
         _backend.build_reader()
     span.span_core_status(wait=60)  # the compiled span core serves, as in a user's run
     rounds, steps = (5, 5) if args.quick else (9, 8)
-    if CUDA:
-        backends = ["cuda"]
-    elif args.backend:
-        backends = args.backend
-    else:
-        backends = ["constant"] if args.quick else ["constant", "fake"]
+    default = ["constant"] if args.quick else ["constant", "fake"]
+    backends = ["cuda"] if CUDA else args.backend or default
     makers: dict[str, Callable[[], Case | None]] = {
         "resnet": resnet_case,
         "gpt2": gpt2_case,
