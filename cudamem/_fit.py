@@ -20,7 +20,9 @@ from fractions import Fraction
 from typing import NamedTuple
 
 __all__ = [
+    "ALLOWANCE",
     "CONTAINERS",
+    "HEADROOM",
     "TERMS",
     "Line",
     "ModuleCost",
@@ -30,6 +32,7 @@ __all__ = [
     "fit",
     "largest_under",
     "relative_error",
+    "required",
     "terms_for",
 ]
 
@@ -138,6 +141,22 @@ def relative_error(predicted: float, measured: float) -> float:
     if measured == 0:
         return 0.0 if predicted == 0 else math.inf
     return abs(predicted - measured) / measured
+
+
+#: The allowance near the limit, before a confirming step measured it: a share of the peak
+#: allocated (stranded free space in segments that hold live blocks) ...
+ALLOWANCE = 0.01
+#: ... plus a fixed amount (the 2 MiB rounding of a large block, a 20 MiB segment for a
+#: mid-sized request, kernels loaded on first use).
+HEADROOM = 64 << 20
+
+
+def required(allocated: float, allowance: float) -> float:
+    """The memory a step of peak ``allocated`` needs when memory is short: the allocator
+    frees its cached blocks and retries a failed ``cudaMalloc`` before it raises, so what it
+    cannot give back is the free space beside live blocks (``allowance``, a share of the
+    peak) and ``HEADROOM``."""
+    return allocated * (1.0 + allowance) + HEADROOM
 
 
 def largest_under(peak: Callable[[int], float], budget: float, *, limit: int = 1 << 40) -> int:

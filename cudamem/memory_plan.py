@@ -16,14 +16,25 @@ from typing import Any, ClassVar
 
 from . import _backend, _nvml
 from ._args import check_int
-from ._fit import Line, ModuleCost, checkpoint_per_sample, choose_checkpoint, largest_under
+from ._fit import (
+    ALLOWANCE,
+    HEADROOM,
+    Line,
+    ModuleCost,
+    checkpoint_per_sample,
+    choose_checkpoint,
+    largest_under,
+    required,
+)
 from ._format import format_bytes, plural
 from ._present import Presented, PresentedHtml
 from .fragmentation import Fragmentation
 
 __all__ = [
     "LINEAR_TOLERANCE",
+    "SAME_MEMORY",
     "CheckpointAdvice",
+    "LargestBatch",
     "LineCheck",
     "MemoryPlan",
     "ModuleShare",
@@ -32,11 +43,17 @@ __all__ = [
     "Probe",
     "RestoreCost",
     "available_memory",
+    "device_memory",
 ]
 
 #: The check point may lie this far (relative, allocated) from the line before the plan
 #: calls the step not linear in ``n`` and refuses to extrapolate.
 LINEAR_TOLERANCE = 0.02
+
+
+#: ``largest()`` treats a budget within this share of the memory the plan ran with as that
+#: memory: the steps that ran answer for it, not the line.
+SAME_MEMORY = 0.005
 
 
 class NotLinearError(RuntimeError):
@@ -71,6 +88,10 @@ class Probe:
     #: (``(forward, the rest)`` for a model whose forward computes the loss); ``()`` when
     #: no module ran or the step ran out of memory.
     phases: tuple[int, ...] = ()
+    #: Allocated and reserved when it ran out of memory (the allocator had freed its cache
+    #: and retried: reserved over allocated is what it could not give back), or ``None``.
+    oom_allocated: int | None = None
+    oom_reserved: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +104,11 @@ class Prediction(Presented):
     reserved: int
     #: Whether ``n`` lies within the sizes the plan ran (an interpolation).
     measured_range: bool = True
+    #: The memory the step needs when memory is short: peak allocated plus the allowance
+    #: for what the allocator cannot give back (``MemoryPlan.allowance``); what
+    #: ``largest()`` holds against the memory. ``reserved`` is the peak of a step with
+    #: memory to spare (cached blocks it could have returned included).
+    required: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,19 +169,52 @@ class CheckpointAdvice(Presented):
     notes: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True, slots=True)
+class LargestBatch(Presented):
+    """``MemoryPlan.largest_for``: the largest batch for a given memory, and what the answer
+    assumed about the card."""
+
+    n: int
+    length: int | None
+    #: Bytes the allocator may use (for ``card=True``: the card's capacity less what this
+    #: card holds outside the allocator).
+    memory: int
+    margin: float
+    #: ``memory`` less the margin: what the required bytes are held against.
+    budget: int
+    #: The memory batch ``n`` needs (``Prediction.required``).
+    required: int
+    #: ``'ran'`` (a step at ``n`` or larger ran on this card), ``'interpolated'`` (between
+    #: steps that ran) or ``'extrapolated'`` (past every step: the line's word alone).
+    territory: str
+    #: What the plan measured on this card that another card may not share: ``(what,
+    #: bytes)``.
+    card_parts: tuple[tuple[str, int], ...]
+    assumptions: tuple[str, ...]
+    #: The card's capacity when ``card=True`` was asked, else ``None``.
+    capacity: int | None = None
+
+
 def available_memory(device: int) -> tuple[int | None, str | None]:
     """Bytes this process could use on ``device`` now: NVML's free memory (CUDA's where
     NVML does not answer) plus what its allocator holds reserved; or ``None`` and why."""
+    available, _, why = device_memory(device)
+    return available, why
+
+
+def device_memory(device: int) -> tuple[int | None, int | None, str | None]:
+    """``(available, capacity, why)``: ``available_memory``'s bytes, the device's capacity,
+    and why the first is unknown (``None`` when known)."""
     backend = _backend.get()
     reserved = backend.read(device).reserved
     info = _nvml.query_device(device, backend.device_uuid(device))
     if isinstance(info, _nvml.NvmlDevice) and info.memory is not None:
-        return info.memory.free + reserved, None
+        return info.memory.free + reserved, info.memory.total, None
     why = info.reason if isinstance(info, _nvml.NvmlStatus) else info.memory_reason
     cuda = backend.mem_get_info(device)
     if cuda is not None:
-        return cuda[0] + reserved, None
-    return None, f"the free memory is unknown (NVML: {why}; CUDA has no context)"
+        return cuda[0] + reserved, cuda[1], None
+    return None, None, f"the free memory is unknown (NVML: {why}; CUDA has no context)"
 
 
 def _check_margin(margin: Any) -> float:
@@ -225,6 +284,22 @@ class MemoryPlan(PresentedHtml):
     #: same phases: the predicted peak is the largest of them (the peak moves from the end
     #: of the forward to the backward as samples grow longer); ``()``: the one line.
     phase_lines: tuple[Line, ...] = ()
+    #: What the allocator cannot give back near the limit, as a share of the peak
+    #: allocated (plus ``HEADROOM``): ``Prediction.required``. Measured by the confirming
+    #: steps where they ran, else the prior ``ALLOWANCE``.
+    allowance: float = ALLOWANCE
+    #: Whether the per-sample part was at least ``RESOLVED_SHARE`` of the peak at the
+    #: largest step fitted (``None``: no line).
+    resolved: bool | None = None
+    #: Batch sizes of checks that landed off the line and led to larger probes.
+    recovered: tuple[int, ...] = ()
+    #: The steps the line runs through: ``(n, length)`` each.
+    fitted: tuple[tuple[int, int | None], ...] = ()
+    #: Whether the plan confirmed its answer with steps (``plan(confirm=True)``): then
+    #: ``largest()`` on this card never names a batch past the largest step that ran.
+    confirm: bool = False
+    #: The device's capacity (bytes), ``None`` when unknown.
+    capacity: int | None = None
 
     # -- derived ------------------------------------------------------------------------
 
@@ -279,30 +354,137 @@ class MemoryPlan(PresentedHtml):
         if not inside and self.linear is False:
             raise NotLinearError(self._refusal(f"predict({n})"))
         allocated = self._allocated_at(line, n, at)
-        return Prediction(n, length, round(allocated), round(self._reserved_at(n, at)), inside)
+        return Prediction(
+            n,
+            length,
+            round(allocated),
+            round(self._reserved_at(n, at)),
+            inside,
+            round(required(allocated, self.allowance)),
+        )
 
     def largest(
         self, margin: float = 0.05, *, length: int | None = None, memory: int | None = None
     ) -> int:
-        """The largest batch whose predicted peak reserved fits ``memory`` less ``margin``
-        (a fraction of it): by default the memory this process can use now, NVML's free
-        memory plus its own reserved bytes. Never at or past a size that ran out of memory;
-        0 when not even one sample fits.
+        """The largest batch whose required memory (``Prediction.required``: peak allocated
+        plus what the allocator cannot give back) fits ``memory`` less ``margin`` (a
+        fraction of it): by default the memory this process can use now, NVML's free
+        memory plus its own reserved bytes. 0 when not even one sample fits.
+
+        On this card (``memory`` at most what the plan ran with) it never names a batch at
+        or past one that ran out of memory, and, where the plan confirmed its answer
+        (``plan(confirm=True)``, the default), never one past the largest step that ran;
+        within ``SAME_MEMORY`` of that memory it names that step. A larger ``memory`` (a
+        larger card) is answered from the line alone: ``largest_for`` says what that
+        assumes.
 
         Raises:
             NotLinearError: the line failed its check (the plan does not extrapolate).
             RuntimeError: nothing was measured, or the free memory is unknown.
         """
         budget = self._budget(margin, memory)
-        self._line()
+        return self._largest(budget, self._length(length))
+
+    def largest_for(
+        self,
+        memory: int,
+        *,
+        margin: float = 0.05,
+        length: int | None = None,
+        card: bool = False,
+    ) -> LargestBatch:
+        """``largest()`` for ``memory`` bytes, with what the answer assumed: for a budget on
+        this card or for a card you do not have.
+
+        ``memory`` is what the allocator may use (``torch.cuda.set_per_process_memory_
+        fraction(f)`` caps it at ``f`` times the capacity); with ``card=True`` it is a
+        card's capacity (141 GB), and what this card holds outside the allocator (the
+        CUDA context, the driver, other processes) is taken off it, assumed the same there.
+
+        Raises:
+            NotLinearError, RuntimeError: as ``largest()``.
+        """
+        check_int("memory", memory, minimum=0)
         at = self._length(length)
+        assumptions: list[str] = []
+        parts = self._card_parts()
+        usable = memory
+        if card:
+            outside = dict(parts).get("outside the allocator")
+            if outside is None:
+                raise RuntimeError(
+                    "card=True needs this card's capacity and free memory, which the plan "
+                    "could not read: pass the allocator's bytes instead (card=False)"
+                )
+            usable = max(0, memory - outside)
+            assumptions.append(
+                f"{format_bytes(outside)} of the card outside the allocator, as here (the "
+                "CUDA context and the driver: their size depends on the card and driver)"
+            )
+        budget = self._budget(margin, usable)
+        n = self._largest(budget, at)
+        line = self._line()
+        allocated = self._allocated_at(line, max(n, 1), at)
+        ran = self.largest_measured
+        territory = "ran" if 0 < n <= ran else "extrapolated" if n > ran else "interpolated"
+        if territory == "ran" and all(p.n != n for p in self.probes if not p.oom):
+            territory = "interpolated"
+        workspaces = dict(parts).get("other fixed bytes")
+        if workspaces is not None:
+            assumptions.append(
+                f"{format_bytes(workspaces)} of fixed bytes beyond the model's state, as here "
+                "(cuBLAS and cuDNN workspaces: their size depends on the architecture)"
+            )
+        assumptions.append(
+            f"the allocator cannot give back {self.allowance:.2%} of the peak plus "
+            f"{format_bytes(HEADROOM)}, as measured here"
+            + (" at a confirming step" if self.confirm and self._confirmed else "")
+        )
+        assumptions.append("the same torch, dtypes and kernels: the per-sample bytes as here")
+        return LargestBatch(
+            n,
+            length,
+            usable,
+            float(margin),
+            round(budget),
+            round(required(allocated, self.allowance)) if n else 0,
+            territory,
+            parts,
+            tuple(assumptions),
+            memory if card else None,
+        )
+
+    def _largest(self, budget: float, at: int) -> int:
+        self._line()
         if self.linear is False:
             raise NotLinearError(self._refusal("largest()"))
-        best = largest_under(lambda k: self._reserved_at(k, at), budget)
+        best = largest_under(lambda k: self._required_at(k, at), budget)
         oom = self.smallest_oom
+        if self.length_axis or self.available is None:
+            return best if oom is None else min(best, oom - 1)
+        if budget > self.available * (1 + SAME_MEMORY):
+            return best  # a larger card: the line's answer (largest_for says so)
+        ran = self.largest_measured
         if oom is not None:
             best = min(best, oom - 1)
+        if self.confirm:
+            best = min(best, ran)
+            if budget >= self.available * (1 - SAME_MEMORY):
+                best = max(best, ran)
         return best
+
+    @property
+    def _confirmed(self) -> bool:
+        return any(p.role == "confirm" and not p.oom for p in self.probes)
+
+    def _card_parts(self) -> tuple[tuple[str, int], ...]:
+        parts: list[tuple[str, int]] = []
+        if self.capacity is not None and self.available is not None:
+            parts.append(("outside the allocator", max(0, self.capacity - self.available)))
+        if self.fixed_parts and self.allocated_line is not None:
+            state = sum(nbytes for _, nbytes in self.fixed_parts)
+            parts.append(("other fixed bytes", max(0, self.fixed - state)))
+        return tuple(parts)
 
     def checkpointing(
         self,
@@ -333,19 +515,19 @@ class MemoryPlan(PresentedHtml):
         without = self.predict(n, length)
         fixed = line.fixed
         per_sample = line.per_sample(at)
-        if without.reserved <= budget:
+        if without.required <= budget:
             return CheckpointAdvice(n, length, (), without, without, round(budget), True)
-        target = (budget / self.ratio - fixed) / n
+        target = ((budget - HEADROOM) / (1.0 + self.allowance) - fixed) / n
         chosen = choose_checkpoint(self.module_costs, per_sample, target)
         notes: list[str] = []
         if not chosen:
             notes.append("no repeated block saves memory when checkpointed")
         predicted = self._checkpointed(n, length, chosen)
-        fits = predicted.reserved <= budget
+        fits = predicted.required <= budget
         if chosen and not fits:
             notes.append(
                 f"checkpointing all {plural(len(chosen), 'block')} is not enough: "
-                f"{format_bytes(predicted.reserved)} predicted, {format_bytes(round(budget))} free"
+                f"{format_bytes(predicted.required)} needed, {format_bytes(round(budget))} free"
             )
         names = tuple(m.name for m in sorted(chosen, key=lambda m: m.order))
         return CheckpointAdvice(
@@ -376,7 +558,12 @@ class MemoryPlan(PresentedHtml):
         per_sample = checkpoint_per_sample(line.per_sample(at), chosen)
         allocated = line.fixed + n * per_sample
         return Prediction(
-            n, length, round(allocated), round(allocated * self.ratio), self._measured(n, length)
+            n,
+            length,
+            round(allocated),
+            round(allocated * self.ratio),
+            self._measured(n, length),
+            round(required(allocated, self.allowance)),
         )
 
     def _allocated_at(self, line: Line, n: int, length: int) -> float:
@@ -403,6 +590,9 @@ class MemoryPlan(PresentedHtml):
             inside = self._measured(n, length if self.length_axis else None)
             reserved = max(reserved, by_line) if inside else min(reserved, by_line)
         return max(allocated, reserved)
+
+    def _required_at(self, n: int, length: int) -> float:
+        return required(self._allocated_at(self._line(), n, length), self.allowance)
 
     def _budget(self, margin: Any, memory: Any) -> float:
         fraction = _check_margin(margin)

@@ -36,18 +36,17 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from . import _backend
 from ._args import check_bool, check_int
 from ._device_arg import DeviceLike, resolve_device
-from ._fit import Line, ModuleCost, Point, fit, relative_error, terms_for
+from ._fit import ModuleCost, terms_for
+from ._plan_search import Outcome, Size, search
 from .fragmentation import Fragmentation
 from .ledger import fragmentation
 from .memory_plan import (
-    LINEAR_TOLERANCE,
-    LineCheck,
     MemoryPlan,
     ModuleShare,
     NotLinearError,
     Probe,
     RestoreCost,
-    available_memory,
+    device_memory,
 )
 from .module_profile import ModuleProfile
 from .modules import track_modules
@@ -60,11 +59,6 @@ SHAPES_CAUSE = (
     "shapes that depend on n other than through the batch dimension (dynamic shapes, "
     "padding to the longest sample, a data-dependent branch)"
 )
-
-
-class _Size(NamedTuple):
-    n: int
-    length: int | None
 
 
 # --------------------------------------------------------------------------- arguments
@@ -83,25 +77,25 @@ def _sizes(name: str, value: Any, *, minimum_count: int) -> tuple[int, ...]:
 
 def _check_size(
     value: Any, sizes: tuple[int, ...], lengths: tuple[int, ...] | None
-) -> _Size | None:
+) -> Size | None:
     """The check step's size: ``True`` twice the largest probe (on a length axis: the
     largest size at twice the largest length), ``False`` none, an int the size, a pair
     ``(n, length)``."""
     if value is True:
         if lengths is None:
-            return _Size(2 * sizes[-1], None)
-        return _Size(sizes[-1], 2 * lengths[-1])
+            return Size(2 * sizes[-1], None)
+        return Size(sizes[-1], 2 * lengths[-1])
     if value is False:
         return None
     if isinstance(value, tuple) and lengths is not None and len(value) == 2:
-        return _Size(
+        return Size(
             check_int("check[0]", value[0], minimum=1), check_int("check[1]", value[1], minimum=1)
         )
     if lengths is not None:
         raise TypeError("check must be a bool or an (n, length) pair on a plan with lengths=")
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"check must be a bool or a batch size (int), not {type(value).__name__}")
-    return _Size(check_int("check", value, minimum=1), None)
+    return Size(check_int("check", value, minimum=1), None)
 
 
 # --------------------------------------------------------------------------- restore
@@ -397,7 +391,7 @@ class _Runner:
         self.probes: list[Probe] = []
 
     @staticmethod
-    def _where(size: _Size, role: str) -> str:
+    def _where(size: Size, role: str) -> str:
         at = f"batch {size.n}" + ("" if size.length is None else f", length {size.length}")
         hint = " (check= chooses the check step's size)" if role == "check" else ""
         return f"cudamem.plan: raised by the {role} step at {at}{hint}"
@@ -406,7 +400,7 @@ class _Runner:
         gc.collect()
         self.backend.empty_cache()
 
-    def run(self, size: _Size, role: str, profiler: Any = None) -> Probe:
+    def run(self, size: Size, role: str, profiler: Any = None) -> Probe:
         backend, device = self.backend, self.device
         self.settle()
         backend.reset_peak(device)
@@ -418,6 +412,7 @@ class _Runner:
         start = time.perf_counter()
         error: str | None = None
         oom = False
+        at_oom = before
         # A quiet span: no history entry, no growth check, no OOM post-mortem for a probe
         # that is allowed to fail; its peak folds in every span the step opens.
         span = open_quiet(name, device)
@@ -437,6 +432,7 @@ class _Runner:
                 _add_note(exc, self._where(size, role))
                 raise
             oom = True
+            at_oom = backend.read(device)  # the failed step's tensors still alive
             text = str(exc)
             error = text.splitlines()[0][:200] if text else type(exc).__name__
             # The frames of the failed step hold its tensors: clear them, drop the
@@ -461,6 +457,8 @@ class _Runner:
                 True,
                 error,
                 after.alloc_retries - before.alloc_retries,
+                oom_allocated=at_oom.allocated,
+                oom_reserved=at_oom.reserved,
             )
         else:
             peak = span.peak_total if span.peak_total is not None else after.peak_allocated
@@ -502,6 +500,7 @@ def plan(
     *,
     lengths: Sequence[int] | None = None,
     check: bool | int | tuple[int, int] = True,
+    confirm: bool = True,
     model: torch.nn.Module | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     restore: bool = False,
@@ -560,6 +559,7 @@ def plan(
     check_size = _check_size(check, fitted, probe_lengths)
     check_bool("restore", restore)
     check_bool("modules", modules)
+    check_bool("confirm", confirm)
     if model is not None and not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module or None, not {type(model).__name__}")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
@@ -586,14 +586,15 @@ def plan(
         optimizer,
         restore,
         modules,
+        confirm,
     )
 
 
-def _schedule(sizes: tuple[int, ...], lengths: tuple[int, ...] | None) -> list[_Size]:
+def _schedule(sizes: tuple[int, ...], lengths: tuple[int, ...] | None) -> list[Size]:
     if lengths is None:
-        return [_Size(n, None) for n in sizes]
-    first = [_Size(n, lengths[0]) for n in sizes]
-    return first + [_Size(sizes[0], length) for length in lengths[1:]]
+        return [Size(n, None) for n in sizes]
+    first = [Size(n, lengths[0]) for n in sizes]
+    return first + [Size(sizes[0], length) for length in lengths[1:]]
 
 
 def _collect(
@@ -602,51 +603,53 @@ def _collect(
     device: int,
     sizes: tuple[int, ...],
     lengths: tuple[int, ...] | None,
-    check_size: _Size | None,
+    check_size: Size | None,
     model: torch.nn.Module | None,
     optimizer: torch.optim.Optimizer | None,
     restore: bool,
     modules: bool,
+    confirm: bool,
 ) -> MemoryPlan:
     length_axis = lengths is not None
     runner = _Runner(step, backend, device, length_axis)
     runner.settle()
     start_allocated = backend.read(device).allocated
+    read: list[tuple[int | None, int | None, str | None]] = []
+
+    def memory() -> int | None:
+        runner.settle()
+        read.append(device_memory(device))
+        return read[-1][0]
+
     saved = _save(model, optimizer) if restore and model and optimizer else None
-    notes: list[str] = []
     frag: Fragmentation | None = None
     graphs_before = _compiled_graphs()
-    schedule = _schedule(sizes, lengths)
-    profile: ModuleProfile | None = None
-    order: _ForwardOrder | None = None
-    profiled: tuple[int, int | None] | None = None
+    profiled: list[tuple[ModuleProfile, _ForwardOrder, tuple[int, int | None]]] = []
+
+    def run(size: Size, role: str, profile: bool) -> Probe:
+        if not (modules and profile):
+            return runner.run(size, role)
+        order = _ForwardOrder(backend, device)
+        profiler = track_modules(model, optimizer=optimizer)
+        with order:
+            probe = runner.run(size, role, profiler)
+        if not probe.oom:
+            profiled.append((profiler.profile, order, (size.n, size.length)))
+        return probe
+
     try:
-        warm = runner.run(schedule[0], "warm-up")
-        if warm.oom:
-            notes.append(f"the warm-up at batch {warm.n} ran out of memory: nothing was fitted")
-        else:
-            profiled_size = max(schedule, key=lambda s: (s.n, s.length or 0))
-            for size in schedule:
-                if modules and size == profiled_size:
-                    order = _ForwardOrder(backend, device)
-                    profiler = track_modules(model, optimizer=optimizer)
-                    with order:
-                        probe = runner.run(size, "probe", profiler)
-                    profile = profiler.profile
-                    profiled = (size.n, size.length)
-                else:
-                    probe = runner.run(size, "probe")
-                if probe.oom:
-                    notes.append(
-                        f"batch {probe.n} ran out of memory: the larger probes were skipped"
-                    )
-                    break
-            else:
-                if check_size is not None:
-                    runner.run(check_size, "check")
+        outcome = search(
+            run,
+            _schedule(sizes, lengths),
+            terms_for(len(lengths) if lengths is not None else 1),
+            check_size,
+            memory,
+            adaptive=not length_axis,
+            confirm=confirm,
+        )
         # The cache as the largest step left it (its peaks still in the counters): what
         # fragmentation costs at that size, before the cache is emptied below.
-        frag = _fragmentation_after(device, notes, runner.probes)
+        frag = _fragmentation_after(device, outcome.notes, runner.probes)
     finally:
         restored: RestoreCost | None = None
         if saved is not None and model is not None and optimizer is not None:
@@ -655,20 +658,27 @@ def _collect(
             del saved
         runner.settle()
     kept_after = backend.read(device).allocated - start_allocated
+    available, capacity, why = read[-1] if read else device_memory(device)
+    if why is not None:
+        outcome.notes.append(why)
     plan = _analyse(
         device,
         tuple(runner.probes),
+        outcome,
         length_axis,
-        lengths,
-        profile,
-        order,
-        profiled,
+        profiled[-1] if profiled else None,
         restored,
         kept_after,
-        notes,
         graphs_before,
     )
-    return plan if frag is None else replace(plan, fragmentation=frag)
+    plan = replace(plan, confirm=confirm and not length_axis, capacity=capacity)
+    largest_now = None
+    if available is not None and plan.allocated_line is not None and not length_axis:
+        try:
+            largest_now = plan.largest(memory=available)
+        except (NotLinearError, RuntimeError):
+            largest_now = None
+    return replace(plan, available=available, largest_now=largest_now, fragmentation=frag)
 
 
 def _fragmentation_after(
@@ -688,108 +698,46 @@ def _fragmentation_after(
     return replace(frag, peak_allocated=last.allocated, peak_reserved=last.reserved)
 
 
-def _phase_lines(steps: Sequence[Probe], terms: Sequence[str]) -> tuple[Line, ...]:
-    """A line per phase of the step, where every step had the same number of phases (two
-    or more); ``()`` otherwise."""
-    counts = {len(p.phases) for p in steps}
-    if len(counts) != 1 or counts == {0}:
-        return ()
-    (count,) = counts
-    return tuple(
-        fit([Point(p.n, p.length or 1, p.phases[k]) for p in steps], terms) for k in range(count)
-    )
-
-
 def _analyse(
     device: int,
     probes: tuple[Probe, ...],
+    outcome: Outcome,
     length_axis: bool,
-    lengths: tuple[int, ...] | None,
-    profile: ModuleProfile | None,
-    order: _ForwardOrder | None,
-    profiled: tuple[int, int | None] | None,
+    profiled: tuple[ModuleProfile, _ForwardOrder, tuple[int, int | None]] | None,
     restored: RestoreCost | None,
     kept_after: int,
-    notes: list[str],
     graphs_before: int | None,
 ) -> MemoryPlan:
-    terms = terms_for(len(lengths) if lengths is not None else 1)
-    fitted = [p for p in probes if p.role == "probe" and not p.oom]
-    allocated_line = reserved_line = None
-    check: LineCheck | None = None
-    causes: tuple[str, ...] = ()
-
-    def points(which: Sequence[Probe], reserved: bool) -> list[Point]:
-        return [
-            Point(p.n, p.length or 1, (p.reserved if reserved else p.allocated) or 0) for p in which
-        ]
-
-    phase_lines: tuple[Line, ...] = ()
-    if len(fitted) >= len(terms):
-        try:
-            allocated_line = fit(points(fitted, False), terms)
-            reserved_line = fit(points(fitted, True), terms)
-            phase_lines = _phase_lines(fitted, terms)
-        except ValueError as exc:
-            notes.append(str(exc))
-    else:
-        notes.append(f"{len(fitted)} probes ran, {len(terms)} are needed to fit {', '.join(terms)}")
+    notes = list(outcome.notes)
+    lines = outcome.lines
     measured = [p for p in probes if not p.oom and p.allocated]
     last = max(measured, key=lambda p: (p.n, p.length or 0), default=None)
     ratio = 1.0 if last is None else max(1.0, (last.reserved or 0) / (last.allocated or 1))
-    checked = [p for p in probes if p.role == "check"]
-    if allocated_line is not None and reserved_line is not None and checked:
-        c = checked[0]
-        at = c.length or 1
-        if c.oom:
-            notes.append(f"the check at batch {c.n} ran out of memory: the line is not tested")
-        else:
-            predicted = (
-                max(line.at(c.n, at) for line in phase_lines)
-                if phase_lines
-                else allocated_line.at(c.n, at)
-            )
-            largest_fitted = max(fitted, key=lambda p: (p.n, p.length or 0))
-            fitted_ratio = max(
-                1.0, (largest_fitted.reserved or 0) / (largest_fitted.allocated or 1)
-            )
-            predicted_reserved = max(
-                predicted, min(predicted * fitted_ratio, reserved_line.at(c.n, at))
-            )
-            error = relative_error(predicted, c.allocated or 0)
-            check = LineCheck(
-                c.n,
-                c.length,
-                round(predicted),
-                c.allocated or 0,
-                error,
-                round(predicted_reserved),
-                c.reserved or 0,
-                relative_error(predicted_reserved, c.reserved or 0),
-                error <= LINEAR_TOLERANCE,
-            )
-            if check.linear:
-                # The check lies on the line: fit through it too (a wider base).
-                allocated_line = fit(points([*fitted, c], False), terms)
-                reserved_line = fit(points([*fitted, c], True), terms)
-                phase_lines = _phase_lines([*fitted, c], terms)
-            else:
-                causes = _causes(probes, graphs_before)
+    check = outcome.check
+    causes = _causes(probes, graphs_before) if check is not None and not check.linear else ()
+    if outcome.recovered:
+        sizes = ", ".join(str(n) for n in outcome.recovered)
+        notes.append(
+            f"the check at batch {sizes} landed off the line; the line was fitted again from "
+            "larger steps (small batches are where cuDNN picks other algorithms and tensors "
+            "live in the allocator's small pool)"
+        )
     shares: tuple[ModuleShare, ...] = ()
     costs: tuple[ModuleCost, ...] = ()
     parts: tuple[tuple[str, int], ...] = ()
-    if profile is not None and profiled is not None:
-        shares = _shares(profile, profiled[0])
+    at: tuple[int, int | None] | None = None
+    if profiled is not None:
+        profile, order, at = profiled
+        shares = _shares(profile, at[0])
         parts = _fixed_parts(profile)
-        if order is not None:
-            costs = _module_costs(order, profile, profiled[0])
+        costs = _module_costs(order, profile, at[0])
         if profile.unmeasured:
             notes.append(f"module profile: {profile.unmeasured}")
-    result = MemoryPlan(
+    return MemoryPlan(
         device,
         probes,
-        allocated_line,
-        reserved_line,
+        None if lines is None else lines.allocated,
+        None if lines is None else lines.reserved,
         ratio,
         check,
         length_axis,
@@ -797,19 +745,13 @@ def _analyse(
         shares,
         parts,
         costs,
-        profiled,
+        at,
         restored,
         kept_after,
         notes=tuple(notes),
-        phase_lines=phase_lines,
+        phase_lines=() if lines is None else lines.phases,
+        allowance=outcome.allowance,
+        resolved=outcome.resolved if lines is not None else None,
+        recovered=tuple(outcome.recovered),
+        fitted=tuple((p.n, p.length) for p in outcome.fitted) if lines is not None else (),
     )
-    available, why = available_memory(device)
-    largest_now = None
-    if available is not None and allocated_line is not None and not length_axis:
-        try:
-            largest_now = result.largest(memory=available)
-        except (NotLinearError, RuntimeError):
-            largest_now = None
-    elif why is not None:
-        notes.append(why)
-    return replace(result, available=available, largest_now=largest_now, notes=tuple(notes))
