@@ -107,26 +107,30 @@ def _phase_lines(steps: Sequence[Probe], terms: Sequence[str]) -> tuple[Line, ..
 
 
 def fit_lines(steps: Sequence[Probe], terms: Sequence[str]) -> Lines:
-    """Allocated, reserved and phase lines through ``steps``.
+    """Allocated, reserved and phase lines through ``steps``; the reserved line through the
+    steps that had memory to spare (not the confirming steps, which ran at the limit).
 
     Raises:
         ValueError: too few steps, or steps that do not determine the terms.
     """
+    spare = [p for p in steps if p.role != "confirm"]
     return Lines(
         fit(_points(steps, False), terms),
-        fit(_points(steps, True), terms),
+        fit(_points(spare if len(spare) >= len(terms) else steps, True), terms),
         _phase_lines(steps, terms),
     )
 
 
 def variable_share(lines: Lines, step: Probe) -> float:
-    """The per-sample part of the line's peak at ``step``'s size, as a share of it (``<= 0``
-    when the line does not grow)."""
+    """The per-sample part of the peak at ``step``'s size, as a share of it: the largest
+    over the step's line and its phases' (a phase that grows is resolved even while a flat
+    one, the optimizer's step, holds the peak); ``<= 0`` when none grows."""
     at = step.length or 1
-    peak = lines.at(step.n, at)
-    if peak <= 0:
-        return 0.0
-    return (peak - lines.at(0, at)) / peak
+    shares = []
+    for line in (lines.allocated, *lines.phases):
+        peak = line.at(step.n, at)
+        shares.append((peak - line.at(0, at)) / peak if peak > 0 else 0.0)
+    return max(shares)
 
 
 @dataclass

@@ -710,7 +710,8 @@ def _analyse(
 ) -> MemoryPlan:
     notes = list(outcome.notes)
     lines = outcome.lines
-    measured = [p for p in probes if not p.oom and p.allocated]
+    # the largest step with memory to spare: a confirming step ran at the limit
+    measured = [p for p in probes if not p.oom and p.allocated and p.role != "confirm"]
     last = max(measured, key=lambda p: (p.n, p.length or 0), default=None)
     ratio = 1.0 if last is None else max(1.0, (last.reserved or 0) / (last.allocated or 1))
     check = outcome.check

@@ -17,7 +17,7 @@ from torch import nn
 
 import cudamem
 from cudamem import _backend
-from cudamem._fit import Line, checkpoint_per_sample
+from cudamem._fit import ALLOWANCE, HEADROOM, Line, checkpoint_per_sample, largest_under, required
 from cudamem.memory_plan import MemoryPlan, NotLinearError, Probe
 from cudamem.plan import SHAPES_CAUSE
 from cudamem.render.json import to_json
@@ -29,21 +29,48 @@ GiB = 1 << 30
 
 
 class Device(FakeAllocator):
-    """The fake allocator with a size: CUDA's free memory is what its reserved leaves."""
+    """The fake allocator with a size: CUDA's free memory is what its reserved leaves, and
+    a request past it raises ``torch.OutOfMemoryError`` as CUDA's allocator does: once it
+    has given its cache back, what it cannot give back is ``stranded`` (a share of the
+    allocated bytes). While memory is plentiful it keeps ``cached`` more reserved."""
 
     total = 140 * GiB
+    stranded = 0.0
+    cached = 0.0
 
     def mem_get_info(self, device: int) -> tuple[int, int] | None:
         return (self.total - self.reserved[device], self.total)
 
-
-class RoundingDevice(Device):
-    """Reserves 25 % more than it allocates (block rounding, fragmentation)."""
+    def limit(self, n_bytes_needed: float) -> bool:
+        return n_bytes_needed > self.total
 
     def alloc(self, nbytes: int, device: int = 0) -> None:
+        with self.lock:
+            after = self.allocated[device] + nbytes
+            if self.limit(after * (1 + self.stranded)):
+                self.calls["oom"] += 1
+                # the cache given back: only the stranded bytes stay reserved
+                self.reserved[device] = round(self.allocated[device] * (1 + self.stranded))
+                raise torch.OutOfMemoryError(
+                    f"CUDA out of memory. Tried to allocate {nbytes / MiB:.2f} MiB"
+                )
         super().alloc(nbytes, device)
         with self.lock:
-            self.reserved[device] = max(self.reserved[device], self.allocated[device] * 5 // 4)
+            keep = round(self.allocated[device] * (1 + max(self.cached, self.stranded)))
+            self.reserved[device] = min(self.total, max(self.reserved[device], keep))
+
+
+def most(fixed: int, per_sample: int, memory: int, stranded: float = 0.0) -> int:
+    """The true largest batch of ``fixed + per_sample * n`` on a device of ``memory``."""
+    return int((memory / (1 + stranded) - fixed) // per_sample)
+
+
+class RoundingDevice(Device):
+    """Reserves 25 % more than it allocates while memory is plentiful (a conv net's cache);
+    near the limit it can give all but 0.5 % of that back."""
+
+    cached = 0.25
+    stranded = 0.005
 
 
 @pytest.fixture
@@ -74,22 +101,37 @@ def linear(n: int) -> int:
     return 1000 * MiB + 50 * MiB * n
 
 
-def test_a_linear_step_is_fitted_exactly_from_four_steps(fake: Device) -> None:
+def test_a_linear_step_is_fitted_from_four_steps_and_confirmed_by_a_fifth(fake: Device) -> None:
     fake.alloc(500 * MiB)  # the model
     step = Step(fake, linear)
     plan = cudamem.plan(step)
-    assert step.calls == [(4,), (4,), (8,), (16,)]  # warm-up, two probes, the check
-    assert [p.role for p in plan.probes] == ["warm-up", "probe", "probe", "check"]
-    assert not any(p.oom for p in plan.probes)
+    # warm-up, two probes, the check, then a step at the answer for the whole device
+    target = largest_under(lambda n: required(1800 * MiB + 50 * MiB * n, ALLOWANCE), Device.total)
+    assert step.calls == [(4,), (4,), (8,), (16,), (target,)]
+    assert [p.role for p in plan.probes] == ["warm-up", "probe", "probe", "check", "confirm"]
+    assert not any(p.oom for p in plan.probes) and fake.calls["oom"] == 0
     assert plan.fixed == 1800 * MiB  # model + optimizer state + the step's own fixed part
     assert plan.per_sample() == 50 * MiB
+    assert plan.fitted == ((4, None), (8, None), (16, None), (target, None))
+    assert plan.resolved is True and plan.confirm is True
     assert plan.linear is True and plan.check is not None and plan.check.error == 0.0
     assert plan.predict(128).allocated == 1800 * MiB + 128 * 50 * MiB
     assert plan.predict(128).reserved == plan.predict(128).allocated
-    assert not plan.predict(128).measured_range and plan.predict(8).measured_range
-    # The largest batch under memory less the margin: (0.9 * 10 GiB - 1800 MiB) / 50 MiB.
-    assert plan.largest(0.10, memory=10 * GiB) == int((0.9 * 10 * GiB - 1800 * MiB) // (50 * MiB))
+    assert not plan.predict(target + 1).measured_range and plan.predict(8).measured_range
+    # The confirming step reserved what it allocated: nothing stranded, the headroom stays.
+    assert plan.allowance == 0.0
+    assert plan.predict(128).required == plan.predict(128).allocated + HEADROOM
+    # Under 10 GiB less 10 %: (0.9 * 10 GiB - 64 MiB - 1800 MiB) / 50 MiB.
+    assert plan.largest(0.10, memory=10 * GiB) == int(
+        (0.9 * 10 * GiB - HEADROOM - 1800 * MiB) // (50 * MiB)
+    )
     assert plan.largest(memory=1000 * MiB) == 0  # not even one sample
+    # The whole device: the confirmed step, never past it.
+    assert plan.largest(0.0) == target == plan.largest(0.0, memory=Device.total)
+    truth = most(1800 * MiB, 50 * MiB, Device.total)
+    assert truth * 0.98 < target < truth  # 1 % and the headroom below it
+    # A larger card: the line's answer.
+    assert plan.largest(0.0, memory=2 * Device.total) > 2 * target
     # Nothing of the probes stays: only the optimizer state the step keeps.
     assert plan.kept_after == 300 * MiB
     assert fake.allocated[0] == 800 * MiB
@@ -101,22 +143,32 @@ def test_largest_reads_the_memory_free_now(fake: Device) -> None:
     plan = cudamem.plan(Step(fake, linear))
     fake.alloc(2 * GiB)  # something else took memory since
     usable = Device.total - fake.reserved[0] + fake.reserved[0]  # free + this process's
-    expected = int((0.95 * usable - 1800 * MiB) // (50 * MiB))
+    expected = int((0.95 * usable - HEADROOM - 1800 * MiB) // (50 * MiB))
     assert plan.largest() == expected
-    assert plan.available == Device.total  # free + reserved when the plan finished
-    assert plan.largest_now == expected
+    assert plan.available == Device.total  # free + reserved before the confirming step
+    assert plan.largest_now == expected  # the default margin, when the plan finished
+    assert plan.largest(0.0) == plan.probes[-1].n  # the whole device: the confirmed step
 
 
-def test_reserved_over_allocated_is_counted_in() -> None:
+def test_the_small_steps_reserved_ratio_does_not_shrink_the_largest_batch() -> None:
+    """A conv net's cache holds 25 % more than it allocates while memory is plentiful; at
+    the limit the allocator gives it back and needs 0.5 % (ResNet-50: batch 1,398 named
+    from the ratio, 1,713 ran)."""
     device = RoundingDevice()
     with _backend.use(device):
         device.alloc(500 * MiB)
         plan = cudamem.plan(Step(device, linear))
-    assert plan.ratio == pytest.approx(1.25)
-    prediction = plan.predict(100)
-    assert prediction.reserved == round(prediction.allocated * 1.25)
-    budget = 0.95 * 20 * GiB
-    assert plan.largest(memory=20 * GiB) == int((budget / 1.25 - 1800 * MiB) // (50 * MiB))
+        assert plan.ratio == pytest.approx(1.25)
+        prediction = plan.predict(100)
+        assert prediction.reserved == round(prediction.allocated * 1.25)
+        truth = most(1800 * MiB, 50 * MiB, Device.total, stranded=0.005)
+        answer = plan.largest(0.0)
+        assert truth * 0.97 <= answer <= truth  # within 3 % of the true largest, not over
+        assert answer > Device.total / 1.25 / (50 * MiB)  # the ratio's answer: 20 % lower
+        confirm = [p for p in plan.probes if p.role == "confirm"]
+        assert confirm and confirm[-1].n == answer and not confirm[-1].oom
+        Step(device, linear)(answer)  # a plain step at the answer runs
+        assert device.calls["oom"] == 0
 
 
 def quadratic(n: int) -> int:
@@ -124,16 +176,86 @@ def quadratic(n: int) -> int:
 
 
 def test_a_step_off_the_line_is_not_extrapolated(fake: Device) -> None:
-    plan = cudamem.plan(Step(fake, quadratic))
+    step = Step(fake, quadratic)
+    plan = cudamem.plan(step)
+    # The check at 16 lands off the line: larger probes (32) and a second check (64) before
+    # the refusal; no confirming step.
+    assert step.calls == [(4,), (4,), (8,), (16,), (32,), (64,)]
+    assert [p.role for p in plan.probes][-3:] == ["check", "probe", "check"]
+    assert plan.recovered == (16,)
     assert plan.linear is False
-    assert plan.check is not None and plan.check.error > 0.02
+    assert plan.check is not None and plan.check.n == 64 and plan.check.error > 0.02
     assert plan.causes[-1] == SHAPES_CAUSE
-    with pytest.raises(NotLinearError, match=r"not linear in n: at batch 16 .* past batch 16"):
-        plan.predict(17)
+    with pytest.raises(NotLinearError, match=r"not linear in n: at batch 64 .* past batch 64"):
+        plan.predict(65)
     with pytest.raises(NotLinearError, match="largest"):
         plan.largest(memory=100 * GiB)
-    assert plan.predict(16).allocated > 0  # within what it measured: answered
+    assert plan.predict(64).allocated > 0  # within what it measured: answered
     assert "NOT LINEAR in n" in str(plan)
+
+
+def test_a_check_off_the_line_at_small_batches_leads_to_larger_probes(fake: Device) -> None:
+    """Small batches pick other kernels and workspaces: 200 MiB more below batch 16. The
+    check at 16 lands off the line of 4 and 8; 16 and 32 give the line, 64 checks it."""
+
+    def peak(n: int) -> int:
+        return linear(n) + (200 * MiB if n < 16 else 0)
+
+    step = Step(fake, peak)
+    plan = cudamem.plan(step)
+    assert [c[0] for c in step.calls][:6] == [4, 4, 8, 16, 32, 64]
+    assert plan.recovered == (16,) and plan.linear is True
+    assert plan.fitted[:3] == ((16, None), (32, None), (64, None))
+    assert plan.per_sample() == 50 * MiB and plan.fixed == 1300 * MiB
+    assert plan.probes[-1].role == "confirm" and not plan.probes[-1].oom
+    truth = most(1300 * MiB, 50 * MiB, Device.total)
+    assert truth * 0.98 < plan.largest(0.0) < truth
+    assert "the check at batch 16 landed off the line" in str(plan)
+
+
+def test_an_unresolved_slope_grows_the_probes_until_it_is_measured(fake: Device) -> None:
+    """A 6-layer MLP under AdamW: at small batches the peak is the optimizer's step (1.9 GiB
+    and 16 KiB a sample), past batch ~2,500 the backward's (1.5 GiB and 180 KiB a sample).
+    From probes at 4 and 8 the old plan extrapolated 16 KiB a sample to a batch that ran
+    out of memory."""
+    KiB = 1 << 10
+
+    def peak(n: int) -> int:
+        return max(1900 * MiB + 16 * KiB * n, 1500 * MiB + 180 * KiB * n)
+
+    step = Step(fake, peak, state=0)
+    plan = cudamem.plan(step)
+    sizes = [c[0] for c in step.calls]
+    assert sizes[:6] == [4, 4, 8, 128, 2048, 32768]  # grown 16x until resolved
+    assert plan.resolved is True
+    assert len(sizes) <= 10 and fake.calls["oom"] <= 1
+    truth = (Device.total - 1500 * MiB) // (180 * KiB)
+    answer = plan.largest(0.0)
+    assert truth * 0.97 <= answer <= truth
+    step(answer)  # runs
+    assert plan.largest(0.05) < answer
+    assert any(n == answer for n in sizes)  # a step ran at the answer
+
+
+def test_a_confirming_step_out_of_memory_is_caught_and_the_answer_shrinks(fake: Device) -> None:
+    """Near the limit the allocator cannot give back 4 % of what it allocated: the first
+    confirming step (1 % allowed) runs out of memory, is recorded, and the next runs."""
+    fake.stranded = 0.04
+    fake.alloc(500 * MiB)
+    kept: list[Any] = []
+    step = Step(fake, linear)
+    plan = cudamem.plan(step)
+    confirms = [p for p in plan.probes if p.role == "confirm"]
+    assert confirms[0].oom and confirms[0].error is not None
+    assert confirms[0].oom_allocated == 800 * MiB  # the model and the optimizer state
+    assert not confirms[-1].oom
+    assert plan.smallest_oom == confirms[0].n
+    answer = plan.largest(0.0)
+    truth = most(1800 * MiB, 50 * MiB, Device.total, stranded=0.04)
+    assert answer == confirms[-1].n and truth * 0.97 <= answer <= truth
+    assert plan.allowance >= 0.04  # measured where it failed
+    assert fake.allocated[0] == 800 * MiB  # nothing of the failed step stays
+    assert not kept
 
 
 def test_cudnn_benchmark_is_named_as_a_cause(fake: Device, monkeypatch: Any) -> None:
@@ -170,9 +292,11 @@ def test_a_probe_out_of_memory_is_reported_and_its_frames_freed(fake: Device) ->
                 raise
 
     plan = cudamem.plan(step)
-    check = plan.probes[-1]
+    check, confirm = plan.probes[-2:]
     assert (check.role, check.n, check.oom) == ("check", 16, True)
     assert check.error == "CUDA out of memory. Tried to allocate 2.00 GiB"
+    # the line untested, a step below the failed size confirms what runs
+    assert (confirm.role, confirm.n, confirm.oom) == ("confirm", 15, False)
     assert plan.smallest_oom == 16
     assert plan.check is None and plan.linear is None
     assert any("the check at batch 16 ran out of memory" in n for n in plan.notes)
@@ -288,7 +412,10 @@ def test_lengths_fit_the_quadratic_attention_term(fake: Device) -> None:
     # A measured batch at a length longer than any step ran is past the probes too.
     assert plan.predict(8, 512).measured_range and not plan.predict(8, 1024).measured_range
     budget = 0.95 * 100 * GiB
-    expected = int((budget - 900 * MiB) // (4096 * 1024 + 48 * 1024 * 1024))
+    # no confirming step on a length axis: the prior allowance
+    assert plan.allowance == ALLOWANCE and plan.confirm is False
+    per_sample = 4096 * 1024 + 48 * 1024 * 1024
+    expected = int(((budget - HEADROOM) / (1 + ALLOWANCE) - 900 * MiB) // per_sample)
     assert plan.largest(length=1024, memory=100 * GiB) == expected
     with pytest.raises(ValueError, match="length is required"):
         plan.predict(16)
@@ -367,8 +494,10 @@ def test_modules_name_the_per_sample_bytes_and_checkpointing_advice(fake: Device
     assert "activations kept per sample, by module (profiled at n=8):" in text
     assert "30.0 MiB  Net.head" in text
 
-    # Batch 10 without checkpointing: 600 + 900 MiB; under 1350 MiB two blocks do.
-    advice = plan.checkpointing(10, margin=0.0, memory=1350 * MiB)
+    # Batch 10 without checkpointing: 600 + 900 MiB (and the 64 MiB headroom); under
+    # 1400 MiB two blocks do.
+    assert plan.allowance == 0.0
+    advice = plan.checkpointing(10, margin=0.0, memory=1400 * MiB)
     assert advice.modules == ("Net.blocks.0", "Net.blocks.1")
     per_sample = 90 * MiB - 2 * (10 * MiB - 16)
     assert advice.predicted.allocated == round(600 * MiB + 10 * per_sample)
@@ -444,7 +573,7 @@ def test_the_plan_as_text_html_and_json(fake: Device) -> None:
     fake.alloc(500 * MiB)
     plan = cudamem.plan(Step(fake, linear))
     text = str(plan)
-    assert text.startswith("cudamem.plan on cuda:0: 4 steps run")
+    assert text.startswith("cudamem.plan on cuda:0: 5 steps run")
     assert "peak allocated = 1.8 GiB + 50.0 MiB × n" in text
     assert "line said 2.5 GiB: 0.00% off, on the line" in text
     assert "after the plan: +300.0 MiB allocated" in text
@@ -453,14 +582,16 @@ def test_the_plan_as_text_html_and_json(fake: Device) -> None:
     assert '<td style="padding:0 0.6em">check</td>' in html
     data = json.loads(to_json(plan))
     assert data["allocated_line"] == {"terms": ["1", "n"], "coefs": [1800.0 * MiB, 50.0 * MiB]}
-    assert data["linear"] is True and data["largest_measured"] == 16
-    assert [p["role"] for p in data["probes"]] == ["warm-up", "probe", "probe", "check"]
-    # the cache as the check step (the largest) left it, its peaks from the counters
-    assert data["fragmentation"]["peak_allocated"] == 1800 * MiB + 16 * 50 * MiB
-    assert "cuda:0 fragmentation:" in text and "at peak: peak reserved 2.5 GiB" in text
+    confirmed = plan.probes[-1].n
+    assert data["linear"] is True and data["largest_measured"] == confirmed
+    roles = ["warm-up", "probe", "probe", "check", "confirm"]
+    assert [p["role"] for p in data["probes"]] == roles
+    # the cache as the confirming step (the largest) left it, its peaks from the counters
+    assert data["fragmentation"]["peak_allocated"] == 1800 * MiB + confirmed * 50 * MiB
+    assert "cuda:0 fragmentation:" in text
     assert (
         str(plan.predict(64))
-        == "batch 64: peak allocated 4.9 GiB, reserved 4.9 GiB (predicted, past the probes)"
+        == "batch 64: peak allocated 4.9 GiB, reserved 4.9 GiB (predicted)"
     )
     assert isinstance(plan, MemoryPlan)
 
@@ -493,9 +624,10 @@ class TwoPhaseStep:
 def test_the_peak_past_the_probes_is_the_larger_phase_s(fake: Device) -> None:
     """One line through the step's peaks (the forward's at every probe) would say
     1000 MiB + 60 MiB·n at n = 64; the backward holds 500 MiB + 80 MiB·n there."""
-    plan = cudamem.plan(TwoPhaseStep(fake), sizes=(4, 8))
+    plan = cudamem.plan(TwoPhaseStep(fake), sizes=(4, 8), confirm=False)
     assert [p.phases for p in plan.probes] == [
-        (1000 * MiB + 60 * MiB * n, 500 * MiB + 80 * MiB * n) for n in (4, 4, 8, 16)
+        (1000 * MiB + 60 * MiB * n, 500 * MiB + 80 * MiB * n)
+        for n in (4, 4, 8, 16)
     ]
     assert plan.allocated_line is not None
     assert round(plan.allocated_line.at(64)) == 1000 * MiB + 60 * MiB * 64
@@ -556,7 +688,7 @@ def test_the_optimizer_s_step_is_a_phase_of_its_own(fake: Device) -> None:
         opt.step()
 
     plan = cudamem.plan(step, sizes=(4, 8))
-    assert [p.allocated for p in plan.probes] == [1500 * MiB, 1500 * MiB, 1500 * MiB, 1960 * MiB]
+    assert [p.allocated for p in plan.probes[:4]] == [1500 * MiB] * 3 + [1960 * MiB]
     assert plan.probes[1].phases == (1240 * MiB, 820 * MiB, 1500 * MiB)
     assert plan.linear is True and len(plan.phase_lines) == 3
     assert plan.predict(64).allocated == 500 * MiB + 80 * MiB * 64
@@ -566,7 +698,7 @@ def test_the_fragmentation_s_peaks_are_the_last_step_s_own(fake: Device) -> None
     """The phases' spans reset the allocator's peak counters inside a step: the plan's
     fragmentation reports the check step's peak (its forward's 1960 MiB), not the last
     phase's."""
-    plan = cudamem.plan(TwoPhaseStep(fake), sizes=(4, 8))
+    plan = cudamem.plan(TwoPhaseStep(fake), sizes=(4, 8), confirm=False)
     assert plan.fragmentation is not None
     assert plan.probes[-1].allocated == 1960 * MiB
     assert plan.fragmentation.peak_allocated == 1960 * MiB
