@@ -42,7 +42,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from ._fit import ALLOWANCE, HEADROOM, Line, Point, fit, largest_under, relative_error, required
+from ._fit import ALLOWANCE, Line, Point, fit, largest_under, relative_error, required
 from .memory_plan import LINEAR_TOLERANCE, LineCheck, Probe
 
 __all__ = [
@@ -334,8 +334,9 @@ def _resolve_and_check(
 def _confirm(out: Outcome, steps: _Steps, terms: Sequence[str], available: int) -> None:
     assert out.lines is not None
     for _ in range(MAX_CONFIRMS):
-        lines, allowance = out.lines, out.allowance
-        target = largest_under(lambda m: required(lines.at(m), allowance), available)
+        target = largest_under(
+            lambda m, lines=out.lines, f=out.allowance: required(lines.at(m), f), available
+        )
         oom = steps.smallest_oom
         if oom is not None:
             target = min(target, math.floor(oom * (1 - SHRINK)), oom - 1)

@@ -75,9 +75,7 @@ def _sizes(name: str, value: Any, *, minimum_count: int) -> tuple[int, ...]:
     return tuple(sorted(out))
 
 
-def _check_size(
-    value: Any, sizes: tuple[int, ...], lengths: tuple[int, ...] | None
-) -> Size | None:
+def _check_size(value: Any, sizes: tuple[int, ...], lengths: tuple[int, ...] | None) -> Size | None:
     """The check step's size: ``True`` twice the largest probe (on a length axis: the
     largest size at twice the largest length), ``False`` none, an int the size, a pair
     ``(n, length)``."""

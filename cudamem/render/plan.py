@@ -6,16 +6,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from .._fit import Line
+from .._fit import HEADROOM, Line
 from .._format import escape_html, format_bytes, format_duration, plural
 from .._present import renders
-from ..memory_plan import CheckpointAdvice, MemoryPlan, Prediction, Probe
+from ..memory_plan import CheckpointAdvice, LargestBatch, MemoryPlan, Prediction, Probe
 from .text import render_table
 
 __all__ = [
     "formula",
     "plan_lines",
     "render_advice",
+    "render_largest",
     "render_plan",
     "render_plan_html",
     "render_prediction",
@@ -62,12 +63,19 @@ def _signed(value: float, fmt: Callable[[float], str]) -> str:
 def _probe_row(p: Probe, plan: MemoryPlan) -> list[str]:
     length = "" if p.length is None else str(p.length)
     if p.oom:
-        return [p.role, str(p.n), length, "out of memory", "", format_duration(p.seconds), ""]
+        note = ""
+        if p.oom_allocated:
+            note = f"{format_bytes(p.oom_allocated)} allocated when it failed"
+        return [p.role, str(p.n), length, "out of memory", "", format_duration(p.seconds), note]
     note = ""
     check = plan.check
     if p.role == "check" and check is not None:
         verdict = "on the line" if check.linear else "OFF the line"
         note = f"line said {format_bytes(check.predicted)}: {check.error:.2%} off, {verdict}"
+    elif p.role == "confirm":
+        note = "ran at the answer"
+        if p.retries:
+            note += f" (the allocator freed its cache {plural(p.retries, 'time')})"
     elif p.retries:
         note = f"allocator retried {plural(p.retries, 'time')}"
     return [
@@ -98,7 +106,23 @@ def plan_lines(plan: MemoryPlan) -> list[str]:
             out.append(
                 f"peak reserved  = {formula(plan.reserved_line)} "
                 f"(past the probes: the smaller of this and {plan.ratio:.3f} × allocated, "
-                "the largest step's ratio)"
+                "the largest step's ratio, while memory is plentiful)"
+            )
+        confirmed = [p for p in plan.probes if p.role == "confirm" and not p.oom]
+        basis = (
+            f"measured at the confirming step at batch {confirmed[-1].n}"
+            if confirmed
+            else "before any confirming step measured it"
+        )
+        out.append(
+            f"required near the limit = peak allocated × {1 + plan.allowance:.4f} + "
+            f"{format_bytes(HEADROOM)} ({basis}: the allocator frees its cache before it "
+            "fails; what it cannot give back is what limits the batch)"
+        )
+        if plan.resolved is False:
+            out.append(
+                "the per-sample bytes were too small a share of the peak to measure at the "
+                "largest step: answers past the steps run are not to be trusted"
             )
     if plan.fixed_parts and plan.allocated_line is not None:
         listed = ", ".join(f"{what} {format_bytes(nbytes)}" for what, nbytes in plan.fixed_parts)
@@ -114,9 +138,14 @@ def plan_lines(plan: MemoryPlan) -> list[str]:
     if plan.smallest_oom is not None:
         out.append(f"batch {plan.smallest_oom} ran out of memory: no answer reaches it")
     if plan.largest_now is not None and plan.available is not None:
+        ran = (
+            f"; a step ran at {plan.largest_measured}, the largest for margin 0"
+            if plan.confirm
+            else ""
+        )
         out.append(
             f"largest batch that fits now: {plan.largest_now} "
-            f"({format_bytes(plan.available)} usable by this process, 5% margin)"
+            f"({format_bytes(plan.available)} usable by this process, 5% margin{ran})"
         )
     elif plan.available is not None:
         out.append(f"{format_bytes(plan.available)} usable by this process now")
@@ -188,8 +217,30 @@ def render_prediction(p: Prediction) -> str:
     where = "" if p.measured_range else ", past the probes"
     return (
         f"{at}: peak allocated {format_bytes(p.allocated)}, reserved "
-        f"{format_bytes(p.reserved)} (predicted{where})"
+        f"{format_bytes(p.reserved)}, needs {format_bytes(p.required)} (predicted{where})"
     )
+
+
+_TERRITORY = {
+    "ran": "a step ran at this batch",
+    "interpolated": "between steps that ran",
+    "extrapolated": "past every step that ran: the line's word alone",
+}
+
+
+@renders(LargestBatch)
+def render_largest(b: LargestBatch) -> str:
+    """The batch, the memory it was held against, and what it assumed."""
+    on = (
+        f"a card of {format_bytes(b.capacity)} ({format_bytes(b.memory)} for the allocator)"
+        if b.capacity is not None
+        else f"{format_bytes(b.memory)} for the allocator"
+    )
+    head = (
+        f"largest batch on {on}, {b.margin:.0%} margin: {b.n} (needs "
+        f"{format_bytes(b.required)} of {format_bytes(b.budget)}; {_TERRITORY[b.territory]})"
+    )
+    return "\n".join([head, *(f"  assumes {a}" for a in b.assumptions)])
 
 
 @renders(CheckpointAdvice)

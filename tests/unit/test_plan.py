@@ -37,9 +37,11 @@ class Device(FakeAllocator):
     total = 140 * GiB
     stranded = 0.0
     cached = 0.0
+    #: Bytes of the card outside the allocator (its capacity is ``total`` plus these).
+    outside = 0
 
     def mem_get_info(self, device: int) -> tuple[int, int] | None:
-        return (self.total - self.reserved[device], self.total)
+        return (self.total - self.reserved[device], self.total + self.outside)
 
     def limit(self, n_bytes_needed: float) -> bool:
         return n_bytes_needed > self.total
@@ -576,6 +578,9 @@ def test_the_plan_as_text_html_and_json(fake: Device) -> None:
     assert text.startswith("cudamem.plan on cuda:0: 5 steps run")
     assert "peak allocated = 1.8 GiB + 50.0 MiB × n" in text
     assert "line said 2.5 GiB: 0.00% off, on the line" in text
+    assert "required near the limit = peak allocated × 1.0000 + 64.0 MiB" in text
+    assert f"measured at the confirming step at batch {plan.probes[-1].n}" in text
+    assert "ran at the answer" in text
     assert "after the plan: +300.0 MiB allocated" in text
     html = plan._repr_html_()
     assert html.startswith("<p><b>cudamem.plan</b> on cuda:0</p><table")
@@ -591,7 +596,7 @@ def test_the_plan_as_text_html_and_json(fake: Device) -> None:
     assert "cuda:0 fragmentation:" in text
     assert (
         str(plan.predict(64))
-        == "batch 64: peak allocated 4.9 GiB, reserved 4.9 GiB (predicted)"
+        == "batch 64: peak allocated 4.9 GiB, reserved 4.9 GiB, needs 4.9 GiB (predicted)"
     )
     assert isinstance(plan, MemoryPlan)
 
@@ -626,8 +631,7 @@ def test_the_peak_past_the_probes_is_the_larger_phase_s(fake: Device) -> None:
     1000 MiB + 60 MiB·n at n = 64; the backward holds 500 MiB + 80 MiB·n there."""
     plan = cudamem.plan(TwoPhaseStep(fake), sizes=(4, 8), confirm=False)
     assert [p.phases for p in plan.probes] == [
-        (1000 * MiB + 60 * MiB * n, 500 * MiB + 80 * MiB * n)
-        for n in (4, 4, 8, 16)
+        (1000 * MiB + 60 * MiB * n, 500 * MiB + 80 * MiB * n) for n in (4, 4, 8, 16)
     ]
     assert plan.allocated_line is not None
     assert round(plan.allocated_line.at(64)) == 1000 * MiB + 60 * MiB * 64
@@ -710,3 +714,44 @@ def test_a_negative_term_reads_as_a_minus() -> None:
     assert formula(Line(("1", "n"), (2048.0 * MiB, -227.5 * 1024))) == "2.0 GiB − 227.5 KiB × n"
     line = Line(("1", "n*L", "n*L^2"), (1024.0 * MiB, 1.5 * MiB, -51.0))
     assert formula(line) == "1.0 GiB + n × (1.5 MiB·L − 51.0 B·L²)"
+
+
+def test_the_largest_batch_for_another_budget_or_card_says_what_it_assumed(fake: Device) -> None:
+    """A 40 % budget on this card lies inside the steps that ran; a card twice the size
+    is answered from the line, with the bytes outside the allocator taken off it."""
+    fake.alloc(500 * MiB)
+    fake.total = 100 * GiB
+    fake.outside = 2 * GiB  # the CUDA context and the driver, as NVML counts them
+
+    plan = cudamem.plan(Step(fake, linear))
+    assert plan.capacity == 102 * GiB and plan.available == 100 * GiB
+    small = plan.largest_for(40 * GiB, margin=0.0)
+    assert small.n == plan.largest(0.0, memory=40 * GiB)
+    assert small.territory == "interpolated" and small.capacity is None
+    assert small.required <= small.budget == 40 * GiB
+    assert small.n == int((40 * GiB - HEADROOM - 1800 * MiB) // (50 * MiB))
+    big = plan.largest_for(204 * GiB, margin=0.0, card=True)
+    assert big.memory == 202 * GiB and big.territory == "extrapolated"
+    assert big.n == int((202 * GiB - HEADROOM - 1800 * MiB) // (50 * MiB))
+    assert big.card_parts[0] == ("outside the allocator", 2 * GiB)
+    text = str(big)
+    assert text.startswith("largest batch on a card of 204.0 GiB (202.0 GiB for the allocator)")
+    assert "past every step that ran" in text
+    assert "assumes 2.0 GiB of the card outside the allocator, as here" in text
+    assert "the allocator cannot give back 0.00% of the peak plus 64.0 MiB" in text
+    with pytest.raises(ValueError, match="memory must be >= 0"):
+        plan.largest_for(-1)
+
+
+def test_confirm_false_answers_from_the_line(fake: Device) -> None:
+    step = Step(fake, linear)
+    plan = cudamem.plan(step, confirm=False)
+    assert step.calls == [(4,), (4,), (8,), (16,)]
+    assert plan.confirm is False and plan.allowance == ALLOWANCE
+    expected = largest_under(
+        lambda n: required(1300 * MiB + 50 * MiB * n, ALLOWANCE), 0.95 * Device.total
+    )
+    assert plan.largest() == expected  # past the steps: the line's word
+    assert "before any confirming step measured it" in str(plan)
+    with pytest.raises(TypeError, match="confirm must be a bool"):
+        cudamem.plan(step, confirm=1)  # type: ignore[arg-type]
