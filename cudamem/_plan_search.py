@@ -331,12 +331,14 @@ def _resolve_and_check(
         check = Size(2 * probe.n, None)
 
 
+def _required_by(lines: Lines, allowance: float) -> Callable[[int], float]:
+    return lambda n: required(lines.at(n), allowance)
+
+
 def _confirm(out: Outcome, steps: _Steps, terms: Sequence[str], available: int) -> None:
     assert out.lines is not None
     for _ in range(MAX_CONFIRMS):
-        target = largest_under(
-            lambda m, lines=out.lines, f=out.allowance: required(lines.at(m), f), available
-        )
+        target = largest_under(_required_by(out.lines, out.allowance), available)
         oom = steps.smallest_oom
         if oom is not None:
             target = min(target, math.floor(oom * (1 - SHRINK)), oom - 1)
