@@ -1,0 +1,122 @@
+"""The rules of ``cudamem._plan_search`` in plain numbers: a ``run`` that returns the peaks
+of a made-up step and runs out of memory past a made-up card, no torch, no allocator."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from cudamem._fit import ALLOWANCE, required, terms_for
+from cudamem._plan_search import (
+    GROWTH,
+    MAX_STEPS,
+    RESOLVED_SHARE,
+    Size,
+    fit_lines,
+    search,
+    variable_share,
+)
+from cudamem.memory_plan import Probe
+
+MiB = 1 << 20
+GiB = 1 << 30
+TERMS = terms_for(1)
+
+
+class Card:
+    """Steps of peak ``peak(n)`` on a card of ``memory`` bytes that needs ``stranded`` more
+    than it allocates at the limit."""
+
+    def __init__(self, peak: Callable[[int], int], memory: int, stranded: float = 0.0):
+        self.peak, self.memory, self.stranded = peak, memory, stranded
+        self.sizes: list[int] = []
+
+    def __call__(self, size: Size, role: str, profile: bool) -> Probe:
+        n = size.n
+        self.sizes.append(n)
+        peak = self.peak(n)
+        if peak * (1 + self.stranded) > self.memory:
+            return Probe(
+                n,
+                None,
+                role,
+                None,
+                None,
+                0,
+                0.0,
+                True,
+                "out of memory",
+                0,
+                (),
+                GiB,
+                round(GiB * (1 + self.stranded)),
+            )
+        return Probe(n, None, role, peak, round(peak * (1 + self.stranded)), 0, 0.0)
+
+    def largest(self) -> int:
+        n = 1
+        while self.peak(n + 1) * (1 + self.stranded) <= self.memory:
+            n += 1
+        return n
+
+
+def run(card: Card, check: bool = True, confirm: bool = True) -> object:
+    return search(
+        card,
+        [Size(4, None), Size(8, None)],
+        TERMS,
+        Size(16, None) if check else None,
+        lambda: card.memory,
+        adaptive=True,
+        confirm=confirm,
+    )
+
+
+def test_a_resolved_line_is_checked_and_confirmed_in_five_steps() -> None:
+    card = Card(lambda n: 2 * GiB + 100 * MiB * n, 80 * GiB)
+    out = run(card)
+    target = ((80 * GiB - 64 * MiB) / (1 + ALLOWANCE) - 2 * GiB) // (100 * MiB)
+    # the first confirming step reserved what it allocated: the allowance falls to 0 and
+    # the line through it says 1 % more fits: a second one runs there
+    again = (80 * GiB - 64 * MiB - 2 * GiB) // (100 * MiB)
+    assert card.sizes == [4, 4, 8, 16, int(target), int(again)]
+    assert out.resolved and out.check is not None and out.check.linear
+    assert out.allowance == 0.0  # the confirming step reserved what it allocated
+
+
+def test_the_share_that_resolves_the_slope() -> None:
+    probe = Probe(16, None, "probe", 2 * GiB, 2 * GiB, 0, 0.0)
+    flat = fit_lines([Probe(8, None, "probe", 2 * GiB - 8 * MiB, 0, 0, 0.0), probe], TERMS)
+    assert variable_share(flat, probe) < RESOLVED_SHARE  # 16 MiB of 2 GiB: 0.8 %
+    steep = fit_lines([Probe(8, None, "probe", 3 * GiB // 2, 0, 0, 0.0), probe], TERMS)
+    assert variable_share(steep, probe) == 0.5
+
+
+def test_unresolved_probes_grow_sixteen_fold_within_half_the_memory() -> None:
+    card = Card(lambda n: 4 * GiB + 64 * 1024 * n, 200 * GiB)
+    run(card, confirm=False)
+    assert card.sizes[:5] == [4, 4, 8, 8 * GROWTH, 8 * GROWTH**2]
+    # a card where 16x would pass half the memory: the growth stops at what stays inside
+    small = Card(lambda n: 30 * GiB + 64 * 1024 * n, 80 * GiB)
+    out = run(small, confirm=False)
+    assert small.sizes == [4, 4, 8]  # 2x would already pass 40 GiB by the bound
+    assert not out.resolved
+    assert "under the 10% that resolves them" in out.notes[0]
+
+
+def test_the_step_limit_holds() -> None:
+    card = Card(lambda n: GiB + 1024 * n, 10**15)  # never resolved within the limit
+    run(card)
+    assert len(card.sizes) <= MAX_STEPS
+
+
+def test_a_confirming_step_out_of_memory_aims_lower() -> None:
+    card = Card(lambda n: 2 * GiB + 100 * MiB * n, 80 * GiB, stranded=0.03)
+    out = run(card)
+    assert card.sizes[:4] == [4, 4, 8, 16] and len(card.sizes) <= 7
+    assert out.allowance >= 0.03 - 1e-9
+    ran = [n for n in card.sizes if card.peak(n) * 1.03 <= card.memory]
+    assert max(ran) >= card.largest() * 0.97
+
+
+def test_required_is_the_peak_plus_the_allowance() -> None:
+    assert required(100 * GiB, 0.01) == 101 * GiB + 64 * MiB
