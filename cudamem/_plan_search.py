@@ -181,10 +181,12 @@ class _Steps:
         return min((p.n for p in self.ran if p.oom), default=None)
 
 
-def _grown(step: Probe, lines: Lines, available: int | None, factor: int) -> int | None:
+def _grown(
+    step: Probe, lines: Lines, available: int | None, factor: int, most: int | None
+) -> int | None:
     """The next probe's size, ``factor`` times ``step``'s at most, its peak within
-    ``SAFE_SHARE`` of ``available`` by the line and by the bound ``k x`` the peak measured;
-    ``None`` when not even twice ``step``'s size stays within it."""
+    ``SAFE_SHARE`` of ``available`` by the line and by the bound ``k x`` the peak measured,
+    and at most ``most``; ``None`` when not even twice ``step``'s size stays within it."""
     k = factor
     if available is not None and step.allocated:
         k = min(k, math.floor(SAFE_SHARE * available / step.allocated))
@@ -193,6 +195,8 @@ def _grown(step: Probe, lines: Lines, available: int | None, factor: int) -> int
         cap = SAFE_SHARE * available
         by_line = largest_under(lambda m: lines.at(m, step.length or 1), cap)
         n = min(n, max(by_line, 0))
+    if most is not None:
+        n = min(n, most)
     return n if n >= 2 * step.n else None
 
 
@@ -225,13 +229,15 @@ def search(
     *,
     adaptive: bool,
     confirm: bool,
+    max_batch: int | None = None,
     max_steps: int = MAX_STEPS,
 ) -> Outcome:
     """Run the warm-up and the probes of ``schedule``, grow the probes until the per-sample
     part is resolved, check the line (``check``: the first check's size, ``None``: no
     check), recover from a check off the line with larger probes, and confirm the answer
     for ``available`` bytes. ``adaptive=False`` (a plan with a length axis) runs the
-    schedule and one check only; ``confirm=False`` skips the confirming steps."""
+    schedule and one check only; ``confirm=False`` skips the confirming steps. No step
+    past the probes runs at a batch larger than ``max_batch``."""
     out = Outcome()
     steps = _Steps(run, max_steps)
     warm = steps(schedule[0], "warm-up")
@@ -259,12 +265,12 @@ def search(
         return out
     if steps.smallest_oom is not None:
         return out
-    _resolve_and_check(out, steps, terms, check, memory(), adaptive)
+    _resolve_and_check(out, steps, terms, check, memory(), adaptive, max_batch)
     tested = out.check is None or out.check.linear  # check=False: the confirming step tests it
     if confirm and adaptive and out.lines is not None and tested:
         available = memory()
         if available is not None:
-            _confirm(out, steps, terms, available)
+            _confirm(out, steps, terms, available, max_batch)
     if steps.count >= steps.limit:
         out.notes.append(f"the plan stopped at {max_steps} step executions (its limit)")
     return out
@@ -277,6 +283,7 @@ def _resolve_and_check(
     check: Size | None,
     available: int | None,
     adaptive: bool,
+    most: int | None,
 ) -> None:
     checks_left = 2 if adaptive else 1
     while out.lines is not None:
@@ -284,11 +291,11 @@ def _resolve_and_check(
         share = variable_share(out.lines, largest)
         out.resolved = share >= RESOLVED_SHARE
         if adaptive and not out.resolved:
-            n = _grown(largest, out.lines, available, GROWTH)
+            n = _grown(largest, out.lines, available, GROWTH, most)
             probe = None if n is None else steps(Size(n, None), "probe", True)
             if probe is None or probe.oom:
                 what = (
-                    "no larger probe stays within half the memory"
+                    "no larger probe stays within half the memory and max_batch"
                     if n is None
                     else f"batch {n} ran out of memory"
                     if probe is not None
@@ -306,6 +313,11 @@ def _resolve_and_check(
             continue
         if check is None or checks_left == 0:
             return
+        if most is not None and adaptive:
+            check = Size(min(check.n, most), check.length)
+        if check.n <= largest.n and adaptive:
+            out.notes.append(f"no check: max_batch={most} leaves no larger batch to test")
+            return
         c = steps(check, "check")
         checks_left -= 1
         if c is None:
@@ -321,7 +333,7 @@ def _resolve_and_check(
         if checks_left == 0:
             return
         # Off the line: larger probes, from the check on, before any refusal.
-        n = _grown(c, out.lines, available, 2)
+        n = _grown(c, out.lines, available, 2, most)
         probe = None if n is None else steps(Size(n, None), "probe", True)
         if probe is None or probe.oom:
             return
@@ -335,13 +347,17 @@ def _required_by(lines: Lines, allowance: float) -> Callable[[int], float]:
     return lambda n: required(lines.at(n), allowance)
 
 
-def _confirm(out: Outcome, steps: _Steps, terms: Sequence[str], available: int) -> None:
+def _confirm(
+    out: Outcome, steps: _Steps, terms: Sequence[str], available: int, most: int | None
+) -> None:
     assert out.lines is not None
     for _ in range(MAX_CONFIRMS):
         target = largest_under(_required_by(out.lines, out.allowance), available)
         oom = steps.smallest_oom
         if oom is not None:
             target = min(target, math.floor(oom * (1 - SHRINK)), oom - 1)
+        if most is not None:
+            target = min(target, most)
         ran = steps.largest_ran
         if target <= ran * (1 + CONFIRM_CLOSE):
             return

@@ -300,6 +300,9 @@ class MemoryPlan(PresentedHtml):
     confirm: bool = False
     #: The device's capacity (bytes), ``None`` when unknown.
     capacity: int | None = None
+    #: The largest batch the step can run (``plan(max_batch=)``: a dataset's length);
+    #: ``largest()`` never names more.
+    max_batch: int | None = None
 
     # -- derived ------------------------------------------------------------------------
 
@@ -459,6 +462,8 @@ class MemoryPlan(PresentedHtml):
         if self.linear is False:
             raise NotLinearError(self._refusal("largest()"))
         best = largest_under(lambda k: self._required_at(k, at), budget)
+        if self.max_batch is not None:
+            best = min(best, self.max_batch)
         oom = self.smallest_oom
         if self.length_axis or self.available is None:
             return best if oom is None else min(best, oom - 1)

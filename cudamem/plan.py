@@ -499,6 +499,7 @@ def plan(
     lengths: Sequence[int] | None = None,
     check: bool | int | tuple[int, int] = True,
     confirm: bool = True,
+    max_batch: int | None = None,
     model: torch.nn.Module | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     restore: bool = False,
@@ -511,8 +512,17 @@ def plan(
     forward, backward, optimizer step). cudamem runs it once at the smallest size as a
     warm-up (it creates the optimizer state and workspaces; not fitted), then at each of
     ``sizes`` (fitted), then once at the check size (twice the largest probe) to test the
-    line: four step executions by default. Every step runs in a span that records its
-    peak, after ``gc.collect()`` and ``empty_cache()``.
+    line, then once at the answer for the memory this process can use (the confirming
+    step): five step executions where the probes resolve the per-sample bytes, ten at most.
+    Every step runs in a span that records its peak, after ``gc.collect()`` and
+    ``empty_cache()``.
+
+    Where the per-sample bytes are under a tenth of the peak at the largest probe (the
+    fixed part swamps them), the probes grow sixteen-fold until they are not, each within
+    half the memory. A check off the line leads to larger probes and a second check before
+    the plan refuses. A confirming step that runs out of memory is caught and recorded and
+    the next aims lower; ``largest()`` on this card then never names a batch past the
+    largest step that ran (``cudamem._plan_search`` states the rules).
 
     With ``lengths=(L1, L2, ...)`` the step is ``step(n, length)`` and the peak is fitted
     as ``a + n*(b + c*L + d*L**2)``: two lengths fit the ``n*L`` and ``n*L**2`` terms (a
@@ -527,6 +537,10 @@ def plan(
         lengths: probe sequence lengths (a second axis), or ``None``.
         check: the check step: ``True`` (the default size), ``False`` (none: the plan then
             cannot tell whether the step is linear), a batch size, or ``(n, length)``.
+        confirm: run confirming steps at the answer (not on a length axis). ``False``:
+            four steps, and ``largest()`` answers from the line past the steps that ran.
+        max_batch: the largest batch the step can run (the dataset's length): no step runs
+            past it and ``largest()`` never names more.
         model: the model the step trains; needed for ``restore``. It also names the
             modules of the per-module profile (without it, every module tree the step
             calls is profiled).
@@ -558,6 +572,7 @@ def plan(
     check_bool("restore", restore)
     check_bool("modules", modules)
     check_bool("confirm", confirm)
+    most = None if max_batch is None else check_int("max_batch", max_batch, minimum=fitted[-1])
     if model is not None and not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module or None, not {type(model).__name__}")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
@@ -585,6 +600,7 @@ def plan(
         restore,
         modules,
         confirm,
+        most,
     )
 
 
@@ -607,6 +623,7 @@ def _collect(
     restore: bool,
     modules: bool,
     confirm: bool,
+    max_batch: int | None,
 ) -> MemoryPlan:
     length_axis = lengths is not None
     runner = _Runner(step, backend, device, length_axis)
@@ -644,6 +661,7 @@ def _collect(
             memory,
             adaptive=not length_axis,
             confirm=confirm,
+            max_batch=max_batch,
         )
         # The cache as the largest step left it (its peaks still in the counters): what
         # fragmentation costs at that size, before the cache is emptied below.
@@ -669,7 +687,9 @@ def _collect(
         kept_after,
         graphs_before,
     )
-    plan = replace(plan, confirm=confirm and not length_axis, capacity=capacity)
+    plan = replace(
+        plan, confirm=confirm and not length_axis, capacity=capacity, max_batch=max_batch
+    )
     largest_now = None
     if available is not None and plan.allocated_line is not None and not length_axis:
         try:

@@ -30,7 +30,7 @@ at its end (``cudamem/modules/<name>/kept_mib``, ``…/peak_mib``; ``callback.mo
 
 ``fit_batch_size(trainer, module)`` is a drop-in for Lightning's
 ``Tuner(trainer).scale_batch_size(module)``: it sets ``module.batch_size`` to the largest batch
-that fits, from ``cudamem.plan``'s probe steps (four steps, no out-of-memory trials, the
+that fits, from ``cudamem.plan``'s probe steps (five steps, no out-of-memory trials, the
 module's weights put back after); ``plan_batch_size`` returns the whole ``MemoryPlan``.
 
 Needs ``lightning`` (``pip install 'cudamem[lightning]'``); falls back to ``pytorch_lightning``.
@@ -335,9 +335,28 @@ def plan_batch_size(
         optimizer.zero_grad(set_to_none=True)
 
     try:
-        return plan(step, sizes, model=module, optimizer=optimizer, restore=restore, device=device)
+        return plan(
+            step,
+            sizes,
+            model=module,
+            optimizer=optimizer,
+            restore=restore,
+            device=device,
+            max_batch=_dataset_length(trainer, module, sizes),
+        )
     finally:
         lightning_setattr(module, batch_arg_name, original)
+
+
+def _dataset_length(trainer: Any, module: Any, sizes: tuple[int, ...]) -> int | None:
+    """The training dataset's length (no batch is larger: the confirming step and the
+    answer stop there, as Lightning's tuner does), ``None`` when it has none (an iterable
+    dataset) or it is not past the probes."""
+    try:
+        length = len(_train_loader(trainer, module).dataset)
+    except Exception:
+        return None
+    return length if length >= max(sizes) else None
 
 
 def fit_batch_size(

@@ -755,3 +755,15 @@ def test_confirm_false_answers_from_the_line(fake: Device) -> None:
     assert "before any confirming step measured it" in str(plan)
     with pytest.raises(TypeError, match="confirm must be a bool"):
         cudamem.plan(step, confirm=1)  # type: ignore[arg-type]
+
+
+def test_max_batch_caps_every_step_and_the_answer(fake: Device) -> None:
+    """A dataset of 1,000 samples: no batch past it is a batch of the step."""
+    step = Step(fake, linear)
+    plan = cudamem.plan(step, max_batch=1000)
+    assert max(c[0] for c in step.calls) == 1000
+    assert plan.probes[-1].role == "confirm" and plan.probes[-1].n == 1000
+    assert plan.largest(0.0) == 1000 == plan.max_batch
+    assert plan.largest(0.0, memory=10 * Device.total) == 1000
+    with pytest.raises(ValueError, match="max_batch must be >= 8, got 4"):
+        cudamem.plan(step, max_batch=4)

@@ -300,6 +300,7 @@ class _Sized(L.LightningModule):  # type: ignore[misc]
         self.fake = fake
         self.lin = torch.nn.Linear(8, 1)
         self.batch_size = 2
+        self.samples = 1024
         self.seen: list[int] = []
 
     def to(self, *args: Any, **kwargs: Any) -> _Sized:  # the "GPU" is the fake allocator
@@ -309,7 +310,7 @@ class _Sized(L.LightningModule):  # type: ignore[misc]
         return batch
 
     def train_dataloader(self) -> DataLoader[Any]:
-        return DataLoader(TensorDataset(torch.ones(1024, 8)), batch_size=self.batch_size)
+        return DataLoader(TensorDataset(torch.ones(self.samples, 8)), batch_size=self.batch_size)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         (x,) = batch
@@ -324,7 +325,7 @@ class _Sized(L.LightningModule):  # type: ignore[misc]
         return {"optimizer": torch.optim.AdamW(self.parameters(), lr=0.1)}
 
 
-def test_fit_batch_size_sets_the_largest_batch_from_four_steps() -> None:
+def test_fit_batch_size_sets_the_largest_batch_from_five_steps() -> None:
     from types import SimpleNamespace
 
     from cudamem.integrations.lightning import fit_batch_size, plan_batch_size
@@ -336,15 +337,21 @@ def test_fit_batch_size_sets_the_largest_batch_from_four_steps() -> None:
     with _backend.use(fake), warnings.catch_warnings():
         warnings.simplefilter("error")  # self.log's warning must not escape
         answer = fit_batch_size(trainer, module, margin=0.05)
-        expected = int((0.95 * 16 * 1024 * MiB - 200 * MiB) // (30 * MiB))
+        # the confirming step reserved what it allocated: the 64 MiB headroom alone
+        expected = int((0.95 * 16 * 1024 * MiB - 64 * MiB - 200 * MiB) // (30 * MiB))
         assert answer == expected and module.batch_size == expected
-        assert module.seen == [4, 4, 8, 16]  # warm-up, probes, check: no OOM trial
+        # warm-up, probes, check, then a step at the answer for the whole device: no OOM
+        assert module.seen[:4] == [4, 4, 8, 16] and len(module.seen) in (5, 6)
+        assert module.seen[-1] == int((16 * 1024 * MiB - 64 * MiB - 200 * MiB) // (30 * MiB))
         after = module.state_dict()
         assert all(torch.equal(before[k], after[k]) for k in before)  # weights put back
         module.batch_size = 32
         plan = plan_batch_size(trainer, module)
         assert module.batch_size == 32  # set back after the probes
         assert plan.per_sample() == 30 * MiB
+        module.samples = 300  # no batch is larger than the dataset: nor any step, nor the answer
+        module.seen.clear()
+        assert fit_batch_size(trainer, module, margin=0.0) == 300 and max(module.seen) == 300
     cpu = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")))
     with pytest.raises(ValueError, match="trainer must run on a CUDA device"):
         fit_batch_size(cpu, module)
