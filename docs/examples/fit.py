@@ -1,5 +1,5 @@
 """The "Will it fit?" guide's example (docs/guide/fit.md): the peak of a GPT-2 small training
-step at any batch size, from four steps.
+step at any batch size, from five steps (the fifth confirms the answer).
 
 GPT-2 small (built from a config: nothing is downloaded), sequence length 512, AdamW. Then
 the largest batch that fits, checkpointing advice for a batch that does not, and the
@@ -10,13 +10,16 @@ import sys
 import warnings
 
 import torch
-import transformers
-
-import cudamem
-from cudamem.memory_plan import NotLinearError
 
 if not torch.cuda.is_available():
     sys.exit("fit.py: this example needs a CUDA GPU")
+try:
+    import transformers
+except ImportError:
+    sys.exit("fit.py: this example needs transformers: pip install 'cudamem[transformers]'")
+
+import cudamem
+from cudamem.memory_plan import NotLinearError
 
 transformers.logging.set_verbosity_error()
 warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' renames
@@ -50,9 +53,13 @@ print(plan.predict(64))
 print(plan.predict(128))
 print("largest batch, 5 % margin:", plan.largest(margin=0.05))
 print("largest batch, 10 % margin:", plan.largest(margin=0.10))
+print("largest batch, no margin (a step ran there):", plan.largest(margin=0))
+total = torch.cuda.get_device_properties(0).total_memory
+print(plan.largest_for(int(0.4 * total), margin=0))  # under set_per_process_memory_fraction(0.4)
+print(plan.largest_for(2 * total, card=True))  # a card twice this one's size
 
 print("=== checkpointing ===")
-print(plan.checkpointing(256))
+print(plan.checkpointing(plan.largest(margin=0) * 3 // 2))  # half again: it does not fit
 
 del model, opt, plan
 model, opt = build(attn="eager")
