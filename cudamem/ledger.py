@@ -854,6 +854,7 @@ def _ledger_inputs(device: int, stats: AllocatorStats) -> _Inputs:
             owners=owners,
             current_streams=streams,
             oom=_last_oom(device, None, []),
+            expandable_configured=expandable_segments_configured(),
         )
     held = {p.pool_id for p in cache.held_pools} if cache is not None else set()
     outside = None if segments is None else [s for s in segments if segment_pool_id(s) not in held]
@@ -1109,6 +1110,7 @@ def fragmentation(
         current_streams=(0,) if current is None else (0, current),
         oom=facts,
         notes=notes,
+        expandable_configured=expandable_segments_configured(),
     )
 
 
