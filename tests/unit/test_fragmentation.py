@@ -548,3 +548,18 @@ def test_explain_after_an_oom_in_an_unfragmented_cache_is_unsure(gpu: SnapshotFa
         "larger than the free memory (and memory freed since the OOM hides fragmentation)"
     ) in text.splitlines()
     assert "expandable_segments:True" not in text  # no fix suggested without a cause
+
+
+def test_the_guide_shows_the_verdict_its_code_prints() -> None:
+    """docs/guide/nvidia-smi.md's verdict section: its CPU code block, run, prints its text
+    block (4.1 GiB stranded, a largest free block of 500 MiB, one OOM counted)."""
+    page = (DATA.parents[1] / "docs" / "guide" / "nvidia-smi.md").read_text(encoding="utf-8")
+    section = page[page.index("### After an OOM nothing recorded") :]
+    start = section.index("```python\nfrom cudamem.fragmentation import oom_verdict") + 10
+    code = section[start : section.index("```", start)]
+    start = section.index("```text\n", start) + 8
+    shown = section[start : section.index("```", start)].rstrip("\n")
+    printed: list[str] = []
+    exec(code, {"print": lambda v: printed.append(str(v))})  # the page's own code
+    assert printed == [shown]
+    assert shown.splitlines()[0] == "out-of-memory verdict on cuda:0: fragmentation (likely)"
