@@ -19,7 +19,9 @@ that much was cached.
 ``judge_oom`` is the one rule that says whether an out-of-memory error was fragmentation
 (the request fits in the free bytes — the cache's plus the device's — but in no single free
 block: ``expandable_segments:True`` would have avoided it) or not (the request is more than
-all of them). ``oom.py``'s advice uses it too.
+all of them). ``oom.py``'s advice uses it too. ``oom_verdict`` applies it to what a ledger
+can read without the exception: the allocator's OOM count, the stranded bytes against the
+largest free block, the last OOM the observer recorded, and says how sure it is.
 
 Pure: no torch, no backend. ``cudamem.fragmentation()`` (``ledger.py``) collects the inputs.
 """
@@ -43,17 +45,23 @@ from .snapshot import (
 from .stats import AllocatorStats
 
 __all__ = [
+    "CERTAIN",
     "FITS_NOW",
     "FRAGMENTATION",
+    "LIKELY",
+    "LIKELY_RATIO",
     "NOT_FRAGMENTATION",
     "UNKNOWN",
+    "UNSURE",
     "Fragmentation",
     "OomFacts",
     "OomJudgement",
+    "OomVerdict",
     "PoolFragmentation",
     "analyze",
     "headroom",
     "judge_oom",
+    "oom_verdict",
 ]
 
 #: The request fits in the free bytes together, in no single free block.
@@ -65,6 +73,21 @@ NOT_FRAGMENTATION = "not_fragmentation"
 FITS_NOW = "fits_now"
 #: Not enough known (the device's free memory) to tell.
 UNKNOWN = "unknown"
+
+# How sure an ``OomVerdict`` is.
+#: The request's size and the device's free memory are known (the observer recorded them,
+#: or the exception's message states them): ``judge_oom`` decides.
+CERTAIN = "certain"
+#: Only the allocator's count says an OOM happened, and the cache's stranded bytes hold a
+#: request ``LIKELY_RATIO`` times the largest free block that no free block holds.
+LIKELY = "likely"
+#: An OOM happened, but what is known does not tell its cause.
+UNSURE = "unsure"
+
+#: Without the request's size, ``oom_verdict`` asks ``judge_oom`` about a request this many
+#: times the largest free block: when the stranded bytes hold it, any request from the
+#: largest free block up to that size ran out of memory by fragmentation.
+LIKELY_RATIO = 4
 
 
 def _int(value: Any) -> int:
@@ -109,6 +132,66 @@ def judge_oom(
     return FRAGMENTATION
 
 
+def oom_verdict(
+    device: int,
+    *,
+    ooms: int,
+    judged: OomJudgement | None,
+    stranded: int,
+    largest_free: int,
+    expandable: bool,
+) -> OomVerdict | None:
+    """Why the device ran out of memory, from what can be read without the exception.
+
+    ``ooms`` is the allocator's count (``num_ooms``), ``judged`` the last OOM the observer
+    recorded (or the exception's message gave) judged against the cache, ``stranded`` the
+    free bytes beside live blocks outside pools graphs hold, ``largest_free`` the largest
+    free block the request could have used, ``expandable`` whether expandable segments are
+    on (configured, or in the snapshot). ``None`` when no OOM happened: no count and nothing
+    recorded. Otherwise:
+
+    * ``CERTAIN``: the request and the device's free memory are known, and ``judge_oom``
+      says fragmentation or not;
+    * ``LIKELY`` fragmentation: only the count, and ``judge_oom`` calls a request of
+      ``LIKELY_RATIO`` times the largest free block fragmentation against the stranded
+      bytes (they exceed the largest free block by that much);
+    * ``UNSURE``: anything else (the cause is ``judged``'s verdict, or ``UNKNOWN``).
+    """
+    if ooms <= 0 and judged is None:
+        return None
+    requested = None if judged is None else judged.requested
+    source = "" if judged is None else judged.source
+    if judged is not None and judged.verdict in (FRAGMENTATION, NOT_FRAGMENTATION):
+        cause, confidence = judged.verdict, CERTAIN
+    elif (
+        judged is None
+        and largest_free > 0
+        and (
+            judge_oom(
+                LIKELY_RATIO * largest_free,
+                largest_free=largest_free,
+                cache_free=stranded,
+                device_free=None,
+            )
+            == FRAGMENTATION
+        )
+    ):
+        cause, confidence = FRAGMENTATION, LIKELY
+    else:
+        cause, confidence = (UNKNOWN if judged is None else judged.verdict), UNSURE
+    return OomVerdict(
+        device=device,
+        cause=cause,
+        confidence=confidence,
+        ooms=max(ooms, 0),
+        stranded=stranded,
+        largest_free=largest_free,
+        expandable=expandable,
+        requested=requested,
+        source=source,
+    )
+
+
 # --------------------------------------------------------------------------- results
 
 
@@ -146,7 +229,7 @@ class OomJudgement(Presented):
     cache_free: int
     #: What the allocator could still take from the device (``headroom``).
     device_free: int | None
-    #: Whether the cache is made of expandable segments already.
+    #: Whether expandable segments are on already (the cache's segments, or configured).
     expandable: bool
     #: ``judge_oom``'s verdict: ``fragmentation``, ``not_fragmentation``, ``fits_now``,
     #: ``unknown``.
@@ -163,6 +246,39 @@ class OomJudgement(Presented):
     def expandable_would_help(self) -> bool:
         """Fragmentation, and expandable segments are not on yet."""
         return self.verdict == FRAGMENTATION and not self.expandable
+
+
+@dataclass(frozen=True, slots=True)
+class OomVerdict(Presented):
+    """Why the device ran out of memory, and how sure that is (``oom_verdict``): carried by
+    ``Fragmentation.verdict``, so ``cudamem.explain()``'s ledger states it after an OOM
+    that nothing recorded. ``None`` there when no OOM happened."""
+
+    json_properties: ClassVar[tuple[str, ...]] = ("expandable_would_help",)
+
+    device: int
+    #: ``judge_oom``'s verdict: ``fragmentation``, ``not_fragmentation``, ``fits_now``,
+    #: ``unknown``.
+    cause: str
+    #: ``certain``, ``likely`` or ``unsure``.
+    confidence: str
+    #: Out-of-memory errors the allocator counted on the device (``num_ooms``).
+    ooms: int
+    #: Free bytes beside live blocks, outside pools graphs hold.
+    stranded: int
+    #: The largest free block of the default pool on the current streams.
+    largest_free: int
+    #: Whether expandable segments are on (configured, or in the snapshot).
+    expandable: bool
+    #: The request that failed, where recorded (``None``: only the count is known).
+    requested: int | None = None
+    #: Where the request's figures come from (``""``: the allocator's count alone).
+    source: str = ""
+
+    @property
+    def expandable_would_help(self) -> bool:
+        """Fragmentation (certain or likely), and expandable segments are not on yet."""
+        return self.cause == FRAGMENTATION and not self.expandable
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,6 +359,8 @@ class Fragmentation(PresentedHtml):
     #: The last out-of-memory error on the device, judged against this cache.
     oom: OomJudgement | None = None
     notes: tuple[str, ...] = ()
+    #: Why the device ran out of memory and how sure that is; ``None`` when it never did.
+    verdict: OomVerdict | None = None
 
     @property
     def reserved(self) -> int:
@@ -334,6 +452,7 @@ def analyze(
     current_streams: Iterable[int] | None = None,
     oom: OomFacts | None = None,
     notes: Sequence[str] = (),
+    expandable_configured: bool = False,
 ) -> Fragmentation:
     """``Fragmentation`` of one device's snapshot ``segments`` (pure).
 
@@ -347,6 +466,8 @@ def analyze(
             every stream); the OOM judgement's largest free block is theirs.
         oom: the last out-of-memory error, judged against this cache.
         notes: carried into the result.
+        expandable_configured: whether ``expandable_segments:True`` is configured (the
+            verdict then suggests nothing the process has on already).
     """
     segs = [s for s in segments if isinstance(s, Mapping)]
     private = {p.pool_id: p for p in split_cache(segs, pool_owners=owners).pools}
@@ -389,7 +510,7 @@ def analyze(
             largest_free=usable_largest,
             cache_free=cache_free,
             device_free=room,
-            expandable=expandable,
+            expandable=expandable or expandable_configured,
             verdict=judge_oom(
                 oom.requested,
                 largest_free=usable_largest,
@@ -399,6 +520,14 @@ def analyze(
             source=oom.source,
             seconds_ago=oom.seconds_ago,
         )
+    verdict = oom_verdict(
+        device,
+        ooms=0 if stats is None else stats.ooms,
+        judged=judged,
+        stranded=sum(p.stranded for p in pools if not p.held),
+        largest_free=usable_largest,
+        expandable=expandable or expandable_configured,
+    )
     return Fragmentation(
         device=device,
         pools=tuple(pools),
@@ -407,4 +536,5 @@ def analyze(
         peak_allocated=None if stats is None else stats.peak_allocated,
         oom=judged,
         notes=tuple(notes),
+        verdict=verdict,
     )

@@ -125,8 +125,8 @@ FREES = {
     "other_process": "that process exiting or freeing its memory",
     "processes_unattributed": "the processes NVML lists; which one is this is unknown",
     "unattributed": (
-        "nothing: driver memory NVML counts in used but lists under no process (H200, driver "
-        "580: 3.3 MiB idle, 8.8 MiB with one context); more means processes NVML cannot list"
+        "nothing: driver memory NVML counts in used but lists under no process: a few MiB; "
+        "more means processes NVML cannot list"
     ),
 }
 
@@ -358,11 +358,10 @@ def _context_lines(
         )
         if context > CONTEXT_SUSPICIOUS:
             notes.append(
-                f"the inferred context ({format_bytes(context)}) is larger than a CUDA "
-                "context usually is (~0.5–0.6 GiB with lazy loading, ~1.3 GiB eager): "
-                "other libraries (NCCL "
-                "communicators ~0.5 GiB each, cuDNN/TensorRT, CUDA graphs, another allocator) "
-                "likely hold memory outside PyTorch's cache"
+                f"the inferred context ({format_bytes(context)}) is above "
+                f"{format_bytes(CONTEXT_SUSPICIOUS)}, more than a CUDA context and its kernels "
+                "usually take: other libraries (NCCL communicators, cuDNN/TensorRT, CUDA "
+                "graphs, another allocator) likely hold memory outside PyTorch's cache"
             )
         if context > 0 and _never_allocated(stats):
             label = "CUDA context on a device this process never allocated on"
@@ -855,6 +854,7 @@ def _ledger_inputs(device: int, stats: AllocatorStats) -> _Inputs:
             owners=owners,
             current_streams=streams,
             oom=_last_oom(device, None, []),
+            expandable_configured=expandable_segments_configured(),
         )
     held = {p.pool_id for p in cache.held_pools} if cache is not None else set()
     outside = None if segments is None else [s for s in segments if segment_pool_id(s) not in held]
@@ -900,13 +900,16 @@ def _other_in_process(device: int) -> list[tuple[str, int]]:
 def _process_notes() -> list[str]:
     notes = []
     if os.environ.get("CUDA_MODULE_LOADING", "").upper() == "EAGER":
-        notes.append("CUDA_MODULE_LOADING=EAGER: every kernel is loaded, the context is ~1.3 GiB")
+        notes.append(
+            "CUDA_MODULE_LOADING=EAGER: every kernel is loaded up front, so the context line "
+            "is larger than with lazy loading"
+        )
     dist = sys.modules.get("torch.distributed")
     try:
         if dist is not None and dist.is_available() and dist.is_initialized():
             notes.append(
                 f"torch.distributed is initialised (backend {dist.get_backend()}): NCCL "
-                "buffers (~0.5 GiB per communicator) are outside the allocator and show in "
+                "buffers (each communicator's) are outside the allocator and show in "
                 "the context line"
             )
     except Exception:
@@ -1107,6 +1110,7 @@ def fragmentation(
         current_streams=(0,) if current is None else (0, current),
         oom=facts,
         notes=notes,
+        expandable_configured=expandable_segments_configured(),
     )
 
 

@@ -6,7 +6,14 @@ from collections.abc import Iterable
 
 from .._format import format_bytes, plural
 from .._present import renders
-from ..distributed._results import DistributedReport, Outlier, RankReport, StrayMemory
+from ..distributed._results import (
+    CONTEXT_ESTIMATE,
+    CONTEXT_ESTIMATE_EAGER,
+    DistributedReport,
+    Outlier,
+    RankReport,
+    StrayMemory,
+)
 from ..stats import device_name
 from .text import render_table
 
@@ -149,9 +156,17 @@ def render_rank(row: RankReport) -> str:
         lines.extend("  " + line for line in table.splitlines())
         estimates = {d.context_estimate for d in row.devices if d.nccl is not None}
         for estimate in sorted(estimates):
+            # The defaults are one card's measurement, not this one's: say so.
+            whose = (
+                "cudamem's default, measured on an H200 with CUDA 13, not on this card; "
+                "context_estimate= sets yours"
+                if estimate in (CONTEXT_ESTIMATE, CONTEXT_ESTIMATE_EAGER)
+                else "context_estimate="
+            )
             lines.append(
                 f"  NCCL (inferred) = outside allocator − a bare CUDA context "
-                f"({format_bytes(estimate)}); kernels loaded by cuBLAS/cuDNN count in it too"
+                f"({format_bytes(estimate)}: {whose}); kernels loaded by cuBLAS/cuDNN count "
+                "in it too"
             )
     elif row.answered:
         lines.append("  no CUDA context in this process")

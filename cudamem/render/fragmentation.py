@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-from .._format import escape_html, format_bytes
+from .._format import escape_html, format_bytes, plural
 from .._present import renders
 from ..fragmentation import (
+    CERTAIN,
     FITS_NOW,
     FRAGMENTATION,
+    LIKELY,
+    LIKELY_RATIO,
     NOT_FRAGMENTATION,
     Fragmentation,
     OomJudgement,
+    OomVerdict,
     PoolFragmentation,
 )
 from .text import render_table
@@ -19,6 +23,8 @@ __all__ = [
     "fragmentation_lines",
     "render_fragmentation",
     "render_oom_judgement",
+    "render_oom_verdict",
+    "verdict_lines",
 ]
 
 _HEADERS = (
@@ -58,29 +64,90 @@ def _row(p: PoolFragmentation) -> list[str]:
     ]
 
 
+_FITS = "fits in the free bytes together, in no single free block"
+_ON_ALREADY = (
+    "expandable segments are on already: the free bytes sit beside live blocks "
+    "(partial pages) or on other streams"
+)
+_NOT = (
+    "the request is more than every free byte together; expandable segments would not have helped"
+)
+_FREED = (
+    "a free block holds the request now: memory was freed after the OOM (or the request "
+    "was on another stream or in a private pool)"
+)
+_UNKNOWN = "more than the cache holds, and the device's free memory is unknown"
+
+
 def _verdict(j: OomJudgement) -> str:
     if j.verdict == FRAGMENTATION:
         if j.expandable:
-            return (
-                "fragmentation: it fits in the free bytes together, in no single free block; "
-                "expandable segments are on already: the free bytes sit beside live blocks "
-                "(partial pages) or on other streams"
-            )
-        return (
-            "fragmentation: it fits in the free bytes together, in no single free block; "
-            f"{_EXPANDABLE} would have avoided it"
-        )
+            return f"fragmentation: it {_FITS}; {_ON_ALREADY}"
+        return f"fragmentation: it {_FITS}; {_EXPANDABLE} would have avoided it"
     if j.verdict == NOT_FRAGMENTATION:
-        return (
-            "not fragmentation: the request is more than every free byte together; "
-            "expandable segments would not have helped"
-        )
+        return f"not fragmentation: {_NOT}"
     if j.verdict == FITS_NOW:
-        return (
-            "a free block holds the request now: memory was freed after the OOM (or the request "
-            "was on another stream or in a private pool)"
+        return _FREED
+    return f"unknown: {_UNKNOWN}"
+
+
+def _cause(v: OomVerdict) -> str:
+    if v.cause == FRAGMENTATION:
+        return "fragmentation"
+    if v.cause == NOT_FRAGMENTATION:
+        return "not fragmentation"
+    return "cause unknown"
+
+
+def verdict_lines(v: OomVerdict) -> list[str]:
+    """The verdict as text lines: the cause and how sure, the evidence, the fix."""
+    lines = [f"out-of-memory verdict on cuda:{v.device}: {_cause(v)} ({v.confidence})"]
+    if v.requested is not None:
+        head = f"the last OOM asked for {format_bytes(v.requested)} ({v.source})"
+        if v.cause == FRAGMENTATION:
+            lines.append(
+                f"{head}: it {_FITS} (largest {format_bytes(v.largest_free)}; "
+                f"{format_bytes(v.stranded)} stranded beside live blocks)"
+            )
+        elif v.cause == NOT_FRAGMENTATION:
+            lines.append(f"{head}: {_NOT}")
+        elif v.cause == FITS_NOW:
+            lines.append(f"{head}: {_FREED}")
+        else:
+            lines.append(f"{head}: {_UNKNOWN}")
+    else:
+        lines.append(
+            f"the allocator counted {plural(v.ooms, 'out-of-memory error')}; cudamem "
+            "recorded none of them"
         )
-    return "unknown: more than the cache holds, and the device's free memory is unknown"
+        where = (
+            f"{format_bytes(v.stranded)} of the cache is stranded beside live blocks, in free "
+            f"blocks of at most {format_bytes(v.largest_free)}"
+        )
+        if v.confidence == LIKELY:
+            lines.append(f"{where}: a request between the two {_FITS}")
+        else:
+            lines.append(
+                f"{where}: less than {LIKELY_RATIO}x the largest, too little to tell "
+                "fragmentation from a request larger than the free memory (and memory freed "
+                "since the OOM hides fragmentation)"
+            )
+    if v.cause == FRAGMENTATION:
+        if v.expandable:
+            lines.append(_ON_ALREADY)
+        else:
+            would = "would have" if v.confidence == CERTAIN else "would likely have"
+            lines.append(f"{_EXPANDABLE} {would} avoided it")
+    if v.requested is None:
+        lines.append("cudamem.on_oom() records the next one's size for a certain verdict")
+    return lines
+
+
+@renders(OomVerdict)
+def render_oom_verdict(v: OomVerdict) -> str:
+    """``out-of-memory verdict on cuda:0: fragmentation (likely)``, the evidence, the fix."""
+    first, *rest = verdict_lines(v)
+    return "\n".join([first, *(f"  {line}" for line in rest)])
 
 
 @renders(OomJudgement)
@@ -108,8 +175,9 @@ def _head(f: Fragmentation) -> str:
     )
 
 
-def _details(f: Fragmentation) -> list[str]:
-    """What follows the table: pending bytes, stranded, the peaks, the OOM, notes."""
+def _details(f: Fragmentation, *, verdict: bool = True) -> list[str]:
+    """What follows the table: pending bytes, stranded, the peaks, the OOM, its verdict,
+    notes."""
     lines = []
     pending = sum(p.pending for p in f.pools)
     if pending:
@@ -127,17 +195,20 @@ def _details(f: Fragmentation) -> list[str]:
         )
     if f.oom is not None:
         lines.extend(render_oom_judgement(f.oom).splitlines())
+    if f.verdict is not None and verdict and f.oom is None:  # the judgement says it all
+        lines.extend(render_oom_verdict(f.verdict).splitlines())
     lines.extend(f"note: {n}" for n in f.notes)
     return lines
 
 
-def fragmentation_lines(f: Fragmentation) -> list[str]:
-    """The fragmentation as text lines (a section of the ledger, or the whole result)."""
+def fragmentation_lines(f: Fragmentation, *, verdict: bool = True) -> list[str]:
+    """The fragmentation as text lines (a section of the ledger, or the whole result);
+    ``verdict=False`` leaves the OOM verdict out (the ledger shows it below its table)."""
     lines = [_head(f)]
     if f.pools:
         table = render_table(list(_HEADERS), [_row(p) for p in f.pools], align="lrrrrrrr")
         lines.extend("  " + line for line in table.splitlines())
-    lines.extend("  " + line for line in _details(f))
+    lines.extend("  " + line for line in _details(f, verdict=verdict))
     return lines
 
 

@@ -8,7 +8,7 @@ from .._present import renders
 from ..ledger import DeviceLedger, Explanation, LedgerLine, MachineStatus
 from ..release import DeviceRelease, ReleaseResult
 from ..snapshot import CacheSplit
-from .fragmentation import fragmentation_lines
+from .fragmentation import fragmentation_lines, verdict_lines
 from .host import render_host_ledger, render_host_release, render_process_trees
 from .text import render_table
 
@@ -94,8 +94,12 @@ def render_ledger(ledger: DeviceLedger) -> str:
         and (line.nbytes is None or line.basis == "inferred" or line.key.startswith(_DETAILED))
     ]
     notes = [f"  note: {n}" for n in ledger.notes]
-    frag = [] if ledger.fragmentation is None else fragmentation_lines(ledger.fragmentation)
-    return "\n".join([table, *details, *notes, *frag])
+    f = ledger.fragmentation
+    # After an out-of-memory error, its verdict right below the table: where users look.
+    verdict = [] if f is None or f.verdict is None else verdict_lines(f.verdict)
+    verdict = [f"  {line}" if i == 0 else f"    {line}" for i, line in enumerate(verdict)]
+    frag = [] if f is None else fragmentation_lines(f, verdict=False)
+    return "\n".join([table, *verdict, *details, *notes, *frag])
 
 
 @renders(Explanation)

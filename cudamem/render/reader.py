@@ -10,8 +10,8 @@ from .._present import renders
 __all__ = ["render_extension_status", "render_reader_status"]
 
 _NAMES = {
-    "C++": "C++ counter reader (~0.2 µs a read)",
-    "dict": "dict (torch._C._cuda_memoryStats, ~11 µs a read)",
+    "C++": "C++ counter reader (three integers a read)",
+    "dict": "dict (torch._C._cuda_memoryStats: every counter's dict a read)",
 }
 
 

@@ -210,5 +210,5 @@ def test_build_reader_command(tmp_path: Path) -> None:
         "import sys; from cudamem.__main__ import main; sys.exit(main(['build-reader']))", cache
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.startswith("reader: C++ counter reader (~0.2 µs a read) [active]")
+    assert done.stdout.startswith("reader: C++ counter reader (three integers a read) [active]")
     assert "equal to the dict read on cuda:0" in done.stdout

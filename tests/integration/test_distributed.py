@@ -573,7 +573,16 @@ def test_unknown_stays_unknown_in_the_table() -> None:
     assert "182.0 MiB" not in summary and summary.count("n/a") >= 2
     block = text[text.index("rank 0 (pid 1") :]
     assert "700.0 MiB" in block and "182.0 MiB" in block
-    assert "NCCL (inferred) = outside allocator − a bare CUDA context (518.0 MiB)" in block
+    assert (
+        "NCCL (inferred) = outside allocator − a bare CUDA context (518.0 MiB: cudamem's "
+        "default, measured on an H200 with CUDA 13, not on this card; context_estimate= sets "
+        "yours)" in block
+    )
+    # An estimate the user gave is theirs: no card named.
+    mine = dataclasses.replace(known, context_estimate=600 * MiB)
+    text = render_distributed(build_report([_row(0, 1, own=0, current=0, devices=(mine,))]))
+    assert "a bare CUDA context (600.0 MiB: context_estimate=)" in text
+    assert "H200" not in text
 
 
 def test_missing_ranks_and_round_trips() -> None:

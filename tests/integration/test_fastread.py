@@ -629,7 +629,7 @@ def test_status_values_and_json() -> None:
         "cache_dir": "/c/k",
     }
     assert present(status) == (
-        "reader: C++ counter reader (~0.2 µs a read) [active]: built in 4.0 s; "
+        "reader: C++ counter reader (three integers a read) [active]: built in 4.0 s; "
         "equal to the dict read"
     )
     off = ReaderStatus(False, "failed", "the build failed (x)")

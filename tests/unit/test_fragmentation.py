@@ -1,10 +1,11 @@
 """Fragmentation as a number: per-pool sums of hand-built and recorded H200 snapshots, the
 one OOM rule in each branch, ``cudamem.fragmentation()`` through a fake backend, and its
-text, HTML and JSON."""
+text, HTML and JSON; the OOM verdict ``explain()``'s ledger states, at each confidence."""
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -13,19 +14,24 @@ import pytest
 import torch
 
 import cudamem
-from cudamem import _backend
+from cudamem import _backend, _nvml
 from cudamem import oom as _oom
 from cudamem._backend import PoolOwners
 from cudamem.fragmentation import (
+    CERTAIN,
     FITS_NOW,
     FRAGMENTATION,
+    LIKELY,
     NOT_FRAGMENTATION,
     UNKNOWN,
+    UNSURE,
     Fragmentation,
     OomFacts,
+    OomJudgement,
     analyze,
     headroom,
     judge_oom,
+    oom_verdict,
 )
 from cudamem.ledger import build_ledger
 from cudamem.render.json import to_json
@@ -34,6 +40,7 @@ from cudamem.stats import AllocatorStats
 
 from .. import snapshot_data as sd
 from ..fakes import FakeAllocator
+from ..nvml_fakes import FakeGpu, make_nvml
 
 MiB = sd.MiB
 GiB = 1024 * MiB
@@ -375,3 +382,184 @@ def test_the_guide_shows_the_gpu_tests_pattern_as_rendered_now() -> None:
         oom=OomFacts(0, 300 * MiB, 4096 * MiB, 138 * GiB, "the allocator's OOM observer", 0.4),
     )
     assert str(f) == shown
+
+
+# -- the OOM verdict: what explain() says after an out-of-memory error ----------------
+
+
+def judged(verdict: str, *, expandable: bool = False) -> OomJudgement:
+    return OomJudgement(
+        0, 300 * MiB, 200 * MiB, 800 * MiB, 100 * MiB, expandable, verdict, "the observer"
+    )
+
+
+@pytest.mark.parametrize(
+    ("ooms", "recorded", "stranded", "expected"),
+    [
+        (0, None, 2000 * MiB, None),  # no OOM: no verdict, however fragmented the cache
+        (1, None, 800 * MiB, (FRAGMENTATION, LIKELY)),  # 4x the largest free block, exactly
+        (3, None, 2000 * MiB, (FRAGMENTATION, LIKELY)),
+        (1, None, 800 * MiB - 1, (UNKNOWN, UNSURE)),  # under 4x: too little to tell
+        (1, None, 0, (UNKNOWN, UNSURE)),
+        (1, FRAGMENTATION, 0, (FRAGMENTATION, CERTAIN)),  # recorded: the judgement decides
+        (0, NOT_FRAGMENTATION, 2000 * MiB, (NOT_FRAGMENTATION, CERTAIN)),  # count reset
+        (1, FITS_NOW, 2000 * MiB, (FITS_NOW, UNSURE)),  # freed since: cannot tell
+        (1, UNKNOWN, 2000 * MiB, (UNKNOWN, UNSURE)),
+    ],
+)
+def test_oom_verdict_at_each_confidence(
+    ooms: int, recorded: str | None, stranded: int, expected: tuple[str, str] | None
+) -> None:
+    v = oom_verdict(
+        0,
+        ooms=ooms,
+        judged=None if recorded is None else judged(recorded),
+        stranded=stranded,
+        largest_free=200 * MiB,
+        expandable=False,
+    )
+    assert (None if v is None else (v.cause, v.confidence)) == expected
+    if v is not None:
+        assert v.expandable_would_help == (v.cause == FRAGMENTATION)
+        assert v.requested == (None if recorded is None else 300 * MiB)
+
+
+def test_no_free_block_at_all_is_never_likely_fragmentation() -> None:
+    v = oom_verdict(0, ooms=1, judged=None, stranded=0, largest_free=0, expandable=False)
+    assert v is not None and (v.cause, v.confidence) == (UNKNOWN, UNSURE)
+
+
+@pytest.fixture
+def gpu(fake: SnapshotFake, monkeypatch: pytest.MonkeyPatch) -> Iterator[SnapshotFake]:
+    """The fake allocator holding ``holes(10)``: 20 blocks of 200 MiB, every other one
+    freed (2000 MiB stranded, largest free block 200 MiB), and NVML seeing this process."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    fake.segments = holes(10)
+    fake.alloc(2000 * MiB, 0)
+    fake.reserved[0] = 4000 * MiB
+    own = 520 * MiB + 4000 * MiB
+    nvml = make_nvml([FakeGpu("GPU-0", used=615 * MiB + own, processes=[(os.getpid(), own)])])
+    with _nvml.use_module(nvml):
+        yield fake
+
+
+def test_explain_after_no_oom_states_no_verdict(gpu: SnapshotFake) -> None:
+    ledger = cudamem.explain(0, host=False)[0]
+    f = ledger.fragmentation
+    assert f is not None and f.stranded == 2000 * MiB and f.largest_free == 200 * MiB
+    assert f.verdict is None  # a clean process never gets a warning
+    text = str(ledger)
+    assert "verdict" not in text and "expandable_segments" not in text
+    assert json.loads(to_json(ledger))["fragmentation"]["verdict"] is None
+
+
+LIKELY_TEXT = [
+    "  out-of-memory verdict on cuda:0: fragmentation (likely)",
+    "    the allocator counted 1 out-of-memory error; cudamem recorded none of them",
+    "    2.0 GiB of the cache is stranded beside live blocks, in free blocks of at most "
+    "200.0 MiB: a request between the two fits in the free bytes together, in no single "
+    "free block",
+    "    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True would likely have avoided it",
+    "    cudamem.on_oom() records the next one's size for a certain verdict",
+]
+
+
+def test_explain_after_an_unrecorded_oom_says_likely_fragmentation(gpu: SnapshotFake) -> None:
+    gpu.ooms = 1  # torch counted it; no observer was installed
+    ledger = cudamem.explain(0, host=False)[0]
+    assert ledger.fragmentation is not None
+    v = ledger.fragmentation.verdict
+    assert v is not None
+    assert (v.cause, v.confidence, v.ooms, v.requested) == (FRAGMENTATION, LIKELY, 1, None)
+    assert (v.stranded, v.largest_free, v.expandable) == (2000 * MiB, 200 * MiB, False)
+    lines = str(ledger).splitlines()
+    # Right below the table, where users look; once.
+    at = lines.index(LIKELY_TEXT[0])
+    assert lines[at - 1].startswith("total of the lines")
+    assert lines[at : at + len(LIKELY_TEXT)] == LIKELY_TEXT
+    assert sum("out-of-memory verdict" in line for line in lines) == 1
+    data = json.loads(to_json(ledger))["fragmentation"]["verdict"]
+    assert data["cause"] == "fragmentation" and data["confidence"] == "likely"
+    assert data["ooms"] == 1 and data["requested"] is None
+    assert data["stranded"] == 2000 * MiB and data["largest_free"] == 200 * MiB
+    assert data["expandable_would_help"] is True
+    # fragmentation() standalone states the same verdict.
+    assert "  " + LIKELY_TEXT[0].strip() in str(cudamem.fragmentation(0)).splitlines()
+
+
+def test_explain_after_a_recorded_oom_is_certain(gpu: SnapshotFake) -> None:
+    gpu.ooms = 1
+    guard = cudamem.on_oom(stderr=False)
+    gpu.observers[0](0, 300 * MiB, 4096 * MiB, 100 * GiB)  # what malloc reports, then raises
+    guard.uninstall()
+    ledger = cudamem.explain(0, host=False)[0]
+    assert ledger.fragmentation is not None
+    v = ledger.fragmentation.verdict
+    assert v is not None
+    assert (v.cause, v.confidence, v.requested) == (FRAGMENTATION, CERTAIN, 300 * MiB)
+    assert v.source == "the allocator's OOM observer"
+    lines = str(ledger).splitlines()
+    at = lines.index("  out-of-memory verdict on cuda:0: fragmentation (certain)")
+    assert lines[at + 1 : at + 3] == [
+        "    the last OOM asked for 300.0 MiB (the allocator's OOM observer): it fits in the "
+        "free bytes together, in no single free block (largest 200.0 MiB; 2.0 GiB stranded "
+        "beside live blocks)",
+        "    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True would have avoided it",
+    ]
+    assert "on_oom() records the next one" not in str(ledger)
+    assert json.loads(to_json(ledger))["fragmentation"]["verdict"]["confidence"] == "certain"
+
+
+def test_explain_under_expandable_segments_does_not_suggest_them(
+    gpu: SnapshotFake, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    gpu.ooms = 2
+    ledger = cudamem.explain(0, host=False)[0]
+    assert ledger.fragmentation is not None
+    v = ledger.fragmentation.verdict
+    assert v is not None and (v.cause, v.confidence, v.ooms) == (FRAGMENTATION, LIKELY, 2)
+    assert v.expandable and not v.expandable_would_help
+    text = str(ledger)
+    assert "the allocator counted 2 out-of-memory errors" in text
+    assert (
+        "    expandable segments are on already: the free bytes sit beside live blocks "
+        "(partial pages) or on other streams" in text.splitlines()
+    )
+    assert "expandable_segments:True" not in text
+
+
+def test_explain_after_an_oom_in_an_unfragmented_cache_is_unsure(gpu: SnapshotFake) -> None:
+    gpu.segments = holes(1)  # 200 MiB stranded, largest free block 200 MiB
+    gpu.free(1800 * MiB, 0)
+    gpu.reserved[0] = 400 * MiB
+    gpu.ooms = 1
+    ledger = cudamem.explain(0, host=False)[0]
+    assert ledger.fragmentation is not None
+    v = ledger.fragmentation.verdict
+    assert v is not None and (v.cause, v.confidence) == (UNKNOWN, UNSURE)
+    text = str(ledger)
+    assert "  out-of-memory verdict on cuda:0: cause unknown (unsure)" in text.splitlines()
+    assert (
+        "    200.0 MiB of the cache is stranded beside live blocks, in free blocks of at most "
+        "200.0 MiB: less than 4x the largest, too little to tell fragmentation from a request "
+        "larger than the free memory (and memory freed since the OOM hides fragmentation)"
+    ) in text.splitlines()
+    assert "expandable_segments:True" not in text  # no fix suggested without a cause
+
+
+def test_the_guide_shows_the_verdict_its_code_prints() -> None:
+    """docs/guide/nvidia-smi.md's verdict section: its CPU code block, run, prints its text
+    block (4.1 GiB stranded, a largest free block of 500 MiB, one OOM counted)."""
+    page = (DATA.parents[1] / "docs" / "guide" / "nvidia-smi.md").read_text(encoding="utf-8")
+    section = page[page.index("### After an OOM nothing recorded") :]
+    start = section.index("```python\nfrom cudamem.fragmentation import oom_verdict") + 10
+    code = section[start : section.index("```", start)]
+    start = section.index("```text\n", start) + 8
+    shown = section[start : section.index("```", start)].rstrip("\n")
+    printed: list[str] = []
+    exec(code, {"print": lambda v: printed.append(str(v))})  # the page's own code
+    assert printed == [shown]
+    assert shown.splitlines()[0] == "out-of-memory verdict on cuda:0: fragmentation (likely)"
