@@ -639,9 +639,12 @@ def run_cudamem(name: str, fraction: float) -> dict[str, Any]:
                 "oom": p.oom,
                 "allocated": p.allocated,
                 "reserved": p.reserved,
+                "retries": p.retries,
             }
             for p in plan.probes
         ],
+        "allowance": getattr(plan, "allowance", None),
+        "available": plan.available,
         "largest_0": l0,
         "largest_5": l5,
         "plan": str(plan),

@@ -24,6 +24,7 @@ __all__ = [
     "CONTAINERS",
     "HEADROOM",
     "TERMS",
+    "UNCONFIRMED",
     "Line",
     "ModuleCost",
     "Point",
@@ -149,6 +150,10 @@ ALLOWANCE = 0.01
 #: ... plus a fixed amount (the 2 MiB rounding of a large block, a 20 MiB segment for a
 #: mid-sized request, kernels loaded on first use).
 HEADROOM = 64 << 20
+#: The share of a budget ``largest()`` keeps in reserve where no step confirmed it (a
+#: smaller budget on this card, a larger card): the allocator's behaviour at another limit
+#: is not the one measured.
+UNCONFIRMED = 0.015
 
 
 def required(allocated: float, allowance: float) -> float:

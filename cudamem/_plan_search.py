@@ -19,19 +19,21 @@ The rules, each a constant below:
   that new line fails too.
 * **Confirmed.** Before an answer past the largest step run, a step runs at that answer
   (``largest(margin=0)`` for the memory usable now) and the line is refitted through it:
-  the answer then comes from a line that reaches it. Up to ``MAX_CONFIRMS`` such steps,
-  until the refitted answer lies within ``CONFIRM_CLOSE`` (1 %) of a step that ran. One
-  that runs out of memory is recorded and the next aims lower (by at least ``SHRINK``).
+  the answer then comes from a line that reaches it. While the refitted line says more than
+  ``CONFIRM_CLOSE`` (1 %) more fits, another runs there. One that runs out of memory is
+  recorded and the next runs ``STEP_DOWN`` (5 %) lower; once one ran and one failed more
+  than ``BRACKET`` (1.5 %) apart, the next runs halfway between. ``MAX_CONFIRMS`` (6) at
+  most, within ``MAX_STEPS``.
 * **Required, not reserved.** Near the limit the allocator frees its cached blocks and
   retries a failed ``cudaMalloc`` before it raises (``release_cached_blocks`` in
   ``c10/cuda/CUDACachingAllocator.cpp``): what limits the batch is the peak allocated plus
   the free space stranded in segments that still hold live blocks, plus the failing
   request, not the reserved peak of a step that had memory to spare (ResNet-50's 1.21x
-  at batch 16 named 18 % too small a batch). The allowance: ``ALLOWANCE`` (1 %) of the
-  peak allocated plus ``HEADROOM`` (64 MiB: the 2 MiB rounding of large blocks, a 20 MiB
-  segment for a mid-sized request, kernels loaded on first use), raised to what a confirming
-  step that ran out of memory measured (reserved over allocated at the failure, after the
-  allocator had freed its cache), lowered to what one that ran measured.
+  at batch 16 named 18 % too small a batch). The allowance (``_allowance``): ``ALLOWANCE``
+  (1 %) of the peak allocated plus ``HEADROOM`` (64 MiB) until a confirming step ran;
+  then bounded by the confirming steps, from above by one that ran (it fit) and from below
+  by one that ran out of memory (it did not): the middle of the two, or the bound. A
+  decoder LM needs a tenth of a percent, a UNet with BatchNorm 8 %, an LSTM 12 %.
 * ``MAX_STEPS`` (10) step executions at most, the warm-up included.
 """
 
@@ -42,17 +44,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from ._fit import ALLOWANCE, Line, Point, fit, largest_under, relative_error, required
+from ._fit import ALLOWANCE, HEADROOM, Line, Point, fit, largest_under, relative_error, required
 from .memory_plan import LINEAR_TOLERANCE, LineCheck, Probe
 
 __all__ = [
+    "BRACKET",
     "CONFIRM_CLOSE",
     "GROWTH",
     "MAX_CONFIRMS",
     "MAX_STEPS",
     "RESOLVED_SHARE",
     "SAFE_SHARE",
-    "SHRINK",
+    "STEP_DOWN",
     "Lines",
     "Outcome",
     "Size",
@@ -65,9 +68,10 @@ RESOLVED_SHARE = 0.10
 GROWTH = 16
 SAFE_SHARE = 0.5
 MAX_STEPS = 10
-MAX_CONFIRMS = 3
+MAX_CONFIRMS = 6
 CONFIRM_CLOSE = 0.01
-SHRINK = 0.02
+STEP_DOWN = 0.05
+BRACKET = 0.015
 
 
 class Size(NamedTuple):
@@ -350,27 +354,57 @@ def _required_by(lines: Lines, allowance: float) -> Callable[[int], float]:
 def _confirm(
     out: Outcome, steps: _Steps, terms: Sequence[str], available: int, most: int | None
 ) -> None:
+    """Confirming steps: at the line's answer; after one that ran out of memory, ``STEP_DOWN``
+    lower; once one ran and one failed more than ``BRACKET`` apart, halfway between."""
     assert out.lines is not None
     for _ in range(MAX_CONFIRMS):
-        target = largest_under(_required_by(out.lines, out.allowance), available)
         oom = steps.smallest_oom
-        if oom is not None:
-            target = min(target, math.floor(oom * (1 - SHRINK)), oom - 1)
-        if most is not None:
-            target = min(target, most)
         ran = steps.largest_ran
-        if target <= ran * (1 + CONFIRM_CLOSE):
-            return
+        confirmed = any(p.role == "confirm" and not p.oom for p in steps.ran)
+        if oom is not None and confirmed:
+            if oom - ran <= max(1, BRACKET * oom):
+                return
+            target = (ran + oom) // 2
+        else:
+            target = largest_under(_required_by(out.lines, out.allowance), available)
+            if oom is not None:
+                target = min(target, math.floor(oom * (1 - STEP_DOWN)), oom - 1)
+            if most is not None:
+                target = min(target, most)
+            if target <= ran * (1 + CONFIRM_CLOSE):
+                return
         c = steps(Size(target, None), "confirm")
         if c is None:
             return
-        if c.oom:
-            if c.oom_allocated and c.oom_reserved:
-                measured = c.oom_reserved / c.oom_allocated - 1.0
-                out.allowance = max(out.allowance, measured)
-            continue
-        if c.allocated and c.reserved:
-            # It ran within ``available``: what it needed is at most what it reserved.
-            out.allowance = min(out.allowance, max(0.0, c.reserved / c.allocated - 1.0))
-        out.fitted.append(c)
-        out.lines = fit_lines(out.fitted, terms)
+        if not c.oom:
+            out.fitted.append(c)
+            out.lines = fit_lines(out.fitted, terms)
+        out.allowance = _allowance(out.lines, steps.ran, available)
+
+
+def _allowance(lines: Lines, ran: Sequence[Probe], available: int) -> float:
+    """The share of the peak the allocator could not give back at this card's limit, from
+    the confirming steps: one that ran bounds it from above (it fit in ``available``, and in
+    what it reserved where the allocator never freed its cache), one that ran out of memory
+    from below (it did not fit); bracketed, the middle of the two; ``ALLOWANCE`` until a
+    confirming step ran."""
+    usable = available - HEADROOM
+    above = [usable / lines.at(p.n) - 1.0 for p in ran if p.role == "confirm" and not p.oom] + [
+        p.reserved / p.allocated - 1.0
+        for p in ran
+        if p.role == "confirm"
+        and not p.oom
+        and not p.retries
+        and p.reserved
+        and p.allocated
+        and p.reserved >= p.allocated
+    ]
+    below = [usable / lines.at(p.n) - 1.0 for p in ran if p.role == "confirm" and p.oom]
+    high = min(above, default=None)
+    low = max(below, default=None)
+    if high is None:
+        return ALLOWANCE if low is None else max(ALLOWANCE, low)
+    high = max(0.0, high)
+    if low is None:
+        return high
+    return max(0.0, (max(low, 0.0) + high) / 2)

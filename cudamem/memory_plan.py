@@ -19,6 +19,7 @@ from ._args import check_int
 from ._fit import (
     ALLOWANCE,
     HEADROOM,
+    UNCONFIRMED,
     Line,
     ModuleCost,
     checkpoint_per_sample,
@@ -443,6 +444,11 @@ class MemoryPlan(PresentedHtml):
             f"{format_bytes(HEADROOM)}, as measured here"
             + (" at a confirming step" if self.confirm and self._confirmed else "")
         )
+        here = self.available
+        if self.confirm and not (here and abs(budget - here) <= here * SAME_MEMORY):
+            assumptions.append(
+                f"{UNCONFIRMED:.1%} of the budget kept in reserve: no step ran at this limit"
+            )
         assumptions.append("the same torch, dtypes and kernels: the per-sample bytes as here")
         return LargestBatch(
             n,
@@ -461,12 +467,16 @@ class MemoryPlan(PresentedHtml):
         self._line()
         if self.linear is False:
             raise NotLinearError(self._refusal("largest()"))
+        oom = self.smallest_oom
+        if self.length_axis or self.available is None:
+            best = largest_under(lambda k: self._required_at(k, at), budget)
+            return best if oom is None else min(best, oom - 1)
+        same = abs(budget - self.available) <= self.available * SAME_MEMORY
+        if self.confirm and not same:
+            budget *= 1 - UNCONFIRMED  # no step ran at this limit: a reserve
         best = largest_under(lambda k: self._required_at(k, at), budget)
         if self.max_batch is not None:
             best = min(best, self.max_batch)
-        oom = self.smallest_oom
-        if self.length_axis or self.available is None:
-            return best if oom is None else min(best, oom - 1)
         if budget > self.available * (1 + SAME_MEMORY):
             return best  # a larger card: the line's answer (largest_for says so)
         ran = self.largest_measured
@@ -474,7 +484,7 @@ class MemoryPlan(PresentedHtml):
             best = min(best, oom - 1)
         if self.confirm:
             best = min(best, ran)
-            if budget >= self.available * (1 - SAME_MEMORY):
+            if same:
                 best = max(best, ran)
         return best
 
@@ -577,6 +587,14 @@ class MemoryPlan(PresentedHtml):
             return max(p.at(n, length) for p in self.phase_lines)
         return line.at(n, length)
 
+    def _spare(self, n: int, length: int | None) -> bool:
+        """Whether ``n`` lies within the steps that had memory to spare (not the confirming
+        steps: the reserved line and the ratio come from the others)."""
+        ran = [p for p in self.probes if not p.oom and p.role != "confirm"]
+        if n > max((p.n for p in ran), default=0):
+            return False
+        return length is None or length <= max((p.length or 0 for p in ran), default=0)
+
     def _reserved_at(self, n: int, length: int) -> float:
         """The predicted reserved peak: within the measured sizes the larger of the reserved
         line and predicted allocated times the largest step's reserved-over-allocated ratio;
@@ -592,7 +610,7 @@ class MemoryPlan(PresentedHtml):
         reserved = allocated * self.ratio
         if self.reserved_line is not None:
             by_line = self.reserved_line.at(n, length)
-            inside = self._measured(n, length if self.length_axis else None)
+            inside = self._spare(n, length if self.length_axis else None)
             reserved = max(reserved, by_line) if inside else min(reserved, by_line)
         return max(allocated, reserved)
 

@@ -688,7 +688,12 @@ def _collect(
         graphs_before,
     )
     plan = replace(
-        plan, confirm=confirm and not length_axis, capacity=capacity, max_batch=max_batch
+        plan,
+        confirm=confirm and not length_axis,
+        capacity=capacity,
+        max_batch=max_batch,
+        available=available,
+        fragmentation=frag,
     )
     largest_now = None
     if available is not None and plan.allocated_line is not None and not length_axis:
@@ -696,7 +701,7 @@ def _collect(
             largest_now = plan.largest(memory=available)
         except (NotLinearError, RuntimeError):
             largest_now = None
-    return replace(plan, available=available, largest_now=largest_now, fragmentation=frag)
+    return replace(plan, largest_now=largest_now)
 
 
 def _fragmentation_after(

@@ -119,8 +119,8 @@ def test_five_steps_predict_the_peak_up_to_the_largest_batch(build: Callable[[],
 
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     plan = cudamem.plan(counted, sizes=(4, 8), model=model, optimizer=opt)
-    # warm-up, probes, the check, then confirming steps at the answer (at most two)
-    assert calls[:4] == [4, 4, 8, 16] and 5 <= len(calls) <= 6, str(plan)
+    # warm-up, probes, the check, then confirming steps at the answer
+    assert calls[:4] == [4, 4, 8, 16] and 5 <= len(calls) <= 10, str(plan)
     assert [p.role for p in plan.probes[4:]] == ["confirm"] * (len(calls) - 4)
     assert plan.linear is True and plan.resolved is True, str(plan)
     # What stays is the step's own: AdamW's two moments and the cuBLAS (and cuBLASLt)

@@ -112,8 +112,8 @@ def test_the_step_limit_holds() -> None:
 def test_a_confirming_step_out_of_memory_aims_lower() -> None:
     card = Card(lambda n: 2 * GiB + 100 * MiB * n, 80 * GiB, stranded=0.03)
     out = run(card)
-    assert card.sizes[:4] == [4, 4, 8, 16] and len(card.sizes) <= 7
-    assert out.allowance >= 0.03 - 1e-9
+    assert card.sizes[:4] == [4, 4, 8, 16] and len(card.sizes) <= MAX_STEPS
+    assert 0.02 < out.allowance < 0.04  # between the step that failed and the one that ran
     ran = [n for n in card.sizes if card.peak(n) * 1.03 <= card.memory]
     assert max(ran) >= card.largest() * 0.97
 
