@@ -49,7 +49,7 @@ from ._format import format_bytes, plural
 from ._present import Presented, PresentedHtml
 from .fragmentation import Fragmentation, OomFacts, analyze
 from .host_ledger import HostLedger, ProcessTree
-from .oom import last_event, parse_oom_message
+from .oom import last_event, own_ooms, parse_oom_message
 from .snapshot import (
     CacheSplit,
     PrivatePool,
@@ -823,6 +823,11 @@ class _Inputs:
     fragmentation: Fragmentation | None = None
 
 
+def _own(stats: AllocatorStats) -> AllocatorStats:
+    """``stats`` with the OOMs cudamem caught itself (a plan's steps) left out."""
+    return stats._replace(ooms=own_ooms(stats.device, stats.ooms))
+
+
 def _ledger_inputs(device: int, stats: AllocatorStats) -> _Inputs:
     """The cache split and the census split, from one snapshot read and one heap scan.
 
@@ -920,7 +925,7 @@ def _process_notes() -> list[str]:
 def _ledger_for(device: int, status: _nvml.NvmlStatus) -> DeviceLedger:
     be = _backend.get()
     has_context = be.has_context(device)
-    stats = be.read(device)
+    stats = _own(be.read(device))
     inputs = _ledger_inputs(device, stats) if has_context else _Inputs(None, None)
     reading: _nvml.NvmlDevice | None = None
     reason = status.reason
@@ -1083,7 +1088,7 @@ def fragmentation(
             f"this process has no CUDA context on {device_name(index)}: nothing is reserved there"
         )
         return Fragmentation(index, (), False, notes=tuple(notes))
-    stats = be.read(index)
+    stats = _own(be.read(index))
     segments = be.memory_segments(index)
     if segments is None:
         notes.append("no allocator snapshot: the pools cannot be split")

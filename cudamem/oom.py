@@ -60,6 +60,8 @@ __all__ = [
     "last_event",
     "on_oom",
     "oom_report",
+    "caught_oom",
+    "own_ooms",
     "parse_oom_message",
 ]
 
@@ -618,6 +620,29 @@ _events: deque[OomEvent] = deque(maxlen=MAX_EVENTS)
 #: backend once per process; a fake one (tests) of its own.
 _observer_on: weakref.WeakSet[object] = weakref.WeakSet()
 _observer_active = False
+
+
+#: Out-of-memory errors cudamem caused and caught itself (``cudamem.plan``'s steps), per
+#: backend (the allocator counting them) and device: not the user's, so no verdict or note
+#: speaks of them.
+_caught: weakref.WeakKeyDictionary[object, dict[int, int]] = weakref.WeakKeyDictionary()
+
+
+def caught_oom(device: int, since: float) -> None:
+    """A step cudamem ran on ``device`` ran out of memory and cudamem caught it: count it
+    and drop what the observer recorded of it (at ``time.time()`` ``since`` or later), so
+    that ``explain()`` and ``fragmentation()`` judge the user's own OOMs only."""
+    counts = _caught.setdefault(_backend.get(), {})
+    counts[device] = counts.get(device, 0) + 1
+    kept = [ev for ev in _events if ev.device != device or ev.time < since]
+    if len(kept) != len(_events):
+        _events.clear()
+        _events.extend(kept)
+
+
+def own_ooms(device: int, counted: int) -> int:
+    """The allocator's OOM count on ``device`` less those cudamem caught itself."""
+    return max(0, counted - _caught.get(_backend.get(), {}).get(device, 0))
 
 
 def _observer(device: int, requested: int, total: int, free: int) -> None:

@@ -50,6 +50,7 @@ from .memory_plan import (
 )
 from .module_profile import ModuleProfile
 from .modules import track_modules
+from .oom import caught_oom
 from .span import close_quiet, open_quiet
 
 __all__ = ["plan"]
@@ -408,6 +409,7 @@ class _Runner:
             "" if size.length is None else f" L={size.length}"
         )
         start = time.perf_counter()
+        since = time.time()
         error: str | None = None
         oom = False
         at_oom = before
@@ -431,6 +433,7 @@ class _Runner:
                 raise
             oom = True
             at_oom = backend.read(device)  # the failed step's tensors still alive
+            caught_oom(device, since)  # the plan's, not the user's: no verdict speaks of it
             text = str(exc)
             error = text.splitlines()[0][:200] if text else type(exc).__name__
             # The frames of the failed step hold its tensors: clear them, drop the

@@ -27,6 +27,7 @@ from cudamem._fit import (
     required,
 )
 from cudamem.memory_plan import MemoryPlan, NotLinearError, Probe
+from cudamem.stats import AllocatorStats
 from cudamem.plan import SHAPES_CAUSE
 from cudamem.render.json import to_json
 
@@ -53,6 +54,9 @@ class Device(FakeAllocator):
 
     def limit(self, n_bytes_needed: float) -> bool:
         return n_bytes_needed > self.total
+
+    def read(self, device: int) -> AllocatorStats:
+        return super().read(device)._replace(ooms=self.calls["oom"])
 
     def alloc(self, nbytes: int, device: int = 0) -> None:
         with self.lock:
@@ -271,6 +275,12 @@ def test_a_confirming_step_out_of_memory_is_caught_and_the_answer_shrinks(fake: 
     assert 0.03 < plan.allowance < 0.05  # between the step that failed and the one that ran
     assert fake.allocated[0] == 800 * MiB  # nothing of the failed step stays
     assert not kept
+    # The plan's OOMs are not the user's: no verdict speaks of them.
+    assert fake.read(0).ooms == sum(p.oom for p in plan.probes) >= 1
+    assert cudamem.fragmentation(0).verdict is None
+    assert "out-of-memory" not in str(cudamem.explain(0, host=False))
+    fake.calls["oom"] += 1  # one of the user's own
+    assert cudamem.fragmentation(0).verdict is not None
 
 
 def test_cudnn_benchmark_is_named_as_a_cause(fake: Device, monkeypatch: Any) -> None:
