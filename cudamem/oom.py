@@ -57,10 +57,10 @@ __all__ = [
     "OomEvent",
     "OomGuard",
     "OomReport",
+    "caught_oom",
     "last_event",
     "on_oom",
     "oom_report",
-    "caught_oom",
     "own_ooms",
     "parse_oom_message",
 ]

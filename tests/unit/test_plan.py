@@ -27,9 +27,9 @@ from cudamem._fit import (
     required,
 )
 from cudamem.memory_plan import MemoryPlan, NotLinearError, Probe
-from cudamem.stats import AllocatorStats
 from cudamem.plan import SHAPES_CAUSE
 from cudamem.render.json import to_json
+from cudamem.stats import AllocatorStats
 
 from ..fakes import FakeAllocator
 
