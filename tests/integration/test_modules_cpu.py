@@ -4,6 +4,7 @@ scan per read): checkpointing, autocast, PyTorch's MemTracker as the anchor, ``c
 
 from __future__ import annotations
 
+import gc
 import json
 from typing import Any
 
@@ -44,12 +45,19 @@ def test_checkpointing_moves_kept_memory_into_the_backward_on_cpu_tensors() -> N
 
     x = torch.randn(128, 64, requires_grad=True)
     rows = {}
-    with _backend.use(CpuStorageBackend()):
-        for ckpt in (False, True):
-            net = Net(ckpt)
-            with cudamem.track_modules(net) as prof:
-                net(x).sum().backward()
-            rows[ckpt] = prof.profile.module("Net.block")
+    # The counters are every live CPU storage: garbage an earlier test in this worker left
+    # (cycles holding tensors) must not be collected in the middle of the measurement.
+    gc.collect()
+    gc.disable()
+    try:
+        with _backend.use(CpuStorageBackend()):
+            for ckpt in (False, True):
+                net = Net(ckpt)
+                with cudamem.track_modules(net) as prof:
+                    net(x).sum().backward()
+                rows[ckpt] = prof.profile.module("Net.block")
+    finally:
+        gc.enable()
     plain, ckpt = rows[False], rows[True]
     activation = 128 * 256 * 4  # relu's output, which down saves (up's is freed)
     output = 128 * 64 * 4
