@@ -635,7 +635,8 @@ def _collect(
     read: list[tuple[int | None, int | None, str | None]] = []
 
     def memory() -> int | None:
-        runner.settle()
+        # NVML's free plus this process's reserved: the same whether the cache is emptied
+        # or not (no gc.collect() needed here)
         read.append(device_memory(device))
         return read[-1][0]
 
