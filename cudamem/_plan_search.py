@@ -239,7 +239,7 @@ def search(
     """Run the warm-up and the probes of ``schedule``, grow the probes until the per-sample
     part is resolved, check the line (``check``: the first check's size, ``None``: no
     check), recover from a check off the line with larger probes, and confirm the answer
-    for ``available`` bytes. ``adaptive=False`` (a plan with a length axis) runs the
+    for the bytes ``memory()`` reads. ``adaptive=False`` (a plan with a length axis) runs the
     schedule and one check only; ``confirm=False`` skips the confirming steps. No step
     past the probes runs at a batch larger than ``max_batch``."""
     out = Outcome()
@@ -270,8 +270,11 @@ def search(
     if steps.smallest_oom is not None:
         return out
     _resolve_and_check(out, steps, terms, check, memory(), adaptive, max_batch)
-    tested = out.check is None or out.check.linear  # check=False: the confirming step tests it
-    if confirm and adaptive and out.lines is not None and tested:
+    # check=False (or a check that ran out of memory): the confirming steps test the line;
+    # an unresolved line is not worth confirming (its answer is noise): largest() then
+    # names only batches that ran
+    tested = out.check is None or out.check.linear
+    if confirm and adaptive and out.lines is not None and out.resolved and tested:
         available = memory()
         if available is not None:
             _confirm(out, steps, terms, available, max_batch)

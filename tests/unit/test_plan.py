@@ -791,3 +791,15 @@ def test_max_batch_caps_every_step_and_the_answer(fake: Device) -> None:
     assert plan.largest(0.0, memory=10 * Device.total) == 1000
     with pytest.raises(ValueError, match="max_batch must be >= 8, got 4"):
         cudamem.plan(step, max_batch=4)
+
+
+def test_an_unresolved_slope_that_cannot_grow_names_only_batches_that_ran(fake: Device) -> None:
+    """100 GiB fixed and 1 KiB a sample on a 140 GiB device: no probe twice as large stays
+    within half the memory, so the per-sample bytes stay unresolved; the plan says so,
+    confirms nothing, and names no batch past the largest that ran."""
+    step = Step(fake, lambda n: 100 * GiB + 1024 * n, state=0)
+    plan = cudamem.plan(step)
+    assert [c[0] for c in step.calls] == [4, 4, 8]
+    assert plan.resolved is False
+    assert plan.largest(0.0) == 8
+    assert "answers past the steps run are not to be trusted" in str(plan)
