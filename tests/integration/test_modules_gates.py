@@ -24,6 +24,7 @@ import cudamem
 from cudamem import _backend
 from cudamem import span as _span
 
+from ..benchmark_import import benchmark
 from ..fakes import FakeAllocator
 from ..unit import test_modules as unit
 from ..unit.test_modules import AllocInBackward, FailInBackward
@@ -946,31 +947,9 @@ def test_a_profile_stopped_by_the_argument_search_drops_the_call(
 
 @pytest.fixture
 def module_cost() -> Iterator[Any]:
-    """``benchmarks/module_cost.py``, imported by path (the benchmarks are no package); the
-    import path and the modules it loaded are put back after the test."""
-    import importlib.util
-    import sys
-
-    path = os.path.abspath(
-        os.path.join(
-            os.path.dirname(__file__), os.pardir, os.pardir, "benchmarks", "module_cost.py"
-        )
-    )
-    saved_path, saved_names = list(sys.path), set(sys.modules)
-    spec = importlib.util.spec_from_file_location("_bench_module_cost", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
+    """``benchmarks/module_cost.py``, imported by path (``tests/benchmark_import.py``)."""
+    with benchmark("module_cost.py") as module:
         yield module
-    finally:
-        sys.path[:] = saved_path
-        bench_dir = os.path.dirname(path)
-        for name in set(sys.modules) - saved_names:  # the benchmarks' own modules only
-            origin = getattr(sys.modules[name], "__file__", None) or ""
-            if name == spec.name or os.path.dirname(os.path.abspath(origin)) == bench_dir:
-                del sys.modules[name]
 
 
 def test_the_cost_breakdown_times_each_c_hook_call_once_over_many_steps(

@@ -4,39 +4,21 @@ the exact limit in few steps."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+
+from ..benchmark_import import benchmark
 
 NAMES = ("decoder", "encoder", "resnet50", "convnext", "vit", "lstm", "unet", "mlp", "checkpointed")
 
 
 @pytest.fixture(scope="module")
 def fit() -> Iterator[Any]:
-    """``benchmarks/fit.py``, imported by path (the benchmarks are no package); the import
-    path and the modules it loaded are put back after the tests."""
-    path = os.path.abspath(
-        os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "benchmarks", "fit.py")
-    )
-    saved_path, saved_names = list(sys.path), set(sys.modules)
-    spec = importlib.util.spec_from_file_location("_bench_fit", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
+    """``benchmarks/fit.py``, imported by path (``tests/benchmark_import.py``)."""
+    with benchmark("fit.py") as module:
         yield module
-    finally:
-        sys.path[:] = saved_path
-        bench_dir = os.path.dirname(path)
-        for name in set(sys.modules) - saved_names:  # the benchmarks' own modules only
-            origin = getattr(sys.modules[name], "__file__", None) or ""
-            if name == spec.name or os.path.dirname(os.path.abspath(origin)) == bench_dir:
-                del sys.modules[name]
 
 
 def test_the_zoo_is_the_nine_models(fit: Any) -> None:
