@@ -156,6 +156,16 @@ def _span_figures(results: Path) -> dict[str, Any] | None:
     }
 
 
+def _card(text: str) -> dict[str, str] | None:
+    """The card the run used, from ``nvidia-smi --query-gpu=name,driver_version,memory.total
+    --format=csv,noheader`` (its first GPU's line)."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    parts = [p.strip() for p in lines[0].split(",")] if lines else []
+    if len(parts) != 3:
+        return None
+    return {"name": parts[0], "driver": parts[1], "memory": parts[2]}
+
+
 def write(logs: Path, record: Path) -> int:
     before = _json_tail(_read(logs / "tree.json")) or {}
     groups = {}
@@ -177,6 +187,7 @@ def write(logs: Path, record: Path) -> int:
     core_active = isinstance(core, dict) and core.get("state") == "active"
     data = {
         **before,
+        "card": _card(_read(logs / "card.txt")),
         "groups": groups,
         "benchmarks": benches,
         "reader_build": built,
@@ -195,6 +206,8 @@ def write(logs: Path, record: Path) -> int:
     state = reader.get("state") if isinstance(reader, dict) else None
     print(f"reader: {state}; commit {before.get('commit')} clean={before.get('clean')}")
     print(f"span core: {core.get('state') if isinstance(core, dict) else None}")
+    card = data["card"]
+    print(f"card: {card['name'] if card else 'unknown'}")
     print(f"cudamem tree {before.get('cudamem_tree')}; verified: {data['passed']}")
     return 0 if data["passed"] else 1
 
@@ -213,7 +226,11 @@ def check(record: Path) -> int:
         )
         return 1
     verdict = "passed" if data.get("passed") else "FAILED"
-    print(f"GPU-verified ({verdict}): cudamem/ tree {now[:12]} ran at commit {data.get('commit')}")
+    card = data.get("card")
+    on = f" on {card.get('name')}" if isinstance(card, dict) else ""
+    print(
+        f"GPU-verified ({verdict}): cudamem/ tree {now[:12]} ran at commit {data.get('commit')}{on}"
+    )
     return 0 if data.get("passed") else 1
 
 

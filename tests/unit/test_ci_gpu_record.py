@@ -82,13 +82,24 @@ def _logs(tmp_path: Path, rc: int, state: str, core: str = "active") -> Path:
     return logs
 
 
-def test_write_then_check_a_verified_tree(tmp_path: Path) -> None:
+def test_write_then_check_a_verified_tree(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     record = tmp_path / "gpu-verified.json"
-    assert rec.write(_logs(tmp_path, 0, "cached"), record) == 0
+    logs = _logs(tmp_path, 0, "cached")
+    (logs / "card.txt").write_text("NVIDIA H100 80GB HBM3, 580.159.04, 81559 MiB\n")
+    assert rec.write(logs, record) == 0
     data = json.loads(record.read_text())
+    assert data["card"] == {
+        "name": "NVIDIA H100 80GB HBM3",
+        "driver": "580.159.04",
+        "memory": "81559 MiB",
+    }
     assert data["groups"]["ledger"] == {"rc": 0, "seconds": 12, "passed": 10, "skipped": 1}
     assert data["cudamem_tree"] == rec.tree_id(ROOT / "cudamem") and data["passed"] is True
+    capsys.readouterr()
     assert rec.check(record) == 0
+    assert "on NVIDIA H100 80GB HBM3" in capsys.readouterr().out
 
 
 def test_a_failed_group_a_dict_reader_or_python_spans_are_not_verified(tmp_path: Path) -> None:
