@@ -75,14 +75,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _common import CUDA, emit, write_json
 
 import cudamem
+from cudamem import _backend
 
 Step = Callable[[int], torch.Tensor]
 Loss = Callable[[int], torch.Tensor]
 Device = torch.device | str
-
-
-def _is_oom(exc: BaseException) -> bool:
-    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc)
 
 
 def settle() -> None:
@@ -545,7 +542,7 @@ class Trials:
                 peaks = (torch.cuda.max_memory_reserved(), torch.cuda.max_memory_allocated())
                 self.seen[n] = (True, *peaks, seconds)
             except Exception as exc:
-                if not _is_oom(exc):
+                if not _backend.get().is_oom(exc):
                     raise
                 self.seen[n] = (False, 0, 0, time.perf_counter() - start)
             settle()
@@ -710,7 +707,7 @@ def run_accelerate(name: str) -> dict[str, Any]:
         try:
             step(batch_size)
         except Exception as exc:
-            if _is_oom(exc):
+            if _backend.get().is_oom(exc):
                 failed.append(batch_size)
             raise
         torch.cuda.synchronize()
