@@ -29,6 +29,8 @@ Matmuls run in TF32 (``torch.set_float32_matmul_precision("high")``) so that the
 batch's step stays well under a second. For each model, on the card at hand, from a fresh
 model each tool, with ``gc.collect()`` and ``empty_cache()`` between:
 
+* first, one untimed step of a fresh model at batch 2 (``prime``: the process's first
+  kernels and library handles load there, not in whichever tool runs first);
 * cudamem: ``plan(step, model=, optimizer=)`` at its default sizes: its time, the step
   executions and the OOMs it saw; ``largest(0.0)`` and ``largest(0.05)`` and whether a plain
   step runs at each; the predicted peak allocated against the measured one at ¼, ½ and ⅘ of
@@ -606,6 +608,21 @@ def largest_for(plan: Any, memory: int) -> dict[str, Any]:
     }
 
 
+def prime(name: str) -> float:
+    """One untimed step of a fresh ``name`` at batch 2, before any tool is timed on it: the
+    process's first kernels, cuBLAS and cuDNN handles load here, so that neither the first
+    tool timed (cudamem) nor the later ones (the peers, which would find them loaded) pays
+    for them. Its seconds."""
+    _, _, step = build(name)
+    start = time.perf_counter()
+    step(2)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    del step
+    settle()
+    return seconds
+
+
 def run_cudamem(name: str, fraction: float) -> dict[str, Any]:
     model, opt, step = build(name)
     calls: list[int] = []
@@ -637,6 +654,10 @@ def run_cudamem(name: str, fraction: float) -> dict[str, Any]:
                 "allocated": p.allocated,
                 "reserved": p.reserved,
                 "retries": p.retries,
+                "seconds": p.seconds,
+                "error": p.error,
+                "oom_allocated": p.oom_allocated,
+                "oom_reserved": p.oom_reserved,
             }
             for p in plan.probes
         ],
@@ -871,6 +892,7 @@ def main() -> None:
         log(f"[{name}] {MODELS[name].label}")
         entry: dict[str, Any] = {"label": MODELS[name].label}
         try:
+            entry["prime_seconds"] = prime(name)
             entry.update(run_cudamem(name, args.fraction))
         except Exception as exc:  # one model's failure must not lose the others
             entry["error_message"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"

@@ -153,7 +153,7 @@ HEADROOM = 64 << 20
 #: The share of a budget ``largest()`` keeps in reserve where no step confirmed it (a
 #: smaller budget on this card, a larger card): the allocator's behaviour at another limit
 #: is not the one measured.
-UNCONFIRMED = 0.015
+UNCONFIRMED = 0.005
 
 
 def required(allocated: float, allowance: float) -> float:

@@ -317,10 +317,12 @@ class MemoryPlan(PresentedHtml):
         """The largest batch size a step ran at without running out of memory."""
         return max((p.n for p in self.probes if not p.oom), default=0)
 
-    def _measured(self, n: int, length: int | None) -> bool:
+    def _measured(self, n: int, length: int | None, *, spare: bool = False) -> bool:
         """Whether batch ``n`` (at ``length``) lies within what the steps measured: no
-        larger batch, and on a length axis no longer length, than a step ran at."""
-        ran = [p for p in self.probes if not p.oom]
+        larger batch, and on a length axis no longer length, than a step ran at; with
+        ``spare``, only the steps that had memory to spare (not the confirming steps: the
+        reserved line and the ratio come from the others)."""
+        ran = [p for p in self.probes if not p.oom and not (spare and p.role == "confirm")]
         if n > max((p.n for p in ran), default=0):
             return False
         if length is None:
@@ -587,14 +589,6 @@ class MemoryPlan(PresentedHtml):
             return max(p.at(n, length) for p in self.phase_lines)
         return line.at(n, length)
 
-    def _spare(self, n: int, length: int | None) -> bool:
-        """Whether ``n`` lies within the steps that had memory to spare (not the confirming
-        steps: the reserved line and the ratio come from the others)."""
-        ran = [p for p in self.probes if not p.oom and p.role != "confirm"]
-        if n > max((p.n for p in ran), default=0):
-            return False
-        return length is None or length <= max((p.length or 0 for p in ran), default=0)
-
     def _reserved_at(self, n: int, length: int) -> float:
         """The predicted reserved peak: within the measured sizes the larger of the reserved
         line and predicted allocated times the largest step's reserved-over-allocated ratio;
@@ -610,7 +604,7 @@ class MemoryPlan(PresentedHtml):
         reserved = allocated * self.ratio
         if self.reserved_line is not None:
             by_line = self.reserved_line.at(n, length)
-            inside = self._spare(n, length if self.length_axis else None)
+            inside = self._measured(n, length if self.length_axis else None, spare=True)
             reserved = max(reserved, by_line) if inside else min(reserved, by_line)
         return max(allocated, reserved)
 

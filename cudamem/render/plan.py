@@ -65,7 +65,10 @@ def _probe_row(p: Probe, plan: MemoryPlan) -> list[str]:
     if p.oom:
         note = ""
         if p.oom_allocated:
-            note = f"{format_bytes(p.oom_allocated)} allocated when it failed"
+            reserved = (
+                f", {format_bytes(p.oom_reserved)} reserved" if p.oom_reserved is not None else ""
+            )
+            note = f"{format_bytes(p.oom_allocated)} allocated{reserved} when it failed"
         return [p.role, str(p.n), length, "out of memory", "", format_duration(p.seconds), note]
     note = ""
     check = plan.check
