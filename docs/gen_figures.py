@@ -1,12 +1,12 @@
 """Write the benchmark figures the docs quote, from the JSON the benchmarks wrote.
 
-    python docs/gen_figures.py          # benchmarks/results/*.json -> docs/output/figures/*.md
+    python docs/gen_figures.py          # benchmarks/results/*.json -> docs/output/figures/*.txt
     python docs/gen_figures.py --check  # exit 1 when a committed file differs from a fresh one
 
 One figure, one home: a figure a page quotes (what a span costs, what `memory_allocated()`
 costs, what the module profile adds to a step, ...) is written here from the JSON of the run
 that measured it, with the card and torch version of that run, and pages include it with
-pymdownx.snippets (``--8<-- "docs/output/figures/spans.md:reads"``). A new benchmark run
+pymdownx.snippets (``--8<-- "docs/output/figures/spans.txt:reads"``). A new benchmark run
 changes the JSON; this script then changes every page that quotes it, and
 ``tests/unit/test_doc_figures.py`` fails while the committed files lag behind the JSON. The
 README, which GitHub renders without snippets, quotes one figure: ``README_FIGURE``'s, checked
@@ -58,9 +58,7 @@ def _pct(value: float) -> str:
 
 def _sections(sections: dict[str, str]) -> str:
     """Snippet sections (``--8<-- [start:name]`` ... ``[end:name]``), one per figure."""
-    out: list[str] = [
-        "<!-- written by docs/gen_figures.py from benchmarks/results/*.json: do not edit -->"
-    ]
+    out: list[str] = ["written by docs/gen_figures.py from benchmarks/results/*.json: do not edit"]
     for name, text in sections.items():
         out += [f"--8<-- [start:{name}]", text.rstrip("\n"), f"--8<-- [end:{name}]"]
     return "\n".join(out) + "\n"
@@ -329,10 +327,10 @@ def scalars() -> str:
 
 
 GENERATORS: dict[str, Callable[[], str]] = {
-    "spans.md": spans,
-    "modules.md": modules,
-    "holders.md": holders,
-    "scalars.md": scalars,
+    "spans.txt": spans,
+    "modules.txt": modules,
+    "holders.txt": holders,
+    "scalars.txt": scalars,
 }
 
 
