@@ -37,7 +37,7 @@ def _load(name: str) -> dict[str, Any]:
 
 
 def card(machine: dict[str, Any]) -> str:
-    """"NVIDIA H200, torch 2.11.0+cu130" (or "CPU only, torch 2.13.0+cpu") from a run's
+    """ "NVIDIA H200, torch 2.11.0+cu130" (or "CPU only, torch 2.13.0+cpu") from a run's
     ``machine`` record (``benchmarks/_common.py``'s ``machine()``)."""
     gpu = machine.get("gpu")
     where = str(gpu) if gpu else "CPU only"
@@ -206,7 +206,7 @@ def modules() -> str:
                 f"{name} ({case['module_calls']} module calls; {case['rounds']} rounds of "
                 f"{case['steps_per_block']} steps)",
                 f"{bare_ms:.1f} ms",
-                f"{_pct(pct['cudamem'][0])} ({_pct(pct['cudamem'][1])} to {_pct(pct['cudamem'][2])})",
+                "{} ({} to {})".format(*map(_pct, pct["cudamem"][:3])),
                 f"{per_call['cudamem'][0]:.1f}",
                 _pct(pct["control"][0]),
                 _pct(pct["paused"][0]),
@@ -314,9 +314,7 @@ def scalars() -> str:
         for key, _ in _SCALAR_METHODS:
             row.append(_pct((kind["methods"][key]["ratio_vs_none"] - 1) * 100))
         rows.append(row)
-    table = _table(
-        ["step kind", "no logging"] + [label for _, label in _SCALAR_METHODS], rows
-    )
+    table = _table(["step kind", "no logging"] + [label for _, label in _SCALAR_METHODS], rows)
     source = (
         f"Measured on an {card(machine)}, CUDA {machine['cuda']} ({data['device']}; "
         f"`python benchmarks/scalars.py`, CUDA events, methods interleaved, median step of "

@@ -28,7 +28,9 @@ def test_committed_figures_are_what_the_json_gives() -> None:
     written = gen.figures()
     assert written, "gen_figures.py writes no figures"
     committed = {p.name for p in gen.FIGURES.glob("*")}
-    assert committed == set(written), "docs/output/figures/ holds files gen_figures.py does not write"
+    assert committed == set(written), (
+        "docs/output/figures/ holds files gen_figures.py does not write"
+    )
     for name, text in written.items():
         on_disk = (gen.FIGURES / name).read_text(encoding="utf-8")
         assert on_disk == text, f"{name} is stale: run python docs/gen_figures.py"
