@@ -878,6 +878,7 @@ def main() -> None:
     total = torch.cuda.get_device_properties(0).total_memory
     peers = [] if args.skip_peers else [m for m in args.peers if m in models]
     data: dict[str, Any] = {
+        "commit": os.environ.get("GPU_COMMIT"),  # the tree's commit, where the caller says
         "card": card,
         "total_memory": total,
         "fraction": args.fraction,

@@ -324,7 +324,111 @@ def scalars() -> str:
     return _sections({"source": source, "cost": table})
 
 
+#: The zoo run the fit guide quotes (``python benchmarks/fit.py --out ...``).
+FIT_JSON = "fit-zoo.json"
+
+_FIT_LABELS = {
+    "decoder": "decoder LM",
+    "encoder": "BERT-base",
+    "resnet50": "ResNet-50",
+    "convnext": "ConvNeXt",
+    "vit": "ViT-S/16",
+    "lstm": "LSTM",
+    "unet": "UNet",
+    "mlp": "MLP, GradScaler",
+    "checkpointed": "checkpointed",
+}
+
+
+def _n(value: int | None) -> str:
+    return "-" if value is None else f"{value:,}"
+
+
+def _off(value: float | None) -> str:
+    return "-" if value is None else _pct(-100 * value).replace("+0.0", "0.0").replace("−0.0", "0.0")
+
+
+def _yes(value: bool | None) -> str:
+    return "-" if value is None else "yes" if value else "ran out"
+
+
+def fit() -> str:
+    data = _load(FIT_JSON)
+    machine = data["machine"]
+    rows = []
+    for name, m in data["models"].items():
+        if "largest_0" not in m:
+            rows.append([_FIT_LABELS.get(name, name), m.get("error_message", "failed")] + [""] * 9)
+            continue
+        b = m["budget"]
+        worst = m.get("worst_peak_error")
+        rows.append(
+            [
+                _FIT_LABELS.get(name, name),
+                f"{m['seconds']:.1f} s",
+                f"{m['steps']} / {m['ooms']}",
+                _n(m["largest_0"]),
+                _n(m["largest_5"]),
+                _n(m["true_largest"]),
+                _off(m["error"]),
+                f"{_yes(m['ran_0'])} / {_yes(m['ran_5'])}",
+                "-" if worst is None else _pct(100 * worst),
+                f"{_n(b['answer'])} / {_n(b['true_largest'])} / {_off(b['error'])}",
+                _yes(b["ran"]),
+            ]
+        )
+    fraction = f"{data['fraction']:.0%}".replace("%", " %")
+    zoo = _table(
+        [
+            "model",
+            "plan",
+            "steps / OOMs caught",
+            "`largest(0)`",
+            "`largest(0.05)`",
+            "true largest",
+            "off",
+            "ran at 0 / 0.05",
+            "worst peak error ¼ ½ ⅘",
+            f"{fraction}: answer / true / off",
+            f"{fraction} ran",
+        ],
+        rows,
+    )
+    peers = []
+    for name, tools in data.get("peers", {}).items():
+        truth = data["models"].get(name, {}).get("true_largest")
+        plan_seconds = data["models"].get(name, {}).get("seconds")
+        for tool, r in tools.items():
+            if "error" in r:
+                continue
+            faster = "-" if not plan_seconds else f"{r['seconds'] / plan_seconds:.1f}×"
+            off = None if not truth else (truth - r["answer"]) / truth
+            peers.append(
+                [
+                    _FIT_LABELS.get(name, name),
+                    "Lightning binsearch" if tool == "lightning" else "accelerate",
+                    f"{r['seconds']:.1f} s",
+                    f"{r['trials']} / {r['ooms']}",
+                    _n(r["answer"]),
+                    _off(off),
+                    faster,
+                ]
+            )
+    peer_table = _table(
+        ["model", "tool", "time", "trials / OOMs", "answer", "off the true largest", "plan faster"],
+        peers,
+    )
+    commit = data.get("commit")
+    source = (
+        f"Measured on an {card(machine)}, CUDA {machine['cuda']} (TF32 matmuls; "
+        f"`python benchmarks/fit.py`{f', cudamem at {commit}' if commit else ''}; "
+        f"the JSON is `benchmarks/results/{FIT_JSON}`)."
+    )
+    return _sections({"source": source, "zoo": zoo, "peers": peer_table})
+
+
 GENERATORS: dict[str, Callable[[], str]] = {
+    "fit.txt": fit,
     "spans.txt": spans,
     "modules.txt": modules,
     "holders.txt": holders,
