@@ -325,7 +325,7 @@ def scalars() -> str:
 
 
 #: The zoo run the fit guide quotes (``python benchmarks/fit.py --out ...``).
-FIT_JSON = "fit-zoo.json"
+FIT_JSON = "fit-zoo-h100-29321b5.json"
 
 _FIT_LABELS = {
     "decoder": "decoder LM",
@@ -345,7 +345,9 @@ def _n(value: int | None) -> str:
 
 
 def _off(value: float | None) -> str:
-    return "-" if value is None else _pct(-100 * value).replace("+0.0", "0.0").replace("−0.0", "0.0")
+    if value is None:
+        return "-"
+    return _pct(-100 * value).replace("+0.0 ", "0.0 ").replace("−0.0 ", "0.0 ")
 
 
 def _yes(value: bool | None) -> str:
