@@ -245,7 +245,8 @@ class LM(torch.nn.Module):  # your model: here a small one that takes GPT-2's ar
 
     def forward(self, input_ids, labels):
         logits = self.out(self.emb(input_ids)).flatten(0, 1)
-        return types.SimpleNamespace(loss=torch.nn.functional.cross_entropy(logits, labels.flatten()))
+        loss = torch.nn.functional.cross_entropy(logits, labels.flatten())
+        return types.SimpleNamespace(loss=loss)
 
 model = LM().cuda()
 opt = torch.optim.AdamW(model.parameters())
@@ -272,7 +273,9 @@ class Module(L.LightningModule):  # your LightningModule, with a batch_size
         return torch.optim.AdamW(self.parameters())
 
 module = Module()
-trainer = L.Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+trainer = L.Trainer(
+    max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False
+)
 """
 
 #: The markers (and hidden set-up) of pages that cannot carry them yet: docs/guide/fit.md is
@@ -496,7 +499,10 @@ def _attempt(page: Page, block: Block, state: dict[int, Outcome]) -> Outcome:
         proc = subprocess.run(
             ["bash", "-euo", "pipefail", "-c", block.source],
             cwd=ROOT,
-            env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])),
+            env=dict(
+                os.environ,
+                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+            ),
             capture_output=True,
             text=True,
             timeout=300,
