@@ -588,7 +588,13 @@ def teardown(namespace: dict[str, Any]) -> None:
     gc.collect()
 
 
-SYBIL = Sybil(
+class _Sybil(Sybil):
+    def should_parse(self, path: Path) -> bool:
+        # ROOT is resolved; pytest's paths may go through a link to the checkout
+        return super().should_parse(Path(path).resolve())
+
+
+SYBIL = _Sybil(
     parsers=[parser],
     patterns=PATTERNS,
     path=str(ROOT),
