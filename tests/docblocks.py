@@ -232,103 +232,6 @@ def parse_blocks(text: str) -> list[Block]:
     return blocks
 
 
-_FIT_MODEL = """\
-import types
-
-import torch
-
-class LM(torch.nn.Module):  # your model: here a small one that takes GPT-2's arguments
-    def __init__(self):
-        super().__init__()
-        self.emb = torch.nn.Embedding(50257, 64)
-        self.out = torch.nn.Linear(64, 50257)
-
-    def forward(self, input_ids, labels):
-        logits = self.out(self.emb(input_ids)).flatten(0, 1)
-        loss = torch.nn.functional.cross_entropy(logits, labels.flatten())
-        return types.SimpleNamespace(loss=loss)
-
-model = LM().cuda()
-opt = torch.optim.AdamW(model.parameters())
-"""
-
-_LIGHTNING_MODULE = """\
-import lightning as L
-import torch
-
-class Module(L.LightningModule):  # your LightningModule, with a batch_size
-    def __init__(self):
-        super().__init__()
-        self.batch_size = 32
-        self.net = torch.nn.Linear(1024, 1024)
-
-    def train_dataloader(self):
-        data = torch.utils.data.TensorDataset(torch.randn(4096, 1024))
-        return torch.utils.data.DataLoader(data, batch_size=self.batch_size)
-
-    def training_step(self, batch, i):
-        return self.net(batch[0]).square().mean()
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters())
-
-module = Module()
-trainer = L.Trainer(
-    max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False
-)
-"""
-
-#: The markers (and hidden set-up) of pages that cannot carry them yet: docs/guide/fit.md is
-#: being rewritten for another issue. ``{page: {its block's first line: (markers, set-up)}}``;
-#: the set-up runs just before the block, under the same markers. Move them into the page
-#: (``<!-- cuda -->``, ``<!-- invisible-code-block: python ... -->``) when it is free.
-EXTERNAL: dict[str, dict[str, tuple[dict[str, str], str]]] = {
-    "docs/guide/fit.md": {
-        "import cudamem": ({"cuda": ""}, _FIT_MODEL),
-        ">>> print(cudamem.plan(step))": (
-            {"cpu": ""},
-            "import cudamem\n\ndef step(n):  # your training step\n    pass\n",
-        ),
-        "answer = plan.largest_for(141 * 10**9, margin=0.05, card=True)": ({"cuda": ""}, ""),
-        "plan = cudamem.plan(step, sizes=(4, 8), lengths=(128, 256))": (
-            {"cuda": ""},
-            "def step(n, length):  # the step of a sequence model, at batch n and length\n"
-            '    ids = torch.randint(0, 50257, (n, length), device="cuda")\n'
-            "    model(input_ids=ids, labels=ids).loss.backward()\n"
-            "    opt.step()\n"
-            "    opt.zero_grad(set_to_none=True)\n",
-        ),
-        "from cudamem.integrations.lightning import fit_batch_size": (
-            {"cuda": "", "needs": "lightning"},
-            _LIGHTNING_MODULE,
-        ),
-    }
-}
-
-
-def _external(path: Path, blocks: list[Block]) -> list[Block]:
-    try:
-        table = EXTERNAL.get(path.resolve().relative_to(ROOT).as_posix())
-    except ValueError:  # a page outside the repository (the machinery's own tests)
-        return blocks
-    if table is None:
-        return blocks
-    out: list[Block] = []
-    for b in blocks:
-        first = b.source.strip().splitlines()[0] if b.source.strip() else ""
-        if b.lang == "python" and first in table:
-            marks, setup = table[first]
-            if setup:
-                out.append(Block(0, b.line, "hidden", setup, dict(marks), None, b.start, b.start))
-            b.marks = {**b.marks, **marks}
-        out.append(b)
-    for i, b in enumerate(out):
-        if b.follows is not None:
-            b.follows = next(j for j, c in enumerate(out) if c is blocks[b.follows])
-        b.index = i
-    return out
-
-
 def pages() -> list[Path]:
     """Every page Sybil collects: README.md and each .md under docs/."""
     return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -336,7 +239,7 @@ def pages() -> list[Path]:
 
 def page_blocks(path: Path) -> list[Block]:
     try:
-        return _external(path, parse_blocks(path.read_text(encoding="utf-8")))
+        return parse_blocks(path.read_text(encoding="utf-8"))
     except DocsError as exc:
         raise DocsError(f"{path}: {exc}") from None
 
@@ -544,7 +447,7 @@ def parser(document: Document) -> Iterator[Region]:
     assert isinstance(document, Page)
     document.blocks = page_blocks(Path(document.path))
     for block in document.blocks:
-        if _evaluated(block) and block.end > block.start:  # not EXTERNAL's set-up: it runs first
+        if _evaluated(block) and block.end > block.start:
             yield Region(block.start, block.end, block, evaluate)
 
 
