@@ -988,10 +988,7 @@ def explain(device: DeviceLike | None = None, *, host: bool = True) -> Explanati
         return Explanation(devices=(), nvml=status, notes=tuple(notes), host=_host(host))
     devices = be.initialized_devices() if device is None else (resolve_device(device),)
     if not devices:
-        notes.append(
-            "this process has no CUDA context on any device yet: nothing of it is on a GPU "
-            "(pass device= to see a device's NVML figures)"
-        )
+        notes.append(_no_context_note(be.device_count(), status))
     if status.warning:
         notes.append(status.warning)
     ledgers = []
@@ -1004,6 +1001,19 @@ def explain(device: DeviceLike | None = None, *, host: bool = True) -> Explanati
             )
     notes.extend(_process_notes())
     return Explanation(devices=tuple(ledgers), nvml=status, notes=tuple(notes), host=_host(host))
+
+
+def _no_context_note(count: int, status: _nvml.NvmlStatus) -> str:
+    """Why ``explain()`` lists no device, and what would show one (only what is true here)."""
+    if count == 0:
+        import torch
+
+        reason = "a CPU build of torch" if torch.version.cuda is None else "no GPU or no driver"
+        return f"torch sees no CUDA device ({reason}): nothing of this process is on a GPU"
+    head = "this process has no CUDA context on any device yet: nothing of it is on a GPU"
+    if status.available:
+        return f"{head} (explain(device=0) shows what NVML sees on cuda:0)"
+    return f"{head} (explain(device=0) shows cuda:0 as torch sees it; NVML is unavailable)"
 
 
 def _host(wanted: bool) -> HostLedger | None:
