@@ -38,7 +38,7 @@ def render_diff(d: MemoryDiff, *, limit: int = 20) -> str:
         ]
         lines.append(render_table(["held by", "before", "after", "change", "items"], rows))
         if len(d.entries) > limit:
-            lines.append(f"... {len(d.entries) - limit} more groups changed")
+            lines.append(f"... {plural(len(d.entries) - limit, 'more group')} changed")
         examples = [e for e in d.grew[:5] if e.example != e.holder]
         if examples:
             lines.append("grew, for example:")

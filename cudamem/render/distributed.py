@@ -192,7 +192,7 @@ def render_rank(row: RankReport) -> str:
         held = f", held by {g.holders[0]}" if g.holders else ""
         lines.append(
             f"  LeakWarning: {g.name} {format_bytes(g.per_call, signed=True)} per call "
-            f"after {g.calls} calls{held}"
+            f"after {plural(g.calls, 'call')}{held}"
         )
     lines.extend(f"  note: {n}" for n in row.notes)
     lines.extend(f"  error: {e}" for e in row.errors)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .._format import escape_html, format_bytes, format_duration
+from .._format import escape_html, format_bytes, format_duration, plural
 from ..culprits import direct_first
 from .modules import render_profile_html
 from .report import command_line, leak_line, unmeasured
@@ -57,9 +57,9 @@ def _groups_table(report: RunReport) -> str:
     table = f"<table>{head}{''.join(rows)}</table>" if rows else ""
     count, nbytes = report.unlisted
     listed = len(report.live) if report.live is not None else 0
-    summary = f"{listed} storage{'s' if listed != 1 else ''} listed"
+    summary = f"{plural(listed, 'storage')} listed"
     if count:
-        summary += f"; {count} smaller storage{'s' if count != 1 else ''} "
+        summary += f"; {plural(count, 'smaller storage')} "
         summary += f"({format_bytes(nbytes)}) not listed"
     return f"{table}<p>{_e(summary)}</p>"
 

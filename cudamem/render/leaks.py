@@ -129,7 +129,7 @@ def render_leak_settings(s: LeakSettings) -> str:
     least 64.0 KiB per call``."""
     return (
         f"growth detection {'on' if s.enabled else 'off'}: after "
-        f"{plural(s.warmup, 'warm-up call')}, {s.min_rises} of the last {s.window} calls "
+        f"{plural(s.warmup, 'warm-up call')}, {s.min_rises} of the last {plural(s.window, 'call')} "
         "rising by at least "
         f"{format_bytes(s.min_bytes_per_call)} per call"
     )
