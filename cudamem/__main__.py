@@ -116,12 +116,12 @@ def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             top=args.top,
             modules=args.modules,
             progress=progress,
+            # The script's traceback first, as `python script.py` prints it; then cudamem's.
+            on_traceback=lambda text: print(text, file=sys.stderr, end="", flush=True),
         )
     except ScriptError as exc:
         print(f"cudamem run: {exc}", file=sys.stderr)
         return 2
-    if report.traceback:
-        print(report.traceback, file=sys.stderr, end="")
     print(report, file=sys.stderr)
     for path, render in ((json_path, _json), (html_path, _html)):
         if path is None:

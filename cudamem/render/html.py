@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from .._format import escape_html, format_bytes, format_duration, plural
 from ..culprits import direct_first
 from .modules import render_profile_html
-from .report import command_line, leak_line, unmeasured
+from .report import command_line, leak_line, steps_line, unmeasured
 from .series import nothing_to_plot, points
 from .svg import memory_chart
 
@@ -96,7 +96,7 @@ def render_html(report: RunReport, *, leak_names: tuple[str, ...] | None = None)
     body = [
         f"<h1>cudamem run: <code>{_e(title)}</code></h1>",
         f'<p class="{status_class}">{_e(outcome)}</p>',
-        f"<p>training steps seen (optimizer.step() calls): {report.steps}</p>",
+        f"<p>{_e(steps_line(report))}</p>",
     ]
     if report.peaks:
         items = "".join(f"<li>cuda:{d}: {_e(format_bytes(b))}</li>" for d, b in report.peaks)
