@@ -177,7 +177,9 @@ def render_rank(row: RankReport) -> str:
                 [
                     s.name,
                     str(s.calls),
-                    format_bytes(round(s.mean_allocated_delta), signed=True),
+                    "n/a"
+                    if s.mean_allocated_delta is None
+                    else format_bytes(round(s.mean_allocated_delta), signed=True),
                     format_bytes(s.max_peak),
                     format_bytes(s.level),
                     "n/a"
