@@ -208,9 +208,7 @@ def _snapshot_groups(snapshot: Mapping[str, Any]) -> tuple[dict[str, _Group], in
     return groups, live, reserved
 
 
-def _span_side(
-    span: Any, notes: list[str], side: str
-) -> tuple[dict[str, _Group], int | None]:
+def _span_side(span: Any, notes: list[str], side: str) -> tuple[dict[str, _Group], int | None]:
 
     record = span.record if isinstance(span, MemorySpan) else span
     # A span that measured no CUDA device has no allocated level: None (n/a), never 0 B.

@@ -46,10 +46,7 @@ def steps_line(report: RunReport) -> str:
     text = f"training steps seen (optimizer.step() calls): {report.steps}"
     if report.steps and report.history is not None:
         spans = sum(s.calls for s in report.history.stats if s.name == STEP_SPAN)
-        text += (
-            f"; the {STEP_SPAN!r} span runs from one call to the next: "
-            f"{plural(spans, 'span')}"
-        )
+        text += f"; the {STEP_SPAN!r} span runs from one call to the next: {plural(spans, 'span')}"
     return text
 
 
