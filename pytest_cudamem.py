@@ -27,6 +27,13 @@ __all__ = ["gpu_memory"]
 
 _MARKERS = ("limit_gpu_leaks", "limit_gpu_memory")
 
+#: The tests whose CUDA checks measured nothing (no CUDA device), for the terminal summary.
+_UNMEASURED = pytest.StashKey[list[str]]()
+
+
+def _unmeasured(config: pytest.Config, nodeid: str) -> None:
+    config.stash.setdefault(_UNMEASURED, []).append(nodeid)
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("cudamem", "GPU memory checks (cudamem)")
@@ -82,6 +89,8 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, None]:
     outcome = yield
     if run is None:
         return
+    if pytest_plugin.measured_nothing(run.spec.device):
+        _unmeasured(item.config, item.nodeid)
     try:
         failure = pytest_plugin.finish(run, failed=outcome.excinfo is not None)
     except Exception as exc:  # a broken check must not change the test's outcome
@@ -104,5 +113,23 @@ def gpu_memory(request: pytest.FixtureRequest) -> Iterator[Any]:
 
     device = request.config.getoption("cudamem_device") or "cuda"
     memory = pytest_plugin.TestMemory(request.node.nodeid, device)
+    if pytest_plugin.measured_nothing(device):
+        _unmeasured(request.config, request.node.nodeid)
     yield memory
     memory.close()
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """One line when GPU checks measured nothing: on a machine without a CUDA device
+    ``limit_gpu_leaks``, ``limit_gpu_memory`` and ``gpu_memory`` pass unchecked, and a pass
+    must not read as "no leak"."""
+    names = config.stash.get(_UNMEASURED, [])
+    if not names:
+        return
+    from cudamem._format import plural  # torch is imported already: a check ran
+
+    terminalreporter.write_line(
+        f"cudamem: the GPU checks of {plural(len(dict.fromkeys(names)), 'test')} measured "
+        "nothing: torch sees no CUDA device (device='cpu' or --cudamem-device=cpu counts "
+        "CPU storages instead)"
+    )

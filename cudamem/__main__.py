@@ -116,12 +116,12 @@ def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             top=args.top,
             modules=args.modules,
             progress=progress,
+            # The script's traceback first, as `python script.py` prints it; then cudamem's.
+            on_traceback=lambda text: print(text, file=sys.stderr, end="", flush=True),
         )
     except ScriptError as exc:
         print(f"cudamem run: {exc}", file=sys.stderr)
         return 2
-    if report.traceback:
-        print(report.traceback, file=sys.stderr, end="")
     print(report, file=sys.stderr)
     for path, render in ((json_path, _json), (html_path, _html)):
         if path is None:
@@ -156,6 +156,8 @@ def _pid(text: str) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
+    import dataclasses
+
     from . import _backend, _heapscan
     from ._data import to_data
     from ._present import present
@@ -165,8 +167,15 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
     status = machine_status(pids=args.pid or ())
     reader = _backend.reader_status()
-    core = span_core_status(wait=STATUS_WAIT_S)
-    heap = _heapscan.wait(STATUS_WAIT_S)
+    if _backend.get().device_count():
+        core = span_core_status(wait=STATUS_WAIT_S)
+        heap = _heapscan.wait(STATUS_WAIT_S)
+    else:  # no GPU: nothing here needs the compiled extensions now, so none is built
+        why = "status builds nothing on a machine without a CUDA GPU"
+        core, heap = (
+            dataclasses.replace(s, reason=f"{s.reason}; {why}")
+            for s in (span_core_status(), _heapscan.status())
+        )
     if args.json:
         extra = {"reader": reader, "span_core": core, "heap_pass": heap}
         print(to_json({**to_data(status), **extra}, kind="cudamem.status"))

@@ -614,7 +614,8 @@ def _steps(
             out.append(Step("attr", f".{seg.text}"))
         elif seg.kind in ("key", "index"):
             text = key_names.get(seg.extra, seg.text) if seg.extra else seg.text
-            out.append(Step(seg.kind, f"[{text}]", _int_of(text), subs.get(i)))
+            object_key = seg.kind == "key" and bool(seg.extra)  # a key named by type or path
+            out.append(Step(seg.kind, f"[{text}]", _int_of(text), subs.get(i), object_key))
         elif seg.kind == "member":
             out.append(Step("member", " (set member)"))
         elif seg.kind == "keyof":

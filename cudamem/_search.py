@@ -268,7 +268,7 @@ class Search:
             )
         elif self.stopped == "max_nodes":
             self.notes.append(
-                f"search stopped after {len(self.nodes)} objects (max_nodes): "
+                f"search stopped after {plural(len(self.nodes), 'object')} (max_nodes): "
                 "holders beyond that are not listed"
             )
 
@@ -328,7 +328,7 @@ class Search:
                     _OURS.add(id(entry))
                     self._ids.append(id(entry))
         if walk.truncated:
-            self.notes.append(f"autograd walk stopped after {walk.nodes} nodes")
+            self.notes.append(f"autograd walk stopped after {plural(walk.nodes, 'node')}")
             if self.timed_out():
                 self._stop("timeout")
         for owner, chain, key, _nbytes, label in walk.saved:

@@ -205,7 +205,7 @@ class StorageSnapshot(Mapping[StorageRef, tuple[str, int]]):
         return len(self._sizes)
 
     def __repr__(self) -> str:
-        return f"<StorageSnapshot: {len(self)} storages, {format_bytes(self.nbytes)}>"
+        return f"<StorageSnapshot: {plural(len(self), 'storage')}, {format_bytes(self.nbytes)}>"
 
     @property
     def nbytes(self) -> int:
@@ -381,7 +381,7 @@ def _gather_from(
     if counts:
         _discount_preserved(tensors, key_of, owners, walk, acc, heap, edges)
     if walk.truncated:
-        notes.append(f"autograd walk stopped after {walk.nodes} nodes")
+        notes.append(f"autograd walk stopped after {plural(walk.nodes, 'node')}")
     if walk.not_inspected:
         notes.append(
             f"{plural(len(walk.not_inspected), 'autograd node')} not inspected (saved-tensor hooks)"

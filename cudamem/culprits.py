@@ -119,6 +119,9 @@ class Culprit(Presented):
     #: The paths inside the container, integer subscripts as ``[*]``, most bytes first:
     #: ``model.step_outputs[*]['preds']``.
     patterns: tuple[str, ...] = ()
+    #: The device type of the storages (``cuda``, ``cpu``), or ``None`` when they are on
+    #: several kinds of device or it is not known: what a fix may advise.
+    device_type: str | None = None
 
 
 # --------------------------------------------------------------------------- ranking
@@ -172,7 +175,17 @@ def _candidates(s: HeldStorage) -> tuple[tuple[Routed, ...], Routed | None]:
 
 
 class _Acc:
-    __slots__ = ("autograd", "example", "items", "nbytes", "patterns", "steps", "storages", "top")
+    __slots__ = (
+        "autograd",
+        "devices",
+        "example",
+        "items",
+        "nbytes",
+        "patterns",
+        "steps",
+        "storages",
+        "top",
+    )
 
     def __init__(self) -> None:
         self.example = NO_HOLDER
@@ -183,6 +196,8 @@ class _Acc:
         self.storages = 0
         self.nbytes = 0
         self.autograd = 0
+        #: The device types of the storages (``cuda``, ``cpu``).
+        self.devices: set[str] = set()
 
 
 def _choice(votes: dict[str, int]) -> Callable[[Routed], tuple[int, bool, int]]:
@@ -273,6 +288,7 @@ def group_culprits(
             a.top, a.example = top, text
         a.storages += 1
         a.nbytes += s.nbytes
+        a.devices.add(_device_type(s))
         if route is not None:
             a.items.add(route.item)
             a.steps.add(route.first_step)
@@ -290,11 +306,23 @@ def group_culprits(
             example=a.example,
             items=len(a.items) if g != NO_HOLDER else a.storages,
             patterns=tuple(sorted(a.patterns, key=lambda p: (-a.patterns[p], p))),
+            device_type=_one(a.devices),
         )
         for g, a in acc.items()
     ]
     culprits.sort(key=lambda c: c.nbytes, reverse=True)
     return culprits
+
+
+def _device_type(storage: HeldStorage) -> str:
+    """``cuda`` for ``cuda:0``, ``cpu``; ``?`` when the storage does not say."""
+    device = getattr(storage, "device", None)
+    return device.split(":")[0] if isinstance(device, str) and device else "?"
+
+
+def _one(devices: set[str]) -> str | None:
+    """The one device type of a group, or ``None`` (several, or not known)."""
+    return next(iter(devices)) if len(devices) == 1 and "?" not in devices else None
 
 
 def group_by_owner(storages: Iterable[HeldStorage]) -> list[Culprit]:
@@ -303,6 +331,7 @@ def group_by_owner(storages: Iterable[HeldStorage]) -> list[Culprit]:
     ``__main__.model``, named by what keeps them all. Most bytes first."""
     groups: dict[str, list[int]] = {}  # owner -> [storages, bytes]
     examples: dict[str, str] = {}
+    devices: dict[str, set[str]] = {}
     for s in storages:
         held = [h for h in (s.holders or ()) if not h.caller]
         name = held[0].route.owner if held else NO_HOLDER
@@ -310,6 +339,10 @@ def group_by_owner(storages: Iterable[HeldStorage]) -> list[Culprit]:
         g[0] += 1
         g[1] += s.nbytes
         examples.setdefault(name, held[0].route.text if held else name)
-    culprits = [Culprit(n, c, c, b, 0, examples[n]) for n, (c, b) in groups.items()]
+        devices.setdefault(name, set()).add(_device_type(s))
+    culprits = [
+        Culprit(n, c, c, b, 0, examples[n], device_type=_one(devices[n]))
+        for n, (c, b) in groups.items()
+    ]
     culprits.sort(key=lambda c: c.nbytes, reverse=True)
     return culprits

@@ -65,9 +65,10 @@ class MemoryDiff(ItemSequence[DiffEntry], Presented):
 
     #: ``census``, ``snapshot`` or ``span``.
     kind: str
-    #: Bytes on each side (live storages, live blocks, or allocated at span exit).
-    before_total: int
-    after_total: int
+    #: Bytes on each side (live storages, live blocks, or allocated at span exit);
+    #: ``None`` for a span that measured no CUDA device (nothing measured: ``n/a``).
+    before_total: int | None
+    after_total: int | None
     entries: tuple[DiffEntry, ...]
     #: Groups present on both sides with the same bytes (not listed in ``entries``).
     unchanged: int = 0
@@ -78,8 +79,10 @@ class MemoryDiff(ItemSequence[DiffEntry], Presented):
         return self.entries
 
     @property
-    def delta(self) -> int:
-        """``after_total - before_total``."""
+    def delta(self) -> int | None:
+        """``after_total - before_total`` (``None`` when either side was not measured)."""
+        if self.before_total is None or self.after_total is None:
+            return None
         return self.after_total - self.before_total
 
     @property
@@ -114,7 +117,7 @@ def _join(
     kind: str,
     a: Mapping[str, _Group],
     b: Mapping[str, _Group],
-    totals: tuple[int, int],
+    totals: tuple[int | None, int | None],
     notes: list[str],
 ) -> MemoryDiff:
     entries = []
@@ -205,10 +208,11 @@ def _snapshot_groups(snapshot: Mapping[str, Any]) -> tuple[dict[str, _Group], in
     return groups, live, reserved
 
 
-def _span_side(span: Any, notes: list[str], side: str) -> tuple[dict[str, _Group], int]:
+def _span_side(span: Any, notes: list[str], side: str) -> tuple[dict[str, _Group], int | None]:
 
     record = span.record if isinstance(span, MemorySpan) else span
-    level = sum(d.after.allocated for d in record.devices)
+    # A span that measured no CUDA device has no allocated level: None (n/a), never 0 B.
+    level = sum(d.after.allocated for d in record.devices) if record.devices else None
     groups: dict[str, _Group] = {}
     report = None
     if isinstance(span, MemorySpan):

@@ -8,9 +8,11 @@ text it is written as. Readers ask the path, never its text:
 * ``held`` is what Python holds: the steps before the first arrow step (``→``: into an
   autograd graph, into another frame, or through an object that names no attribute);
 * the **container** is ``held`` up to its first integer subscript (a list or tuple index,
-  an integer dict key, a ``Sequential`` entry): ``__main__.loss_history[3]`` →
-  ``__main__.loss_history``. A path without one is its own container: a variable, an
-  attribute, a dict entry under a named key;
+  an integer dict key, a ``Sequential`` entry) or object key (a parameter keying
+  ``optimizer.state``): ``__main__.loss_history[3]`` → ``__main__.loss_history``,
+  ``__main__.opt.state[<model[0].weight>]['exp_avg']`` → ``__main__.opt.state``. A path
+  without one is its own container: a variable, an attribute, a dict entry under a named
+  key;
 * the **item** is the container's entry (``__main__.errors[2]``), the **pattern** the held
   steps with each integer subscript as ``[*]`` (``model.step_outputs[*]['preds']``), the
   **shape** the whole path written so;
@@ -62,6 +64,16 @@ class Step:
     #: Where a group of paths differs in this step: the subscript written for all of them
     #: (``0..2999``, ``*``).
     varies: str | None = None
+    #: A dict entry under an object with no source form (a parameter keying
+    #: ``optimizer.state``, written ``[<model[0].weight>]``): one entry of a container, as
+    #: an integer subscript is.
+    object_key: bool = False
+
+    @property
+    def entry(self) -> bool:
+        """Whether the step picks one of many like entries: an integer subscript or an
+        object key (what a container is cut at, and ``[*]`` in a pattern)."""
+        return self.index is not None or self.object_key
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +146,7 @@ class HolderPath:
         """Index in ``held`` of the first integer subscript after the root, or -1."""
         held = self.held
         for i in range(1, len(held)):
-            if held[i].index is not None:
+            if held[i].entry:
                 return i
         return -1
 
@@ -173,12 +185,12 @@ class HolderPath:
 
     @property
     def item_pattern(self) -> str:
-        """``held`` with every integer subscript written ``[*]``."""
-        return "".join("[*]" if s.index is not None else s.text for s in self.held)
+        """``held`` with every integer subscript and object key written ``[*]``."""
+        return "".join("[*]" if s.entry else s.text for s in self.held)
 
     @property
     def shape(self) -> str:
-        """The whole path with every integer subscript written ``[*]``: how a storage is
-        held, whichever entry holds it (``errors[*].__traceback__.tb_next → f.py:9 in
+        """The whole path with every integer subscript and object key written ``[*]``: how
+        a storage is held, whichever entry holds it (``errors[*].__traceback__.tb_next → f.py:9 in
         step(): loss → grad_fn SumBackward0 → AddmmBackward0 saved mat1``)."""
-        return "".join("[*]" if s.index is not None else s.text for s in self.steps)
+        return "".join("[*]" if s.entry else s.text for s in self.steps)

@@ -30,6 +30,7 @@ import torch
 from . import _autograd, _heap, _search
 from ._args import check_int, check_seconds
 from ._autograd import StorageKey
+from ._format import plural
 from ._frames import own_frame
 from ._naming import is_sub, type_name
 from ._paths import write
@@ -476,7 +477,9 @@ def find_graph_holders(
         del tensors
         total = len(owners)
         if total > max_tensors:
-            notes.append(f"searched holders of {max_tensors} of {total} tensors with graphs")
+            notes.append(
+                f"searched holders of {max_tensors} of {plural(total, 'tensor')} with graphs"
+            )
         try:
             # One search for every tensor with a graph (a single backwards pass over the heap).
             # The targets travel in one list that find_holders empties as it starts, and are

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from . import _backend, _procfs, census, workers
+from ._format import plural
 from ._present import Presented
 from ._procfs import ProcessMemory
 from .census import LiveStorage
@@ -139,7 +140,8 @@ def build_pinned(
         in_use = min(blocks, owned) if owned else blocks
         if active > blocks:
             notes.append(
-                f"{active - blocks} bytes counted active by host_memory_stats() belong to no "
+                f"{plural(active - blocks, 'byte')} counted active by host_memory_stats() "
+                "belong to no "
                 "live pinned tensor: blocks whose non_blocking copies have not finished, or "
                 "freed blocks its active counter still counts (torch 2.11's does); they are "
                 "counted cached here"

@@ -54,7 +54,7 @@ from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from . import _backend, census
-from ._format import format_bytes
+from ._format import format_bytes, plural
 from ._frames import is_library_file
 from ._present import Presented
 from .census import StorageSnapshot
@@ -211,7 +211,7 @@ class _Capture:
 
 
 def _cap_note(total: int) -> str:
-    return f"{total} new storages; only the largest {MAX_KEYS} are followed"
+    return f"{plural(total, 'new storage')}; only the largest {MAX_KEYS} are followed"
 
 
 def _failed(name: str, notes: list[str]) -> _Capture:

@@ -298,7 +298,8 @@ def _presence(
             own = 0  # no context here and absent from NVML's list: nothing of ours
         else:
             own_reason = (
-                f"pid {pid} is not among the {len(procs)} process(es) NVML lists for this "
+                f"pid {pid} is not among the {plural(len(procs), 'process', 'processes')} "
+                "NVML lists for this "
                 "device: inside a container NVML reports host PIDs (another PID namespace), "
                 "so per-process figures cannot be matched; device-level figures shown"
             )
@@ -418,11 +419,11 @@ def _pool_lines(pools: Sequence[PrivatePool], this: str) -> list[LedgerLine]:
         reserved = sum(p.reserved for p in group)
         allocated = sum(p.allocated for p in group)
         graphs = [p.graphs for p in group]
-        counts = f"{len(group)} pool{'s' if len(group) != 1 else ''}"
+        counts = plural(len(group), "pool")
         if kind != "mempool":
             counted = sum(g for g in graphs if g is not None)
             counts += (
-                f", {counted} graph{'s' if counted != 1 else ''}"
+                f", {plural(counted, 'graph')}"
                 if all(g is not None for g in graphs)
                 else ", graphs not searched"
             )
@@ -436,7 +437,7 @@ def _pool_lines(pools: Sequence[PrivatePool], this: str) -> list[LedgerLine]:
         note = (
             f"{format_bytes(allocated)} allocated{held_by}, {format_bytes(reserved - allocated)}"
             " free that replays reuse; empty_cache() returns none of it while a graph uses "
-            f"the pool; pool id{'s' if len(group) != 1 else ''} "
+            f"the pool; {'pool id' if len(group) == 1 else 'pool ids'} "
             + ", ".join(str(p.pool_id) for p in group)
         )
         if kind == "shared_graph":
@@ -988,10 +989,7 @@ def explain(device: DeviceLike | None = None, *, host: bool = True) -> Explanati
         return Explanation(devices=(), nvml=status, notes=tuple(notes), host=_host(host))
     devices = be.initialized_devices() if device is None else (resolve_device(device),)
     if not devices:
-        notes.append(
-            "this process has no CUDA context on any device yet: nothing of it is on a GPU "
-            "(pass device= to see a device's NVML figures)"
-        )
+        notes.append(_no_context_note(be.device_count(), status))
     if status.warning:
         notes.append(status.warning)
     ledgers = []
@@ -1004,6 +1002,19 @@ def explain(device: DeviceLike | None = None, *, host: bool = True) -> Explanati
             )
     notes.extend(_process_notes())
     return Explanation(devices=tuple(ledgers), nvml=status, notes=tuple(notes), host=_host(host))
+
+
+def _no_context_note(count: int, status: _nvml.NvmlStatus) -> str:
+    """Why ``explain()`` lists no device, and what would show one (only what is true here)."""
+    if count == 0:
+        import torch
+
+        reason = "a CPU build of torch" if torch.version.cuda is None else "no GPU or no driver"
+        return f"torch sees no CUDA device ({reason}): nothing of this process is on a GPU"
+    head = "this process has no CUDA context on any device yet: nothing of it is on a GPU"
+    if status.available:
+        return f"{head} (explain(device=0) shows what NVML sees on cuda:0)"
+    return f"{head} (explain(device=0) shows cuda:0 as torch sees it; NVML is unavailable)"
 
 
 def _host(wanted: bool) -> HostLedger | None:

@@ -13,6 +13,7 @@ in the same calls, so ``kept`` of a module is exactly ``self_kept`` plus its chi
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
@@ -21,7 +22,15 @@ from ._args import check_int
 from ._data import to_data
 from ._present import Presented, PresentedHtml
 
-__all__ = ["RANKINGS", "ModuleProfile", "ModuleStats", "RawModule", "Spread", "build_profile"]
+__all__ = [
+    "RANKINGS",
+    "ModuleProfile",
+    "ModuleStats",
+    "RawModule",
+    "Spread",
+    "TopModules",
+    "build_profile",
+]
 
 
 class Spread(NamedTuple):
@@ -87,6 +96,26 @@ class ModuleStats(Presented):
     #: Forward calls that raised (all steps).
     raised: int = 0
     notes: tuple[str, ...] = ()
+    #: Why the allocator's bytes (kept, peaks, recomputed) were not measured (``'no CUDA
+    #: device'``: they are 0 here and mean nothing), or ``None``. Parameter, gradient and
+    #: optimizer bytes and times are measured either way.
+    unmeasured: str | None = None
+
+
+#: The rankings that read the allocator's bytes (not measured without a CUDA device).
+ALLOCATOR_RANKINGS = frozenset({"self_kept", "kept", "forward_peak", "backward_peak", "recomputed"})
+
+
+class TopModules(tuple[ModuleStats, ...]):
+    """``ModuleProfile.top``'s answer: the rows, largest first (a tuple), and ``reason``:
+    why it is empty when nothing was measured to rank by (``None`` otherwise)."""
+
+    reason: str | None
+
+    def __new__(cls, rows: Sequence[ModuleStats] = (), reason: str | None = None) -> TopModules:
+        self = super().__new__(cls, rows)
+        self.reason = reason
+        return self
 
 
 #: What ``ModuleProfile.top(by=...)`` ranks by.
@@ -125,15 +154,24 @@ class ModuleProfile(PresentedHtml):
     unmeasured: str | None = None
     notes: tuple[str, ...] = ()
 
-    def top(self, n: int = 5, by: str = "self_kept") -> tuple[ModuleStats, ...]:
+    def top(self, n: int = 5, by: str = "self_kept") -> TopModules:
         """The ``n`` modules with the largest ``by`` (mean per step; one of ``RANKINGS``),
-        largest first; rows whose figure is 0 are left out."""
+        largest first; rows whose figure is 0 are left out.
+
+        Where the allocator's bytes were not measured (no CUDA device) and ``by`` is one of
+        them (``kept``, ``self_kept``, peaks, ``recomputed``), the answer is empty and its
+        ``reason`` says why, and a ``UserWarning`` at the caller's line says so too;
+        ``by='params'`` (or grads, optimizer, times) still ranks."""
         check_int("n", n, minimum=0)
         if by not in RANKINGS:
             raise ValueError(f"by must be one of {', '.join(RANKINGS)}; got {by!r}")
+        if self.unmeasured is not None and by in ALLOCATOR_RANKINGS:
+            reason = f"{by} not measured ({self.unmeasured}): no module to rank"
+            warnings.warn(f"profile.top(by={by!r}): {reason}", UserWarning, stacklevel=2)
+            return TopModules((), reason)
         rows = [r for r in self.modules if _rank_value(r, by) > 0]
         rows.sort(key=lambda r: (-_rank_value(r, by), r.depth, r.name))
-        return tuple(rows[:n])
+        return TopModules(rows[:n])
 
     def module(self, name: str) -> ModuleStats:
         """The row named ``name`` (``KeyError`` naming the closest rows when none is)."""
@@ -231,7 +269,10 @@ def build_profile(
     ``kept`` (mean, then peaks, then name)."""
     state = state or {}
     rows = {
-        r.name: _row(r, tuple(state.get(r.name, (0, 0, 0, 0))))  # type: ignore[arg-type]
+        r.name: replace(
+            _row(r, tuple(state.get(r.name, (0, 0, 0, 0)))),  # type: ignore[arg-type]
+            unmeasured=unmeasured,
+        )
         for r in raws
         if r.steps or r.notes or r.raised
     }

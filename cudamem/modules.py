@@ -74,6 +74,7 @@ from typing import Any
 import torch
 
 from . import _backend
+from ._format import plural
 from ._module_bytes import StateBytes, state_bytes
 from ._present import PresentedHtml
 from .module_profile import ModuleProfile, RawModule, build_profile
@@ -795,7 +796,7 @@ class ModuleProfiler(PresentedHtml):
         state = {name: StateBytes(*v) for name, v in self._state.items()}
         if self._lost:
             self._notes.append(
-                f"figures incomplete: the C++ log was full ({self._lost} events dropped)"
+                f"figures incomplete: the C++ log was full ({plural(self._lost, 'event')} dropped)"
             )
         return build_profile(
             raws, self._steps, state, unmeasured=self._unmeasured, notes=self._notes

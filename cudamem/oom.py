@@ -355,7 +355,7 @@ def _advice(
     if held:
         top = held[0]
         what = (
-            f"{top.items} items of {top.holder} hold {format_bytes(top.nbytes)}"
+            f"{plural(top.items, 'item')} of {top.holder} hold {format_bytes(top.nbytes)}"
             if top.items > 1
             else f"{top.holder} holds {format_bytes(top.nbytes)}"
         )

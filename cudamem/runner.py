@@ -332,6 +332,7 @@ def run_script(
     ledger: bool = True,
     modules: bool = False,
     progress: Callable[[str], None] | None = None,
+    on_traceback: Callable[[str], None] | None = None,
 ) -> RunReport:
     """Run ``path`` as ``__main__`` with ``sys.argv = [path, *args]`` and report on it.
 
@@ -343,6 +344,8 @@ def run_script(
     Raises ``ScriptError`` when the script cannot be read or compiled (before it runs).
     The script's own exceptions never propagate: they become the report's ``exception``,
     ``traceback`` and ``exit_code`` (1, as Python's; ``SystemExit`` keeps its code).
+    ``on_traceback`` gets the script's traceback text the moment it fails, before the
+    report is collected (``progress`` lines come after it, as on a terminal).
     """
 
     if not isinstance(path, str):
@@ -395,6 +398,8 @@ def run_script(
                 is_oom = _backend.get().is_oom(exc)
                 info = ExceptionInfo.from_exception(exc, is_oom=is_oom)
                 tb_text = _script_traceback(exc)
+                if on_traceback is not None:
+                    on_traceback(tb_text)
                 if is_oom:
                     try:
                         oom = oom_report(exc)

@@ -34,6 +34,7 @@ import torch
 
 from . import _backend
 from ._args import check_int
+from ._format import plural
 from ._present import Presented
 from ._warn import warn_once
 
@@ -508,7 +509,8 @@ class Series:
                 return data.at(index)
             except IndexError:
                 raise IndexError(
-                    f"series {self.name!r} index {index} out of range ({len(data)} values)"
+                    f"series {self.name!r} index {index} out of range "
+                    f"({plural(len(data), 'value')})"
                 ) from None
 
     def __iter__(self) -> Iterator[float]:

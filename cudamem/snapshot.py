@@ -44,6 +44,7 @@ from . import _backend
 from ._args import check_bool, check_int
 from ._backend import PoolOwners
 from ._device_arg import DeviceLike, resolve_device
+from ._format import plural
 
 __all__ = [
     "LARGE_PAGE",
@@ -198,7 +199,7 @@ def load_snapshot(
         size = os.path.getsize(path)
         if size > max_bytes:
             raise ValueError(
-                f"{name} is {size} bytes, over max_bytes={max_bytes}; "
+                f"{name} is {plural(size, 'byte')}, over max_bytes={max_bytes}; "
                 "pass a larger max_bytes to read it"
             )
         with open(path, "rb") as f:

@@ -157,15 +157,48 @@ class LoaderReport(Presented):
 # --------------------------------------------------------------------------- the watcher
 
 
-def _stacklevel() -> int:
-    """The first frame outside cudamem and torch: the user's loop when the loader's end is
-    judged in its thread; the watcher thread's own frame otherwise."""
-    frame = sys._getframe(1)
-    level = 1
-    while frame.f_back is not None and is_library_file(frame.f_code.co_filename):
+@dataclass(frozen=True, slots=True)
+class _Site:
+    """Where the user's code started a loader's iterator (``for batch in loader:``): where
+    its ``HostMemoryWarning`` is located, whichever thread judges it."""
+
+    filename: str
+    lineno: int
+    module: str
+    globals: dict[str, Any]
+
+
+def _user_site() -> _Site | None:
+    """The first frame outside cudamem and torch in this thread, or ``None`` (none: the
+    iterator was made by library code alone, or in a thread of its own)."""
+    frame: Any = sys._getframe(1)
+    while frame is not None and is_library_file(frame.f_code.co_filename):
         frame = frame.f_back
-        level += 1
-    return level
+    if frame is None:
+        return None
+    module = frame.f_globals.get("__name__", "<string>")
+    return _Site(frame.f_code.co_filename, frame.f_lineno, str(module), frame.f_globals)
+
+
+def _warn_at(warning: Warning, site: _Site | None) -> None:
+    """``warning`` located at ``site`` (the user's line), as ``warnings.warn`` would locate
+    it there: the filters, the once-per-location registry and the source line are that
+    line's. Without a site, at the first frame outside cudamem and torch in this thread."""
+    if site is None:
+        site = _user_site()
+    if site is None:  # pragma: no cover - a thread with no user frame at all
+        warnings.warn(warning, stacklevel=2)
+        return
+    registry = site.globals.setdefault("__warningregistry__", {})
+    warnings.warn_explicit(
+        warning,
+        type(warning),
+        site.filename,
+        site.lineno,
+        module=site.module,
+        registry=registry,
+        module_globals=site.globals,
+    )
 
 
 @dataclass
@@ -199,6 +232,8 @@ class _Loader:
     #: The first loader of its dataset this watcher saw: read at its start and end whatever
     #: the budget.
     first_of_dataset: bool = True
+    #: Where the user's code started the iterator (its warning is located there).
+    site: _Site | None = None
 
     def value(self) -> LoaderReport:
         return LoaderReport(
@@ -288,6 +323,7 @@ class WorkerWatcher:
             persistent=bool(getattr(it, "_persistent_workers", False)),
             key=(id(dataset), type(dataset).__qualname__),
             watched=watched,
+            site=_user_site(),
         )
         with self._lock:
             entry.first_of_dataset = not any(
@@ -420,7 +456,7 @@ class WorkerWatcher:
         self._warned_keys.add(entry.key)
         report = entry.value()
         with contextlib.suppress(Exception):
-            warnings.warn(HostMemoryWarning(present(report), report), stacklevel=_stacklevel())
+            _warn_at(HostMemoryWarning(present(report), report), entry.site)
 
     def _read_self(self, force: bool) -> None:
         pid = os.getpid()

@@ -72,11 +72,15 @@ def examples() -> list[Path]:
 
 
 def imports(example: Path) -> list[str]:
-    """The top-level packages ``example`` imports at module level, in the order it does (a
-    test skips an example whose optional framework is missing, naming the extra)."""
+    """The top-level packages ``example`` imports at module level, in the order it does,
+    those in a top-level ``try`` included (an example checks for its optional framework
+    that way; a test skips it where the framework is missing, naming the extra)."""
     tree = ast.parse(example.read_text(encoding="utf-8"))
     names: list[str] = []
+    body: list[ast.stmt] = []
     for node in tree.body:
+        body.extend(node.body if isinstance(node, ast.Try) else [node])
+    for node in body:
         if isinstance(node, ast.Import):
             found = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:

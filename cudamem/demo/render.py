@@ -36,5 +36,21 @@ def render_summary(results: Sequence[Experiment]) -> str:
     skipped = [e for e in results if e.skipped is not None]
     text = f"{len(checks) - failed}/{len(checks)} checks passed"
     if skipped:
-        text += f"; {plural(len(skipped), 'experiment')} skipped ({skipped[0].skipped})"
+        text += f"; {plural(len(skipped), 'experiment')} skipped: {_reasons(skipped)}"
     return text
+
+
+def _reasons(skipped: Sequence[Experiment]) -> str:
+    """``4 need a CUDA GPU, 6 need two CUDA GPUs (this machine has 0)``: each reason once,
+    with how many experiments it skipped, in the order they ran."""
+    counts: dict[str, int] = {}
+    for e in skipped:
+        reason = (e.skipped or "").split(";")[0].strip()
+        counts[reason] = counts.get(reason, 0) + 1
+    parts = []
+    for reason, n in counts.items():
+        if reason.startswith("needs "):
+            parts.append(f"{n} {'needs' if n == 1 else 'need'} {reason[len('needs ') :]}")
+        else:
+            parts.append(f"{n}: {reason}")
+    return ", ".join(parts)

@@ -429,7 +429,8 @@ def seed000_modules(device: int | None) -> Experiment:
         Check(
             "each call of the activation keeps its 4 MiB sigmoid output",
             act.calls.max == 10 and abs(per_call - 4 * MiB) <= 4 * 1024,
-            f"{act.calls.max:g} calls, {format_bytes(round(per_call))} kept per call",
+            f"{plural(round(act.calls.max), 'call')}, "
+            f"{format_bytes(round(per_call))} kept per call",
         ),
     ]
     if device is not None:  # the CPU has no peak counter

@@ -217,6 +217,10 @@ def _growth_outlier(
     if growth_outlier is None:
         if not answered:
             return None, []
+        if all(r.fastest_growth is None for r in answered):
+            return None, [
+                "growth not measured: no rank's spans measured a CUDA device (n/a, not 0)"
+            ]
         return None, [
             f"no rank grows by {format_bytes(min_growth)} or more per call"
             if not growths

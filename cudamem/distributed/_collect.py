@@ -47,7 +47,10 @@ def _collect_spans() -> tuple[RankSpan, ...]:
     hist = _history.history()
     levels: dict[str, list[int]] = {}
     for record in hist.spans:
-        levels.setdefault(record.name, []).append(sum(d.after.allocated for d in record.devices))
+        if record.devices:  # a call that measured no device has no level (not 0 B)
+            levels.setdefault(record.name, []).append(
+                sum(d.after.allocated for d in record.devices)
+            )
     out = []
     for s in hist.stats:
         kept = levels.get(s.name, [])
@@ -55,7 +58,7 @@ def _collect_spans() -> tuple[RankSpan, ...]:
             RankSpan(
                 name=s.name,
                 calls=s.calls,
-                mean_allocated_delta=s.mean_allocated_delta,
+                mean_allocated_delta=s.mean_allocated_delta if s.measured else None,
                 max_peak=s.max_peak,
                 level=kept[-1] if kept else None,
                 growth_per_call=_growth_rate(kept),

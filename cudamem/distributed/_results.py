@@ -44,7 +44,9 @@ class RankSpan:
 
     name: str
     calls: int
-    mean_allocated_delta: float
+    #: Mean allocated delta of the calls that measured a CUDA device; ``None`` when none
+    #: did (CPU spans: nothing measured, shown ``n/a``).
+    mean_allocated_delta: float | None
     max_peak: int | None
     #: Allocated bytes (summed over devices) at the exit of the last kept call.
     level: int | None
@@ -58,7 +60,7 @@ class RankSpan:
         return cls(
             str(d["name"]),
             int(d["calls"]),
-            float(d["mean_allocated_delta"]),
+            _opt_float(d.get("mean_allocated_delta")),
             _opt_int(d.get("max_peak")),
             _opt_int(d.get("level")),
             _opt_float(d.get("growth_per_call")),

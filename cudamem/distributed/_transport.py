@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
+from .._format import plural
 from ._results import describe
 
 __all__ = ["Exchanged", "exchange"]
@@ -92,7 +93,7 @@ def _via_store(
     error = None
     if late is not None:
         # The store's own message lists every key: name the count instead.
-        error = f"{missing} of {len(keys)} rows missing" if missing else late
+        error = f"{missing} of {plural(len(keys), 'row')} missing" if missing else late
     _clean(store, prefix, keys, len(members), all_ranks=all_ranks)
     return payloads, error
 

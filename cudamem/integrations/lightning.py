@@ -56,12 +56,18 @@ try:
         lightning_setattr,
     )
 except ImportError:  # pragma: no cover - the older package name
-    from pytorch_lightning import Callback  # type: ignore[assignment,no-redef,unused-ignore]
-    from pytorch_lightning.utilities.parsing import (  # type: ignore[assignment,no-redef,unused-ignore]
-        lightning_getattr,
-        lightning_hasattr,
-        lightning_setattr,
-    )
+    try:
+        from pytorch_lightning import Callback  # type: ignore[assignment,no-redef,unused-ignore]
+        from pytorch_lightning.utilities.parsing import (  # type: ignore[assignment,no-redef,unused-ignore]
+            lightning_getattr,
+            lightning_hasattr,
+            lightning_setattr,
+        )
+    except ImportError:
+        raise ModuleNotFoundError(
+            "cudamem.integrations.lightning needs lightning: pip install 'cudamem[lightning]'",
+            name="lightning",
+        ) from None
 
 if TYPE_CHECKING:
     from ..memory_plan import MemoryPlan

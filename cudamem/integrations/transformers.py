@@ -39,7 +39,13 @@ import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from transformers import TrainerCallback
+try:
+    from transformers import TrainerCallback
+except ImportError:
+    raise ModuleNotFoundError(
+        "cudamem.integrations.transformers needs transformers: pip install 'cudamem[transformers]'",
+        name="transformers",
+    ) from None
 
 from .. import _backend
 from ..census import StorageSnapshot

@@ -21,10 +21,21 @@ def render_diff(d: MemoryDiff, *, limit: int = 20) -> str:
     """A header with both totals, one row per changed holder group (largest growth first),
     then the example path of each group that grew, and notes."""
     what = _WHAT.get(d.kind, d.kind)
-    lines = [
-        f"{what}: {format_bytes(d.before_total)} → {format_bytes(d.after_total)} "
-        f"({format_bytes(d.delta, signed=True)})"
-    ]
+    if d.delta is None:
+        sides = [
+            name
+            for name, total in (("first", d.before_total), ("second", d.after_total))
+            if total is None
+        ]
+        lines = [
+            f"{what}: n/a (the {' and '.join(sides)} "
+            f"{'span' if len(sides) == 1 else 'spans'} measured no CUDA device)"
+        ]
+    else:
+        lines = [
+            f"{what}: {format_bytes(d.before_total)} → {format_bytes(d.after_total)} "
+            f"({format_bytes(d.delta, signed=True)})"
+        ]
     if d.entries:
         rows = [
             [
@@ -38,7 +49,7 @@ def render_diff(d: MemoryDiff, *, limit: int = 20) -> str:
         ]
         lines.append(render_table(["held by", "before", "after", "change", "items"], rows))
         if len(d.entries) > limit:
-            lines.append(f"... {len(d.entries) - limit} more groups changed")
+            lines.append(f"... {plural(len(d.entries) - limit, 'more group')} changed")
         examples = [e for e in d.grew[:5] if e.example != e.holder]
         if examples:
             lines.append("grew, for example:")

@@ -177,7 +177,9 @@ def render_rank(row: RankReport) -> str:
                 [
                     s.name,
                     str(s.calls),
-                    format_bytes(round(s.mean_allocated_delta), signed=True),
+                    "n/a"
+                    if s.mean_allocated_delta is None
+                    else format_bytes(round(s.mean_allocated_delta), signed=True),
                     format_bytes(s.max_peak),
                     format_bytes(s.level),
                     "n/a"
@@ -192,7 +194,7 @@ def render_rank(row: RankReport) -> str:
         held = f", held by {g.holders[0]}" if g.holders else ""
         lines.append(
             f"  LeakWarning: {g.name} {format_bytes(g.per_call, signed=True)} per call "
-            f"after {g.calls} calls{held}"
+            f"after {plural(g.calls, 'call')}{held}"
         )
     lines.extend(f"  note: {n}" for n in row.notes)
     lines.extend(f"  error: {e}" for e in row.errors)

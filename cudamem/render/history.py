@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .._format import format_bytes, format_duration
+from .._format import format_bytes, format_duration, plural
 from .._history import History
 from .._present import renders
 from .text import render_table
@@ -49,5 +49,5 @@ def render_history(history: History) -> str:
     ]
     table = render_table(headers, rows)
     if history.dropped:
-        table += f"\n({history.dropped} older spans left the ring; aggregates count them)"
+        table += f"\n({plural(history.dropped, 'older span')} left the ring; aggregates count them)"
     return table

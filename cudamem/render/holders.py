@@ -63,7 +63,7 @@ def render_holders(holders: Holders) -> str:
     """A header naming the target and its bytes, one line per holder, then notes."""
     size = "" if holders.nbytes is None else f", {format_bytes(holders.nbytes)}"
     count = len(holders.holders)
-    header = f"{holders.target}{size}: {count} holder{'s' if count != 1 else ''}"
+    header = f"{holders.target}{size}: {plural(count, 'holder')}"
     if holders.stopped is not None:
         header += (
             f" found before the search stopped ({_STOPPED.get(holders.stopped, holders.stopped)})"
@@ -113,9 +113,9 @@ def render_census(census: Census, *, limit: int = 30) -> str:
     table = render_table(headers, rows, align="rllrrll")
     lines = [table]
     if len(census.storages) > limit:
-        lines.append(f"... {len(census.storages) - limit} smaller storages not shown")
+        lines.append(f"... {plural(len(census.storages) - limit, 'smaller storage')} not shown")
     totals = ", ".join(f"{dev} {format_bytes(n)}" for dev, n in census.by_device().items())
-    lines.append(f"{len(census.storages)} storages: {totals}")
+    lines.append(f"{plural(len(census.storages), 'storage')}: {totals}")
     lines.extend(f"note: {n}" for n in census.notes)
     return "\n".join(lines)
 

@@ -78,7 +78,7 @@ def render_loader(report: LoaderReport) -> str:
     if not report.watched:
         lines = [
             f"{head}: USS {format_bytes(report.uss)}, PSS {format_bytes(report.pss)} in all "
-            "(one reading: cudamem.watch_workers() or cudamem run follows their growth)"
+            "(one reading: cudamem.workers.watch_workers() or cudamem run follows their growth)"
         ]
     else:
         lines = [
@@ -237,21 +237,21 @@ def render_process_trees(trees: tuple[ProcessTree, ...]) -> str:
         m = t.process
         who = f"pid {m.pid}" + (f" {t.name}" if t.name else "")
         if m.rss is None:
-            rows.append([who, "n/a", "n/a", "n/a", m.reason])
+            rows.append([who, "n/a", "n/a", "n/a", m.reason or "not measured"])
             continue
         rows.append([who, format_bytes(m.rss), format_bytes(m.pss), format_bytes(m.uss), ""])
         if t.children:
             rows.append(
                 [
                     f"  its {plural(len(t.children), 'child', 'children')} (DataLoader workers?)",
-                    "",
+                    "n/a",
                     format_bytes(t.children_pss),
                     format_bytes(t.children_uss),
-                    "sums",
+                    "PSS and USS summed (RSS is not: each counts the shared pages)",
                 ]
             )
     return render_table(
-        ["process", "RSS", "PSS", "USS", ""], rows, align="lrrrl", title="host memory"
+        ["process", "RSS", "PSS", "USS", "note"], rows, align="lrrrl", title="host memory"
     )
 
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .._format import escape_html, format_bytes, format_duration
+from .._format import escape_html, format_bytes, format_duration, plural
 from ..culprits import direct_first
 from .modules import render_profile_html
-from .report import command_line, leak_line, unmeasured
+from .report import command_line, leak_line, steps_line, unmeasured
 from .series import nothing_to_plot, points
 from .svg import memory_chart
 
@@ -57,9 +57,9 @@ def _groups_table(report: RunReport) -> str:
     table = f"<table>{head}{''.join(rows)}</table>" if rows else ""
     count, nbytes = report.unlisted
     listed = len(report.live) if report.live is not None else 0
-    summary = f"{listed} storage{'s' if listed != 1 else ''} listed"
+    summary = f"{plural(listed, 'storage')} listed"
     if count:
-        summary += f"; {count} smaller storage{'s' if count != 1 else ''} "
+        summary += f"; {plural(count, 'smaller storage')} "
         summary += f"({format_bytes(nbytes)}) not listed"
     return f"{table}<p>{_e(summary)}</p>"
 
@@ -96,7 +96,7 @@ def render_html(report: RunReport, *, leak_names: tuple[str, ...] | None = None)
     body = [
         f"<h1>cudamem run: <code>{_e(title)}</code></h1>",
         f'<p class="{status_class}">{_e(outcome)}</p>',
-        f"<p>training steps seen (optimizer.step() calls): {report.steps}</p>",
+        f"<p>{_e(steps_line(report))}</p>",
     ]
     if report.peaks:
         items = "".join(f"<li>cuda:{d}: {_e(format_bytes(b))}</li>" for d, b in report.peaks)

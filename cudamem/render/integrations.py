@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .._format import format_bytes
+from .._format import format_bytes, plural
 from .._present import renders
 from ..integrations.results import MemoryCheck, TrainerRelease
 from .leaks import render_culprit
@@ -14,7 +14,8 @@ __all__ = ["render_memory_check", "render_trainer_release"]
 def render_trainer_release(r: TrainerRelease) -> str:
     """What was dropped, what of the model and optimizer state was freed, who holds the rest."""
     lines = [
-        f"released the Trainer: {r.freed} of {r.tracked} storages of the model, gradients and "
+        f"released the Trainer: {r.freed} of {plural(r.tracked, 'storage')} of the model, "
+        "gradients and "
         f"optimizer state freed ({format_bytes(r.freed_bytes)} of "
         f"{format_bytes(r.tracked_bytes)})"
     ]

@@ -40,10 +40,17 @@ def _hint(c: Culprit) -> str | None:
         return None
     if ": local " in c.holder or "local '" in c.holder:
         return "a local variable of a running function keeps it: del it or let the call return"
-    return (
-        "a container keeps GPU tensors: keep fewer, or copies on the CPU "
-        "(cudamem.to_host / .detach().cpu())"
-    )
+    if c.device_type == "cpu":
+        return (
+            "a container keeps CPU tensors: keep fewer, or only what you need of each "
+            "(a number: .item(); a part: a slice's .clone())"
+        )
+    if c.device_type == "cuda":
+        return (
+            "a container keeps GPU tensors: keep fewer, or copies on the CPU "
+            "(cudamem.to_host / .detach().cpu())"
+        )
+    return "a container keeps tensors: keep fewer, or only what you need of each"
 
 
 def _inner_patterns(c: Culprit, limit: int = 3) -> list[str]:
@@ -122,7 +129,7 @@ def render_leak_settings(s: LeakSettings) -> str:
     least 64.0 KiB per call``."""
     return (
         f"growth detection {'on' if s.enabled else 'off'}: after "
-        f"{plural(s.warmup, 'warm-up call')}, {s.min_rises} of the last {s.window} calls "
+        f"{plural(s.warmup, 'warm-up call')}, {s.min_rises} of the last {plural(s.window, 'call')} "
         "rising by at least "
         f"{format_bytes(s.min_bytes_per_call)} per call"
     )

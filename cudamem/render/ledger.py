@@ -186,7 +186,7 @@ def _device_release(r: DeviceRelease) -> str:
 def render_release(result: ReleaseResult) -> str:
     """What ``cudamem.release`` freed per device and who holds what is left."""
     parts = [_device_release(r) for r in result.devices]
-    head = f"gc collected {result.gc_collected} objects; cuBLAS workspaces " + (
+    head = f"gc collected {plural(result.gc_collected, 'object')}; cuBLAS workspaces " + (
         "cleared" if result.cublas_cleared else "not cleared"
     )
     host = [] if result.host is None else [render_host_release(result.host)]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .._format import format_bytes
+from .._format import format_bytes, plural
 from .._present import renders
 from ..memviz import SnapshotDump
 
@@ -19,7 +19,7 @@ def render_dump(dump: SnapshotDump) -> str:
         f"{dump.named} named by holder ({format_bytes(dump.named_bytes)})"
     )
     if dump.trace_entries:
-        text += f", {dump.trace_entries} history events"
+        text += f", {plural(dump.trace_entries, 'history event')}"
     lines = [text, "  open it at https://pytorch.org/memory_viz"]
     lines.extend(f"  note: {n}" for n in dump.notes)
     return "\n".join(lines)

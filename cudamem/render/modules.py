@@ -61,18 +61,24 @@ def _calls(row: ModuleStats) -> str:
     return text
 
 
+def _na(value: float) -> str:
+    return "n/a"
+
+
 def module_rows(profile: ModuleProfile, *, limit: int = MAX_ROWS) -> list[list[str]]:
-    """The table's cells, one row per module (depth first), names indented by depth."""
+    """The table's cells, one row per module (depth first), names indented by depth. The
+    allocator's columns are ``n/a`` where nothing measured them (``-`` is a measured 0)."""
+    alloc = _b if profile.unmeasured is None else _na
     return [
         [
             "  " * row.depth + escape_invisible(_short(row)),
             _calls(row),
-            _b(row.kept.mean),
-            _b(row.kept.max),
-            _b(row.self_kept.mean),
-            _b(row.forward_peak.max),
-            _b(row.backward_peak.max),
-            _b(row.recomputed.mean),
+            alloc(row.kept.mean),
+            alloc(row.kept.max),
+            alloc(row.self_kept.mean),
+            alloc(row.forward_peak.max),
+            alloc(row.backward_peak.max),
+            alloc(row.recomputed.mean),
             _b(row.params),
             _b(row.grads),
             _b(row.optimizer),
@@ -167,7 +173,14 @@ def render_top_table(profile: ModuleProfile, n: int = 10) -> str:
 
 @renders(ModuleStats)
 def render_module_stats(row: ModuleStats) -> str:
-    """One module in a line."""
+    """One module in a line (activation bytes ``not measured`` where nothing measured them,
+    never ``0 B``)."""
+    if row.unmeasured is not None:
+        return (
+            f"{row.name} ({row.type_name}): kept and peaks not measured ({row.unmeasured}), "
+            f"params {format_bytes(row.params)}, grads {format_bytes(row.grads)}, "
+            f"optimizer {format_bytes(row.optimizer)}"
+        )
     text = (
         f"{row.name} ({row.type_name}): kept {format_bytes(round(row.kept.mean))} per step "
         f"({format_bytes(round(row.self_kept.mean))} by its own code), forward peak "

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from .._format import plural
 from .._history import History, history
 from .series import nothing_to_plot, points
 
@@ -76,6 +77,6 @@ def plot(
         )
     ax.set_xlabel("seconds since the first span")
     ax.set_ylabel("MiB (at span exit)")
-    ax.set_title(title or f"cudamem: {len(pts)} spans")
+    ax.set_title(title or f"cudamem: {plural(len(pts), 'span')}")
     ax.legend(loc="upper left")
     return ax

@@ -7,11 +7,18 @@ from typing import Any
 
 from .._format import escape_invisible, format_bytes, format_duration, plural
 from .._present import renders
-from ..runner import RunReport
+from ..runner import STEP_SPAN, RunReport
 from .modules import render_top_table
 from .text import render_table
 
-__all__ = ["command_line", "leak_line", "render_report", "render_storage_groups", "unmeasured"]
+__all__ = [
+    "command_line",
+    "leak_line",
+    "render_report",
+    "render_storage_groups",
+    "steps_line",
+    "unmeasured",
+]
 
 
 def command_line(report: RunReport) -> str:
@@ -31,6 +38,16 @@ def unmeasured(report: RunReport) -> str | None:
     if report.cuda_devices == 0:
         return "growth detection needs a CUDA device (this machine has none)"
     return "growth detection needs a CUDA device (the script used none)"
+
+
+def steps_line(report: RunReport) -> str:
+    """How many ``optimizer.step()`` calls the run saw, and why the ``training step`` span
+    has one call fewer: it runs from one ``optimizer.step()`` to the next."""
+    text = f"training steps seen (optimizer.step() calls): {report.steps}"
+    if report.steps and report.history is not None:
+        spans = sum(s.calls for s in report.history.stats if s.name == STEP_SPAN)
+        text += f"; the {STEP_SPAN!r} span runs from one call to the next: {plural(spans, 'span')}"
+    return text
 
 
 def leak_line(report: RunReport) -> str:
@@ -93,7 +110,7 @@ def render_report(report: RunReport) -> str:
     if report.exception is not None:
         outcome += f", raised {report.exception}"
     lines.append(outcome)
-    lines.append(f"training steps seen (optimizer.step() calls): {report.steps}")
+    lines.append(steps_line(report))
     if report.peaks:
         peaks = ", ".join(f"cuda:{d} {format_bytes(b)}" for d, b in report.peaks)
         lines.append(f"peak allocated: {peaks}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .._format import format_bytes
+from .._format import format_bytes, plural
 from .._present import renders
 from ..scalars import LoggerStats, ScalarLogger, SeriesSummary
 from .text import render_table
@@ -38,7 +38,7 @@ def render_series_summary(s: SeriesSummary) -> str:
     """``loss: 100 values, last 0.25 (step 99), mean 0.5, min 0.25, max 2``, and NaNs."""
     if s.last is None:
         return f"{s.name}: empty"
-    text = f"{s.name}: {s.count} values, last {s.last:.6g} (step {s.last_step})"
+    text = f"{s.name}: {plural(s.count, 'value')}, last {s.last:.6g} (step {s.last_step})"
     if s.mean is not None:
         text += f", mean {s.mean:.6g}, min {s.min:.6g}, max {s.max:.6g}"
     if s.nan:
@@ -51,8 +51,8 @@ def render_logger_stats(stats: LoggerStats) -> str:
     """Values logged, transfers, pending values, what is kept on the host, device buffers."""
     buffers = ", ".join(f"{k} {format_bytes(v)}" for k, v in stats.buffer_bytes.items())
     return (
-        f"{stats.logged} values logged, {stats.transfers} "
-        f"transfer{'' if stats.transfers == 1 else 's'}, {stats.pending} pending; "
+        f"{plural(stats.logged, 'value')} logged, {plural(stats.transfers, 'transfer')}, "
+        f"{stats.pending} pending; "
         f"kept {stats.kept} ({format_bytes(stats.host_bytes)})"
         + (f"; buffers: {buffers}" if buffers else "")
     )

@@ -12,6 +12,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .._format import plural
+
 if TYPE_CHECKING:
     from ..span import SpanRecord
 
@@ -59,6 +61,6 @@ def nothing_to_plot(spans: Iterable[SpanRecord]) -> str | None:
     if any(r.devices for r in records):
         return None
     return (
-        f"{len(records)} span{'s' if len(records) != 1 else ''} finished, but none measured "
+        f"{plural(len(records), 'span')} finished, but none measured "
         "CUDA memory: spans measure the CUDA allocator, and no CUDA device was in use"
     )

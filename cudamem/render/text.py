@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from .._format import plural
+
 __all__ = ["render_table"]
 
 
@@ -20,11 +22,11 @@ def render_table(
     if align is None:
         align = "l" + "r" * (ncols - 1)
     if len(align) != ncols:
-        raise ValueError(f"align has {len(align)} columns, headers have {ncols}")
+        raise ValueError(f"align has {plural(len(align), 'column')}, headers have {ncols}")
     cells = [list(headers)] + [[str(c) for c in row] for row in rows]
     for row in cells:
         if len(row) != ncols:
-            raise ValueError(f"row has {len(row)} cells, expected {ncols}: {row!r}")
+            raise ValueError(f"row has {plural(len(row), 'cell')}, expected {ncols}: {row!r}")
     widths = [max(len(row[i]) for row in cells) for i in range(ncols)]
 
     def fmt(row: Sequence[str]) -> str:

@@ -7,10 +7,15 @@ with live CPU storages standing in for the allocator's counters (what the integr
 """
 
 import contextlib
+import sys
 import warnings
 
 import torch
-import transformers
+
+try:
+    import transformers
+except ImportError:
+    sys.exit("modules.py: this example needs transformers: pip install 'cudamem[transformers]'")
 
 import cudamem
 from cudamem import _backend

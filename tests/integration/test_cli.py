@@ -275,11 +275,26 @@ def test_run_demo_validates_only() -> None:
         run_demo(only="census")
 
 
+def test_status_without_a_gpu_builds_nothing(tmp_path: Path) -> None:
+    """On a machine without a CUDA GPU `status` compiles no C extension and prints no cache
+    path: it says which path serves and that it builds nothing there."""
+    out = cudamem("status", env={"CUDA_VISIBLE_DEVICES": "", "CUDAMEM_CACHE_DIR": str(tmp_path)})
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    why = "status builds nothing on a machine without a CUDA GPU"
+    core = next(line for line in lines if line.startswith("span core: "))
+    heap = next(line for line in lines if line.startswith("heap pass: "))
+    assert core.startswith("span core: Python [idle]: ") and core.endswith(why)
+    assert heap.startswith("heap pass: Python [idle]: ") and heap.endswith(why)
+    assert str(tmp_path) not in out.stdout and ".so)" not in out.stdout  # no build's path
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]  # nothing built or cached
+
+
 def test_status_pid_reads_a_process_and_its_children_from_proc() -> None:
     out = cudamem("status", "--pid", str(os.getpid()), env={"CUDA_VISIBLE_DEVICES": ""})
     assert out.returncode == 0, out.stderr
     table = out.stdout[out.stdout.index("host memory") :].split("\n\n")[0].splitlines()
-    assert table[1].split() == ["process", "RSS", "PSS", "USS"]
+    assert table[1].split() == ["process", "RSS", "PSS", "USS", "note"]  # every column named
     assert table[3].startswith(f"pid {os.getpid()} ")  # this pytest process: the command's parent
     bad = cudamem("status", "--pid", "0")
     assert bad.returncode == 2

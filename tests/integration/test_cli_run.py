@@ -35,6 +35,51 @@ def test_traceback_names_the_absolute_file(tmp_path: Path) -> None:
     assert f'File "{tmp_path / "boom.py"}", line 1, in <module>' in out.stderr
 
 
+def test_the_scripts_traceback_comes_before_cudamems_lines(tmp_path: Path) -> None:
+    """As `python boom.py` would print it, first; cudamem's progress line and report after."""
+    write(tmp_path, "boom.py", "raise KeyError('k')\n")
+    out = cudamem("run", "boom.py", cwd=tmp_path, env=NO_GPU)
+    assert out.returncode == 1
+    lines = out.stderr.splitlines()
+    assert lines[0] == "Traceback (most recent call last):"
+    assert lines.index("KeyError: 'k'") < lines.index(
+        "[cudamem] collecting the report (census, holders, ledger) ..."
+    )
+    assert out.stderr.count("Traceback (most recent call last):") == 1
+
+
+ADAM = """
+import torch
+model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 8))
+opt = torch.optim.Adam(model.parameters())
+for _ in range(3):
+    model(torch.randn(4, 512)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_an_optimizers_state_is_one_row_and_the_step_count_is_explained(tmp_path: Path) -> None:
+    """Adam's exp_avg / exp_avg_sq of every parameter: one row, the optimizer's `state`, not a
+    row per key; 3 optimizer.step() calls make 2 `training step` spans, and the report says
+    why the two counts differ."""
+    script = write(tmp_path, "adam.py", ADAM)
+    out = cudamem("run", "--top", "6", str(script), env=NO_GPU)
+    assert out.returncode == 0, out.stderr
+    rows = [re.split(r"\s{2,}", line.strip()) for line in _table(out.stderr)[2:-1]]
+    state = [r for r in rows if ".state" in r[0]]
+    assert [r[:3] for r in state] == [["__main__.opt.state", "4", "2.0 MiB"]], rows
+    assert state[0][-1] in (
+        "__main__.opt.state[<model[0].weight>]['exp_avg']",
+        "__main__.opt.state[<model[0].weight>]['exp_avg_sq']",
+    )
+    assert (
+        "training steps seen (optimizer.step() calls): 3; the 'training step' span runs from "
+        "one call to the next: 2 spans"
+    ) in out.stderr.splitlines()
+    assert re.search(r"^training step +2 ", out.stderr, re.M)
+
+
 @pytest.mark.parametrize(
     ("code", "expected", "message"),
     [

@@ -387,7 +387,7 @@ def test_culprit_cap_never_hides_a_container_behind_its_items() -> None:
 
 
 def test_culprit_value_is_frozen_and_json_ready() -> None:
-    c = Culprit("a.b", 2, 2, 10, 0, "a.b[0]", 2, ("a.b[*]",))
+    c = Culprit("a.b", 2, 2, 10, 0, "a.b[0]", 2, ("a.b[*]",), "cuda")
     with pytest.raises(AttributeError):
         c.holder = "x"  # type: ignore[misc]
     assert to_data(c) == {
@@ -399,6 +399,7 @@ def test_culprit_value_is_frozen_and_json_ready() -> None:
         "example": "a.b[0]",
         "items": 2,
         "patterns": ["a.b[*]"],
+        "device_type": "cuda",
     }
     assert str(c) == "a.b: 2 tensors, 10 B"
 

@@ -203,6 +203,28 @@ def test_without_torch_distributed_the_report_is_this_process() -> None:
     assert [s.name for s in report[0].spans] == ["alone"]
 
 
+def test_cpu_spans_are_not_measured_not_zero() -> None:
+    """Spans that measured no CUDA device have no delta, level or growth: the report shows
+    n/a for them (never +0 B) and says growth was not measured (never "no rank grows")."""
+    from cudamem.distributed._results import RankSpan
+
+    for _ in range(4):
+        with cudamem.track("cpu_step"):
+            torch.ones(1024)
+    report = gather_report()
+    assert report is not None
+    (span,) = [s for s in report[0].spans if s.name == "cpu_step"]
+    assert (span.mean_allocated_delta, span.level, span.growth_per_call) == (None, None, None)
+    assert RankSpan.from_dict(to_data(span)) == span  # rows travel between ranks as JSON
+    text = str(report)
+    row = next(line for line in text.splitlines() if line.strip().startswith("cpu_step"))
+    assert row.split() == ["cpu_step", "4", "n/a", "n/a", "n/a", "n/a"]
+    assert "+0 B" not in text
+    assert (
+        "note: growth not measured: no rank's spans measured a CUDA device (n/a, not 0)"
+    ) in text.splitlines()
+
+
 def test_world_of_one_in_process_gloo() -> None:
     import torch.distributed as dist
 

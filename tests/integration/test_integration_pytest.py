@@ -117,6 +117,51 @@ def test_cudamem_option_checks_every_test(inner: pytest.Pytester) -> None:
     run(inner).assert_outcomes(passed=2)
 
 
+def test_gpu_checks_without_a_gpu_pass_and_say_they_measured_nothing(
+    inner: pytest.Pytester,
+) -> None:
+    """No CUDA device: the GPU limits and the fixture pass (nothing to fail on) and the
+    terminal summary says, once, that they measured nothing; CPU checks are measured and
+    not counted in it."""
+    from cudamem import _backend
+
+    inner.makepyfile(
+        test_gpu="""
+        import pytest
+        import torch
+
+        KEPT = []
+
+        @pytest.mark.limit_gpu_leaks
+        def test_leaks():
+            KEPT.append(torch.ones(256, 1024))
+
+        @pytest.mark.limit_gpu_memory("1 MiB")
+        def test_peak():
+            torch.empty(8 * 1024**2, dtype=torch.uint8)
+
+        def test_fixture(gpu_memory):
+            KEPT.append(torch.ones(8))
+
+        @pytest.mark.limit_gpu_leaks(device="cpu")
+        def test_cpu_is_measured():
+            torch.ones(8)
+        """
+    )
+    line = (
+        "cudamem: the GPU checks of 3 tests measured nothing: torch sees no CUDA device "
+        "(device='cpu' or --cudamem-device=cpu counts CPU storages instead)"
+    )
+    with _backend.use(FakeAllocator(devices=0, contexts=())):
+        result = run(inner)
+    result.assert_outcomes(passed=4)
+    assert result.stdout.lines.count(line) == 1, result.stdout.str()
+    # With a device to measure (the CPU's storages here), no such line.
+    cpu = run(inner, "--cudamem-device=cpu", "-k", "test_peak")
+    cpu.assert_outcomes(failed=1, deselected=3)  # measured: 8 MiB of CPU storage at once
+    assert not any("measured nothing" in x for x in cpu.stdout.lines)
+
+
 def test_a_peak_over_the_limit_fails(inner: pytest.Pytester) -> None:
     inner.makepyfile(
         test_peak="""

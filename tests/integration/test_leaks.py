@@ -558,7 +558,7 @@ def test_group_prefers_the_holder_most_storages_share() -> None:
         _storage(5),
     ]
     groups = group_culprits(items)
-    assert groups[0] == Culprit("m.hist", 3, 3, 30, 0, "m.hist[0]", 3, ("m.hist[*]",))
+    assert groups[0] == Culprit("m.hist", 3, 3, 30, 0, "m.hist[0]", 3, ("m.hist[*]",), "cpu")
     assert groups[1].holder == NO_HOLDER
 
 

@@ -112,6 +112,10 @@ def test_forked_workers_reading_dicts_warn_copy_on_read_within_ten_percent(
     assert [w.pid for w in report.workers] == pids
     assert report.start_method == "fork" and report.cause == "copy-on-read"
     (warning,) = _host_warnings(record)
+    (shown,) = [w for w in record if w.message is warning]
+    # Located in this test's code (its register wrapper is the first frame outside cudamem
+    # and torch), whichever thread judged it: never threading.py or cudamem's own file.
+    assert shown.filename == __file__
     text = str(warning)
     assert "cause: copy-on-read" in text
     assert "dataset.items: list of 200,000 dicts" in text

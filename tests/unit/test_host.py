@@ -267,3 +267,29 @@ def test_pinned_sizes_never_touch_an_objects_class() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert pinned_storage_sizes([dead, Deprecated(), plain, 3, "x"]) == ()
+
+
+def test_a_host_memory_warning_from_the_watchers_thread_is_located_at_the_users_line() -> None:
+    """The watcher judges loaders in a thread of its own: its HostMemoryWarning is located
+    where the user's code started the loader (recorded when it registered), never in
+    threading.py or cudamem, in this file's registry and with this file's source line."""
+    import threading
+
+    from cudamem import workers
+
+    site = workers._user_site()  # what register() records, from the user's frame
+    line = sys._getframe().f_lineno - 1
+    assert site is not None and (site.filename, site.lineno) == (__file__, line)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        thread = threading.Thread(
+            target=workers._warn_at, args=(workers.HostMemoryWarning("grew"), site)
+        )
+        thread.start()
+        thread.join()
+    (w,) = seen
+    assert isinstance(w.message, workers.HostMemoryWarning)
+    assert (w.filename, w.lineno) == (__file__, line)
+    assert "site = workers._user_site()" in warnings.formatwarning(
+        str(w.message), w.category, w.filename, w.lineno
+    )

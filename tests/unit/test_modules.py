@@ -15,6 +15,7 @@ from torch import nn
 
 import cudamem
 from cudamem import _backend
+from cudamem._format import format_bytes
 from cudamem.module_profile import RawModule, Spread, build_profile
 from cudamem.render.json import to_json
 
@@ -342,6 +343,35 @@ def test_without_a_device_the_profile_says_so() -> None:
     p = prof.profile
     assert p.unmeasured == "no CUDA device"
     assert "bytes not measured (no CUDA device)" in str(p)
+
+
+def test_without_a_device_nothing_reads_as_zero() -> None:
+    """No CUDA device: the rows say kept and peaks were not measured (never "kept 0 B"), the
+    table's allocator columns are n/a (its "-" is a measured 0), and top() says why it is
+    empty (a warning at the caller's line, and the answer's reason); by='params' still ranks."""
+    with _backend.use(FakeAllocator(devices=0, contexts=())):
+        model = Outer(FakeAllocator())
+        with cudamem.track_modules(model) as prof:
+            model(torch.ones(2, 4))
+    p = prof.profile
+    row = p.modules[0]
+    assert row.unmeasured == "no CUDA device"
+    assert str(row) == (
+        f"{row.name} ({row.type_name}): kept and peaks not measured (no CUDA device), "
+        f"params {format_bytes(row.params)}, grads 0 B, optimizer 0 B"
+    )
+    assert "kept 0 B" not in str(row)
+    cells = str(p).splitlines()[4].split()
+    # kept, self, fwd peak, bwd peak, recomputed (one step: no "kept max" column)
+    assert cells[2:7] == ["n/a"] * 5 and cells[7] != "n/a"  # params are measured
+    with pytest.warns(UserWarning, match=r"self_kept not measured \(no CUDA device\)") as seen:
+        top = p.top(5)
+    assert seen[0].filename == __file__  # located at the caller's line
+    assert top == () and top.reason == (
+        "self_kept not measured (no CUDA device): no module to rank"
+    )
+    by_params = p.top(1, by="params")
+    assert by_params[0].name == row.name and by_params.reason is None
 
 
 def test_build_profile_adds_steps_up() -> None:

@@ -14,6 +14,7 @@ OUTPUTS = culprit(
     nbytes=4 * MiB,
     autograd_bytes=1 * MiB,
     example="__main__.outputs[0]",
+    device_type="cuda",
 )
 LOCAL = culprit(
     "train.py:10 in step: local 'acts'",
@@ -59,6 +60,27 @@ def test_growth_gives_one_fix_per_kind_of_holder() -> None:
         "  (held by a reference gc cannot see): 1 tensor, 1.0 MiB",
         "  note: one note",
     ]
+
+
+def test_a_containers_fix_fits_the_device_its_tensors_are_on() -> None:
+    """GPU tensors: copy them to the CPU; CPU tensors: keep less of each (never "copies on
+    the CPU" of what is on the CPU already); devices unknown or mixed: no device named."""
+
+    def fix(device_type: str | None) -> str:
+        c = culprit("__main__.outputs", autograd_bytes=0, device_type=device_type)
+        return str(growth(c)).splitlines()[-1]
+
+    assert fix("cuda") == (
+        "    fix: a container keeps GPU tensors: keep fewer, or copies on the CPU "
+        "(cudamem.to_host / .detach().cpu())"
+    )
+    assert fix("cpu") == (
+        "    fix: a container keeps CPU tensors: keep fewer, or only what you need of each "
+        "(a number: .item(); a part: a slice's .clone())"
+    )
+    assert fix(None) == (
+        "    fix: a container keeps tensors: keep fewer, or only what you need of each"
+    )
 
 
 def test_growth_without_culprits_is_one_line() -> None:

@@ -7,6 +7,7 @@ from html.parser import HTMLParser
 
 import pytest
 
+from cudamem._format import escape_html
 from cudamem.render.html import render_html
 from cudamem.render.report import render_report
 from cudamem.runner import RunReport, Unlisted
@@ -89,7 +90,8 @@ def test_full_report_text_has_every_part_in_order() -> None:
         f"== cudamem run: train.py --name {HOSTILE}",
         "exit code 1 after 2.50 s, raised OutOfMemoryError (out of memory: CUDA out of memory. "
         "Tried to allocate 2.00 GiB.)",
-        "training steps seen (optimizer.step() calls): 10",
+        "training steps seen (optimizer.step() calls): 10; the 'training step' span runs from "
+        "one call to the next: 0 spans",
         "peak allocated: cuda:0 512.0 MiB, cuda:1 4.0 MiB",
         "",
         "leak warnings (2):",
@@ -126,6 +128,18 @@ def test_full_report_text_has_every_part_in_order() -> None:
     ]
     positions = [text.index(part) for part in order]
     assert positions == sorted(positions)
+
+
+def test_steps_line_says_why_the_step_span_has_one_call_fewer() -> None:
+    """The ``training step`` span runs from one optimizer.step() to the next: 12 steps make
+    11 spans, and the report says so beside the count rather than leaving 12 against 11."""
+    r = run_report(steps=12, history=history(span_stats("training step", calls=11)))
+    line = str(r).splitlines()[2]
+    assert line == (
+        "training steps seen (optimizer.step() calls): 12; the 'training step' span runs "
+        "from one call to the next: 11 spans"
+    )
+    assert f"<p>{escape_html(line)}</p>" in render_html(r)
 
 
 class _Collect(HTMLParser):

@@ -66,7 +66,7 @@ def test_table_align_per_column_and_no_trailing_spaces() -> None:
 
 
 def test_table_refuses_mismatched_rows_and_align() -> None:
-    with pytest.raises(ValueError, match="align has 1 columns, headers have 2"):
+    with pytest.raises(ValueError, match="align has 1 column, headers have 2"):
         render_table(["a", "b"], [], align="l")
-    with pytest.raises(ValueError, match="row has 1 cells, expected 2"):
+    with pytest.raises(ValueError, match="row has 1 cell, expected 2"):
         render_table(["a", "b"], [["only"]])

@@ -8,10 +8,14 @@ import tempfile
 import warnings
 from pathlib import Path
 
-import lightning.pytorch as L
 import torch
-from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, TensorDataset
+
+try:
+    import lightning.pytorch as L
+    from lightning.pytorch.loggers import CSVLogger
+except ImportError:
+    sys.exit("lightning_memory.py: this example needs lightning: pip install 'cudamem[lightning]'")
 
 import cudamem
 from cudamem.integrations.lightning import CudamemCallback

@@ -1,8 +1,13 @@
 """The notebook guide's session (docs/guide/notebooks.md), replayed in a real IPython shell:
 each cell is printed after ``In [n]:`` and followed by what IPython showed."""
 
-from IPython.core.interactiveshell import InteractiveShell
-from traitlets.config import Config
+import sys
+
+try:
+    from IPython.core.interactiveshell import InteractiveShell
+    from traitlets.config import Config
+except ImportError:
+    sys.exit("notebook_magics.py: this example needs IPython: pip install 'cudamem[notebook]'")
 
 config = Config()
 config.HistoryManager.enabled = False

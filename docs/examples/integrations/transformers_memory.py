@@ -2,11 +2,20 @@
 history, and release_trainer() after train(). A 2-layer GPT-2 built from a config (nothing
 is downloaded); CPU mode counts CPU storages, on a GPU drop ``device=`` and ``use_cpu``."""
 
+import sys
 import tempfile
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
-from transformers.utils import logging
+
+try:
+    import accelerate  # noqa: F401 - the Trainer needs it
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+    from transformers.utils import logging
+except ImportError as exc:
+    sys.exit(
+        f"transformers_memory.py: this example needs {exc.name}: "
+        "pip install 'cudamem[transformers]'"
+    )
 
 from cudamem.integrations.transformers import CudamemTrainerCallback, release_trainer
 
