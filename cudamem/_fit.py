@@ -19,6 +19,8 @@ from collections.abc import Callable, Sequence
 from fractions import Fraction
 from typing import NamedTuple
 
+from ._format import plural
+
 __all__ = [
     "ALLOWANCE",
     "CONTAINERS",
@@ -115,8 +117,8 @@ def fit(points: Sequence[Point], terms: Sequence[str]) -> Line:
     terms = tuple(terms)
     if len(points) < len(terms):
         raise ValueError(
-            f"{len(terms)} terms ({', '.join(terms)}) need at least {len(terms)} probes, "
-            f"got {len(points)}"
+            f"{plural(len(terms), 'term')} ({', '.join(terms)}) need at least "
+            f"{plural(len(terms), 'probe')}, got {len(points)}"
         )
     design = [[Fraction(TERMS[t](p.n, p.length)) for t in terms] for p in points]
     values = [Fraction(p.value) for p in points]

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ._fit import ALLOWANCE, HEADROOM, Line, Point, fit, largest_under, relative_error, required
+from ._format import plural
 from .memory_plan import LINEAR_TOLERANCE, LineCheck, Probe
 
 __all__ = [
@@ -264,7 +265,8 @@ def search(
         out.fitted.append(probe)
     if len(out.fitted) < len(terms):
         out.notes.append(
-            f"{len(out.fitted)} probes ran, {len(terms)} are needed to fit {', '.join(terms)}"
+            f"{plural(len(out.fitted), 'probe')} ran, {len(terms)} are needed to fit "
+            f"{', '.join(terms)}"
         )
         return out
     try:

@@ -37,6 +37,7 @@ from . import _backend
 from ._args import check_bool, check_int
 from ._device_arg import DeviceLike, resolve_device
 from ._fit import ModuleCost, terms_for
+from ._format import plural
 from ._plan_search import Outcome, Size, search
 from .fragmentation import Fragmentation
 from .ledger import fragmentation
@@ -72,7 +73,7 @@ def _sizes(name: str, value: Any, *, minimum_count: int) -> tuple[int, ...]:
     if len(set(out)) != len(out):
         raise ValueError(f"{name} must be distinct, got {list(out)}")
     if len(out) < minimum_count:
-        raise ValueError(f"{name} needs at least {minimum_count} values, got {len(out)}")
+        raise ValueError(f"{name} needs at least {plural(minimum_count, 'value')}, got {len(out)}")
     return tuple(sorted(out))
 
 
@@ -320,7 +321,8 @@ def _causes(probes: Sequence[Probe], graphs_before: int | None) -> tuple[str, ..
     graphs = _compiled_graphs()
     if graphs is not None and graphs_before is not None and graphs > graphs_before:
         causes.append(
-            f"torch.compile compiled {graphs - graphs_before} new graphs during the probes: "
+            f"torch.compile compiled {plural(graphs - graphs_before, 'new graph')} during the "
+            "probes: "
             "it recompiles per batch size (mark the batch dimension dynamic)"
         )
     for p in probes:

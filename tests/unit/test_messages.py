@@ -234,11 +234,6 @@ _NOT_A_COUNT = {
     ("cudamem/render/holders.py", "holder.count"),  # written only when more than 1
     ("cudamem/render/holders.py", "tensors"),  # plural()'s text already
     ("pytest_cudamem.py", "device"),  # "cuda storages": a device, not a count
-    # Files another change owns (the plan's search): their counts are left to it.
-    ("cudamem/_fit.py", "len(terms)"),
-    ("cudamem/_plan_search.py", "len(out.fitted)"),
-    ("cudamem/plan.py", "minimum_count"),
-    ("cudamem/plan.py", "graphs - graphs_before"),
 }
 
 
