@@ -35,6 +35,7 @@ GROUPS = (
     "reader",
     "reader-retry",
     "expandable-kernel",
+    "docs",
     "modules",
     "ledger",
     "expandable-ledger",
