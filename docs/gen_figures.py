@@ -325,7 +325,7 @@ def scalars() -> str:
 
 
 #: The zoo run the fit guide quotes (``python benchmarks/fit.py --out ...``).
-FIT_JSON = "fit-zoo-h100-29321b5.json"
+FIT_JSON = "fit-zoo.json"
 
 _FIT_LABELS = {
     "decoder": "decoder LM",

@@ -328,6 +328,7 @@ class _Sized(L.LightningModule):  # type: ignore[misc]
 def test_fit_batch_size_sets_the_largest_batch_from_five_steps() -> None:
     from types import SimpleNamespace
 
+    from cudamem._fit import UNCONFIRMED
     from cudamem.integrations.lightning import fit_batch_size, plan_batch_size
 
     fake = _SizedDevice()
@@ -337,9 +338,9 @@ def test_fit_batch_size_sets_the_largest_batch_from_five_steps() -> None:
     with _backend.use(fake), warnings.catch_warnings():
         warnings.simplefilter("error")  # self.log's warning must not escape
         answer = fit_batch_size(trainer, module, margin=0.05)
-        # the confirming step reserved what it allocated: the 64 MiB headroom alone; 1.5 %
-        # of a budget no step ran at (the 5 % margin's) kept in reserve
-        budget = 0.95 * (1 - 0.015) * 16 * 1024 * MiB
+        # the confirming step reserved what it allocated: the 64 MiB headroom alone;
+        # UNCONFIRMED of a budget no step ran at (the 5 % margin's) kept in reserve
+        budget = 0.95 * (1 - UNCONFIRMED) * 16 * 1024 * MiB
         expected = int((budget - 64 * MiB - 200 * MiB) // (30 * MiB))
         assert answer == expected and module.batch_size == expected
         # warm-up, probes, check, then a step at the answer for the whole device: no OOM
