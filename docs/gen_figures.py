@@ -420,10 +420,9 @@ def fit() -> str:
         ["model", "tool", "time", "trials / OOMs", "answer", "off the true largest", "plan faster"],
         peers,
     )
-    commit = data.get("commit")
     source = (
         f"Measured on an {card(machine)}, CUDA {machine['cuda']} (TF32 matmuls; "
-        f"`python benchmarks/fit.py`{f', cudamem at {commit}' if commit else ''}; "
+        f"`python benchmarks/fit.py`, on the tree the GPU record verified; "
         f"the JSON is `benchmarks/results/{FIT_JSON}`)."
     )
     return _sections({"source": source, "zoo": zoo, "peers": peer_table})
