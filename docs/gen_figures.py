@@ -56,6 +56,14 @@ def _pct(value: float) -> str:
     return f"{value:+.1f} %".replace("-", "−")
 
 
+def _measured_on(machine: dict[str, Any], how: str, json_name: str) -> str:
+    """The source sentence of a figures file: the card, CUDA, how it was run, its JSON."""
+    return (
+        f"Measured on an {card(machine)}, CUDA {machine['cuda']} ({how}; the JSON is "
+        f"`benchmarks/results/{json_name}`)."
+    )
+
+
 def _sections(sections: dict[str, str]) -> str:
     """Snippet sections (``--8<-- [start:name]`` ... ``[end:name]``), one per figure."""
     out: list[str] = ["written by docs/gen_figures.py from benchmarks/results/*.json: do not edit"]
@@ -315,11 +323,11 @@ def scalars() -> str:
             row.append(_pct((kind["methods"][key]["ratio_vs_none"] - 1) * 100))
         rows.append(row)
     table = _table(["step kind", "no logging"] + [label for _, label in _SCALAR_METHODS], rows)
-    source = (
-        f"Measured on an {card(machine)}, CUDA {machine['cuda']} ({data['device']}; "
-        f"`python benchmarks/scalars.py`, CUDA events, methods interleaved, median step of "
-        f"{data['repeats']} repeats and its ratio to no logging; the JSON is "
-        f"`benchmarks/results/{SCALARS_JSON}`)."
+    source = _measured_on(
+        machine,
+        f"{data['device']}; `python benchmarks/scalars.py`, CUDA events, methods interleaved, "
+        f"median step of {data['repeats']} repeats and its ratio to no logging",
+        SCALARS_JSON,
     )
     return _sections({"source": source, "cost": table})
 
@@ -420,10 +428,10 @@ def fit() -> str:
         ["model", "tool", "time", "trials / OOMs", "answer", "off the true largest", "plan faster"],
         peers,
     )
-    source = (
-        f"Measured on an {card(machine)}, CUDA {machine['cuda']} (TF32 matmuls; "
-        f"`python benchmarks/fit.py`, on the tree the GPU record verified; "
-        f"the JSON is `benchmarks/results/{FIT_JSON}`)."
+    source = _measured_on(
+        machine,
+        "TF32 matmuls; `python benchmarks/fit.py`, on the tree the GPU record verified",
+        FIT_JSON,
     )
     return _sections({"source": source, "zoo": zoo, "peers": peer_table})
 

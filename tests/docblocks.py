@@ -447,7 +447,7 @@ def parser(document: Document) -> Iterator[Region]:
     assert isinstance(document, Page)
     document.blocks = page_blocks(Path(document.path))
     for block in document.blocks:
-        if _evaluated(block) and block.end > block.start:
+        if _evaluated(block):
             yield Region(block.start, block.end, block, evaluate)
 
 
