@@ -661,6 +661,11 @@ def run_cudamem(name: str, fraction: float) -> dict[str, Any]:
             }
             for p in plan.probes
         ],
+        # where the plan's time went beyond its steps: the state copied to the host and
+        # back (restore=True), and the rest (collections, the module profile's hooks, the
+        # fragmentation snapshot, the fit)
+        "step_seconds": sum(p.seconds for p in plan.probes),
+        "restore_seconds": plan.restore.seconds if plan.restore is not None else None,
         "allowance": getattr(plan, "allowance", None),
         "available": plan.available,
         "largest_0": l0,

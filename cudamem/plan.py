@@ -4,7 +4,8 @@ Collection only: it runs the user's step at a few sizes, each inside a span with
 and hands the peaks to ``cudamem._fit`` (the arithmetic) and ``cudamem.memory_plan`` (the
 frozen ``MemoryPlan``); ``render/plan.py`` draws it.
 
-Each step runs after ``gc.collect()`` and ``empty_cache()``, so that the reserved peak is
+Each step runs after a collection (``_Runner.settle``: a full ``gc.collect()`` only where
+the allocated bytes stand above the last level) and ``empty_cache()``, so that the reserved peak is
 that size's own, with the allocator's peak counters reset, inside a quiet span
 (``span.open_quiet``: its peak, and no history entry, growth check or OOM post-mortem). A
 step that runs out of memory is recorded; the exception's frames (which hold the step's
@@ -390,6 +391,8 @@ class _Runner:
         self.device = device
         self.length_axis = length_axis
         self.probes: list[Probe] = []
+        #: Allocated bytes after the last full collection: the level a clean step returns to.
+        self._level: int | None = None
 
     @staticmethod
     def _where(size: Size, role: str) -> str:
@@ -398,8 +401,19 @@ class _Runner:
         return f"cudamem.plan: raised by the {role} step at {at}{hint}"
 
     def settle(self) -> None:
-        gc.collect()
-        self.backend.empty_cache()
+        """Free what the last step left behind, then give the cache back. The young
+        generations are collected always (a step's cycles are young); a full collection,
+        100-200 ms on the heap of a process that imported transformers and lightning, runs
+        only where the allocated bytes stand above the level after the last one: the first
+        step (its optimizer state), a failed step, a cycle that aged inside the step."""
+        gc.collect(1)
+        backend, device = self.backend, self.device
+        now = backend.read(device).allocated
+        if self._level is None or now > self._level:
+            gc.collect()
+            now = backend.read(device).allocated
+        self._level = now
+        backend.empty_cache()
 
     def run(self, size: Size, role: str, profiler: Any = None) -> Probe:
         backend, device = self.backend, self.device
@@ -519,7 +533,8 @@ def plan(
     ``sizes`` (fitted), then once at the check size (twice the largest probe) to test the
     line, then once at the answer for the memory this process can use (the confirming
     step): five step executions where the probes resolve the per-sample bytes, ten at most.
-    Every step runs in a span that records its peak, after ``gc.collect()`` and
+    Every step runs in a span that records its peak, after a garbage collection (a full
+    one only where the allocated bytes stand above where the last one left them) and
     ``empty_cache()``.
 
     Where the per-sample bytes are under a tenth of the peak at the largest probe (the

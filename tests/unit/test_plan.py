@@ -5,6 +5,7 @@ advice, argument errors, no CUDA device, rendering. (On an H200:
 
 from __future__ import annotations
 
+import gc
 import json
 import weakref
 from collections.abc import Callable, Iterator
@@ -114,6 +115,64 @@ class Step:
 
 def linear(n: int) -> int:
     return 1000 * MiB + 50 * MiB * n
+
+
+class _Held:
+    """A cycle that frees its fake bytes when the collector breaks it."""
+
+    def __init__(self, fake: FakeAllocator, nbytes: int) -> None:
+        self.fake, self.nbytes, self.me = fake, nbytes, self
+        fake.alloc(nbytes)
+
+    def __del__(self) -> None:
+        self.fake.free(self.nbytes)
+
+
+def _count_full_collections(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    generations: list[int] = []
+    real = gc.collect
+
+    def counting(generation: int = 2) -> int:
+        generations.append(generation)
+        return real(generation)
+
+    monkeypatch.setattr(gc, "collect", counting)
+    return generations
+
+
+def test_a_clean_step_costs_one_full_collection_per_level(
+    fake: Device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A full collection walks the whole heap (100-200 ms with transformers imported): the
+    # plan runs one before the first step and one after it (its optimizer state raised the
+    # level), and only the young generations around the other steps.
+    generations = _count_full_collections(monkeypatch)
+    plan = cudamem.plan(Step(fake, linear))
+    assert len(plan.probes) == 5
+    assert generations.count(2) == 2
+    assert generations.count(1) == len(plan.probes) + 2  # before each step, first and last
+
+
+def test_bytes_left_in_an_old_cycle_are_collected_before_the_next_step(
+    fake: Device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    generations = _count_full_collections(monkeypatch)
+    step = Step(fake, linear)
+    parked: list[_Held] = []
+
+    def leaves_a_cycle(n: int) -> None:
+        step(n)
+        if len(step.calls) == 3:  # the probe at 8 leaves 700 MiB in a cycle aged to gen 2
+            parked.append(_Held(fake, 700 * MiB))
+            gc.collect()
+            parked.clear()
+
+    plan = cudamem.plan(leaves_a_cycle)
+    # the check at 16 started where the probes did: the cycle was collected before it
+    assert [p.baseline for p in plan.probes[1:]] == [plan.probes[1].baseline] * 4
+    assert fake.allocated[0] == plan.probes[1].baseline
+    assert plan.per_sample() == 50 * MiB and plan.fixed == 1300 * MiB
+    assert generations.count(2) == 4  # the start, the warm-up's state, the step's own, the cycle
 
 
 def test_a_linear_step_is_fitted_from_four_steps_and_confirmed_by_a_fifth(fake: Device) -> None:
