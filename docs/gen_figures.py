@@ -430,7 +430,7 @@ def fit() -> str:
     )
     source = _measured_on(
         machine,
-        "TF32 matmuls; `python benchmarks/fit.py`, on the tree the GPU record verified",
+        "TF32 matmuls; `python benchmarks/fit.py`",
         FIT_JSON,
     )
     return _sections({"source": source, "zoo": zoo, "peers": peer_table})
