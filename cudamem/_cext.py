@@ -10,15 +10,16 @@
 * The switch variable set to ``0``, no compiler, a failed build: ``disabled``/``failed``,
   and Python serves. ``status()`` says which and why.
 
-An extension ``stem`` is the C file ``cudamem/_{stem}.c``. The source's hash and the
-compiler's flags name the build, so a changed source or flag builds anew. The module name
-reaches the C file as ``CUDAMEM_MODULE_NAME``.
+An extension ``stem`` is the folder ``cudamem/native/src/{stem}/``: every ``*.c`` there is
+compiled into one library, its headers beside them. A hash over every source and header of
+the folder and the compiler's flags name the build (``native.cache.sources_digest``), so a
+change of any file or flag builds anew. The module name reaches the sources as
+``CUDAMEM_MODULE_NAME``. The states are ``native.states``'.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import platform
 import shutil
@@ -32,18 +33,23 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, cast
 
-from . import _fastread
+from .native.cache import SOURCE_ROOT, cache_base, load_library, sources, sources_digest
+from .native.states import (
+    ACTIVE,
+    BUILDING,
+    DISABLED,
+    DROPPED,
+    FAILED,
+    FINAL,
+    IDLE,
+    READY,
+    UNSUPPORTED,
+    switched_off,
+)
 
 __all__ = ["Extension", "ExtensionStatus"]
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-
 BUILD_TIMEOUT_S = 120.0
-
-IDLE, BUILDING, READY, ACTIVE = "idle", "building", "ready", "active"
-DISABLED, FAILED, DROPPED, UNSUPPORTED = "disabled", "failed", "dropped", "unsupported"
-#: States that no later call changes (nothing to poll for).
-FINAL = frozenset({ACTIVE, DISABLED, FAILED, DROPPED, UNSUPPORTED})
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,10 +64,6 @@ class ExtensionStatus:
     path: str | None = None
 
 
-def _off(env: str) -> bool:
-    return os.environ.get(env, "1").strip().lower() in ("0", "off", "no", "false")
-
-
 def compiler() -> str | None:
     """``$CC`` (or ``cc``) when it is on PATH."""
     cc = os.environ.get("CC") or "cc"
@@ -70,7 +72,7 @@ def compiler() -> str | None:
 
 def _flags() -> list[str]:
     """The compiler's flags for this platform (part of a build's name)."""
-    flags = ["-O2", "-shared", "-fPIC"]
+    flags = ["-O2", "-shared", "-fPIC", "-fvisibility=hidden"]
     if sys.platform.startswith("linux"):  # the heap walk's side thread (older glibc)
         flags.insert(0, "-pthread")
     if sys.platform == "darwin":  # Python's symbols resolve when the interpreter loads it
@@ -91,12 +93,12 @@ class Extension:
         exports: tuple[str, ...],
         validate: Callable[[Any], str | None] | None = None,
     ) -> None:
-        #: Cache folder and module-name prefix (``heapscan``, ``spancore``); the source is
-        #: ``cudamem/_{stem}.c``.
+        #: Cache folder and module-name prefix (``heapscan``, ``spancore``); the sources are
+        #: ``cudamem/native/src/{stem}/``.
         self.stem = stem
         #: What it does, as ``cudamem status`` names it: "heap pass", "span core".
         self.name = name
-        self.source = os.path.join(_HERE, f"_{stem}.c")
+        self.source = os.path.join(SOURCE_ROOT, stem)
         self.switch_env = switch_env
         #: What it is, in a reason: "compiled heap pass", "compiled span core".
         self.what = f"compiled {name}"
@@ -112,23 +114,25 @@ class Extension:
 
     # -- where the build lives ------------------------------------------------------
 
-    def paths(self) -> tuple[str, str]:
-        """(module name, library path) of the build of this source for this Python."""
-        with open(self.source, "rb") as fh:
-            source = fh.read()
+    def key(self) -> str:
+        """The build's name: every source and header of the folder, the flags, this
+        interpreter's tag, the library suffix and the machine (``sources_digest``)."""
         suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
-        flags = " ".join(_flags())
-        key = hashlib.sha256(
-            source + f"{sys.implementation.cache_tag or 'py'}{suffix}{flags}".encode()
-        ).hexdigest()[:12]
-        name = f"_cudamem_{self.stem}_{key}"
-        root = os.path.join(os.path.dirname(_fastread.cache_root()), self.stem)
+        tag = sys.implementation.cache_tag or "py"
+        arch = platform.machine() or "unknown"
+        return sources_digest(self.source, " ".join(_flags()), tag, suffix, arch)
+
+    def paths(self) -> tuple[str, str]:
+        """(module name, library path) of the build of these sources for this Python."""
+        suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+        name = f"_cudamem_{self.stem}_{self.key()[:12]}"
+        root = os.path.join(cache_base(), self.stem)
         arch = platform.machine() or "unknown"
         return name, os.path.join(root, f"{sys.implementation.cache_tag}-{arch}", name + suffix)
 
     def build(self, path: str, name: str) -> None:
-        """Compile the source into ``path`` (atomically); ``RuntimeError`` with the
-        compiler's words on failure."""
+        """Compile every C file of the folder into ``path`` (atomically); ``RuntimeError``
+        with the compiler's words on failure."""
         cc = compiler()
         include = sysconfig.get_paths().get("include")
         if cc is None:
@@ -142,8 +146,9 @@ class Extension:
             *cc.split(),
             *_flags(),
             f"-I{include}",
+            f"-I{self.source}",
             f"-DCUDAMEM_MODULE_NAME={name}",
-            self.source,
+            *[os.path.join(self.source, c) for c in sources(self.source) if c.endswith(".c")],
             "-o",
             tmp,
         ]
@@ -171,7 +176,7 @@ class Extension:
         try:
             if not os.path.exists(path):
                 self.build(path, name)
-            module = cast(ModuleType, _fastread.load_library(path, name))
+            module = cast(ModuleType, load_library(path, name))
         except Exception as exc:  # reported through status(); Python serves
             with self.lock:
                 self.state, self.reason = FAILED, f"{type(exc).__name__}: {exc}"
@@ -182,7 +187,7 @@ class Extension:
 
     def _start(self) -> None:
         """First use: load the cached build, or start building one (caller holds the lock)."""
-        if _off(self.switch_env):
+        if switched_off(self.switch_env):
             env = self.switch_env
             self.state, self.reason = DISABLED, f"{env}={os.environ[env]} turns it off"
             return

@@ -23,10 +23,10 @@ A failed build and a disagreeing reader leave a marker in the cache so that late
 do not pay for the same failure again; ``python -m cudamem build-reader`` ignores the
 markers and builds afresh.
 
-This file imports no cudamem module, anywhere, and only the standard library at module
-level: the build subprocess loads it by path, where no package exists
-(``tests/test_layout.py`` enforces it; ``tests/test_fastread.py`` runs that load). So
-``ReaderStatus.__str__`` finds the renderer registry in ``sys.modules`` instead of importing it.
+The build subprocess loads ``native/reader_build.py`` by path (where no package exists), not
+this file; the states are ``native.states``', the cache's root and loading a library are
+``native.cache``'s. ``ReaderStatus.__str__`` finds the renderer registry in ``sys.modules``
+instead of importing it (results never import a renderer).
 """
 
 from __future__ import annotations
@@ -46,9 +46,37 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
+from .native import reader_build
+from .native.cache import CACHE_ENV, cache_base
+from .native.cache import load_library as _load
+from .native.states import (
+    ACTIVE,
+    BUILDING,
+    CACHED,
+    DISABLED,
+    DROPPED,
+    FAILED,
+    FINAL,
+    IDLE,
+    NOT_BUILT,
+    READY,
+    UNSUPPORTED,
+    switched_off,
+)
+
 __all__ = [
+    "ACTIVE",
+    "BUILDING",
+    "CACHED",
     "CACHE_ENV",
+    "DISABLED",
+    "DROPPED",
+    "FAILED",
+    "IDLE",
+    "NOT_BUILT",
+    "READY",
     "SWITCH_ENV",
+    "UNSUPPORTED",
     "BuildSpec",
     "FastReader",
     "GateLog",
@@ -61,8 +89,6 @@ __all__ = [
 
 #: ``CUDAMEM_FAST_READER=0`` (or ``false``/``no``/``off``) keeps the dict path.
 SWITCH_ENV = "CUDAMEM_FAST_READER"
-#: Overrides the cache directory (default ``$XDG_CACHE_HOME/cudamem`` or ``~/.cache/cudamem``).
-CACHE_ENV = "CUDAMEM_CACHE_DIR"
 
 SOURCE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_fastread.cpp")
 
@@ -78,21 +104,10 @@ VALIDATION_ATTEMPTS = 1000
 
 Counters = tuple[int, int, int]
 
-# States, in the order a successful life goes through them.
-IDLE = "idle"
-BUILDING = "building"
-READY = "ready"
-ACTIVE = "active"
-# Dead ends (the dict path serves).
-DISABLED = "disabled"
-UNSUPPORTED = "unsupported"
-FAILED = "failed"
-DROPPED = "dropped"
-# Seen from a process that has not started the reader (``cudamem status``).
-CACHED = "cached"
-NOT_BUILT = "not built"
-
-_FINAL = frozenset({ACTIVE, DISABLED, UNSUPPORTED, FAILED, DROPPED})
+# The states (``native.states``): idle, building, ready, active; the dead ends, where the
+# dict path serves: disabled, unsupported, failed, dropped; seen from a process that has not
+# started the reader (``cudamem status``): cached, not built.
+_FINAL = FINAL
 
 
 #: The module of cudamem's renderer registry, looked up (never imported) by ``__str__``.
@@ -299,15 +314,10 @@ def cache_key(
 def cache_root() -> str:
     """``$CUDAMEM_CACHE_DIR/reader``, else ``$XDG_CACHE_HOME/cudamem/reader``, else
     ``~/.cache/cudamem/reader``."""
-    base = os.environ.get(CACHE_ENV)
-    if not base:
-        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        base = os.path.join(xdg, "cudamem")
-    return os.path.join(base, "reader")
+    return os.path.join(cache_base(), "reader")
 
 
-def _library_suffix() -> str:
-    return ".pyd" if os.name == "nt" else ".so"
+_library_suffix = reader_build.library_suffix
 
 
 @dataclass(frozen=True, slots=True)
@@ -422,67 +432,15 @@ def _error_tail(output: str, limit: int = 400) -> str:
 
 # --------------------------------------------------------------------------- building
 
+#: The build subprocess: ``native/reader_build.py`` loaded by path (no package there).
 _BOOTSTRAP = (
     "import importlib.util, sys\n"
-    "spec = importlib.util.spec_from_file_location('_cudamem_fastread_build', sys.argv[1])\n"
+    "spec = importlib.util.spec_from_file_location('_cudamem_reader_build', sys.argv[1])\n"
     "mod = importlib.util.module_from_spec(spec)\n"
     "sys.modules[spec.name] = mod\n"
     "spec.loader.exec_module(mod)\n"
-    "sys.exit(mod._build_main(sys.argv[2:]))\n"
+    "sys.exit(mod.build_main(sys.argv[2:]))\n"
 )
-
-
-def _build_main(argv: list[str]) -> int:
-    """Entry point of the build subprocess: ``directory module_name source_path``.
-
-    Holds an exclusive lock on the build directory (one build at a time, for every process
-    of the machine; the lock dies with its process), builds in a private subdirectory and
-    moves the finished library into place atomically, so that readers never see half a file.
-    """
-    directory, name, source_path = argv
-    os.makedirs(directory, exist_ok=True)
-    target = os.path.join(directory, name + _library_suffix())
-    with open(os.path.join(directory, "lock"), "a+") as lock:
-        try:
-            import fcntl
-
-            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
-        except ImportError:  # Windows: no lock, the atomic rename still holds
-            pass
-        if os.path.exists(target):
-            return 0  # another process built it while this one waited
-        for entry in os.listdir(directory):  # left by builds that died (the lock is ours)
-            if entry.startswith("build-"):
-                shutil.rmtree(os.path.join(directory, entry), ignore_errors=True)
-        import inspect
-        import tempfile
-
-        import torch.utils.cpp_extension as cpp_extension
-
-        with open(source_path, encoding="utf-8") as fh:
-            source = fh.read()
-        build_dir = tempfile.mkdtemp(prefix="build-", dir=directory)
-        options: dict[str, Any] = {}
-        if "no_implicit_headers" in inspect.signature(cpp_extension.load_inline).parameters:
-            options["no_implicit_headers"] = True  # only Python.h and the allocator header
-        try:
-            cpp_extension.load_inline(  # type: ignore[no-untyped-call]
-                name=name,
-                cpp_sources=[source],
-                with_cuda=True,  # CUDA headers, and -lc10_cuda for the allocator's symbol
-                extra_cflags=["-O2"],
-                # Nothing of libcudart/libtorch_cuda is used: keep them out of DT_NEEDED, so
-                # the library loads against the CUDA runtime torch itself ships.
-                extra_ldflags=["-Wl,--as-needed"] if sys.platform.startswith("linux") else [],
-                build_directory=build_dir,
-                verbose=False,
-                is_python_module=True,  # imports it here once: every symbol resolves
-                **options,
-            )
-            os.replace(os.path.join(build_dir, name + _library_suffix()), target)
-        finally:
-            shutil.rmtree(build_dir, ignore_errors=True)
-    return 0
 
 
 def build_in_subprocess(spec: BuildSpec, paths: _Paths) -> float:
@@ -505,7 +463,7 @@ def build_in_subprocess(spec: BuildSpec, paths: _Paths) -> float:
         sys.executable,
         "-c",
         _BOOTSTRAP,
-        os.path.abspath(__file__),
+        reader_build.__file__,
         paths.directory,
         spec.module_name,
         source_copy,
@@ -544,16 +502,7 @@ def build_in_subprocess(spec: BuildSpec, paths: _Paths) -> float:
 
 def load_library(path: str, name: str) -> Reader:
     """Import the compiled reader from ``path``."""
-    import importlib.machinery
-    import importlib.util
-
-    loader = importlib.machinery.ExtensionFileLoader(name, path)
-    spec = importlib.util.spec_from_file_location(name, path, loader=loader)
-    if spec is None:
-        raise ImportError(f"cannot load {path}")
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    reader: Reader = module
+    reader: Reader = _load(path, name)
     return reader
 
 
@@ -561,7 +510,7 @@ def load_library(path: str, name: str) -> Reader:
 
 
 def _switched_off() -> bool:
-    return os.environ.get(SWITCH_ENV, "").strip().lower() in {"0", "false", "no", "off"}
+    return switched_off(SWITCH_ENV)
 
 
 def torch_spec() -> BuildSpec | ReaderUnavailable:

@@ -1,4 +1,4 @@
-"""The optional compiled heap pass (``_heapscan.c``): one walk of a heap snapshot finds the
+"""The optional compiled heap pass (``native/src/heapscan/``): one walk of a heap snapshot finds the
 referrers of any number of objects, ~10x faster than ``_heap.chunked_pass`` in Python.
 
 Built, cached, loaded and switched like the span core (``cudamem._cext``: nothing at import,
@@ -8,7 +8,7 @@ small heap whose referrers are known (what ``gc.get_referrers`` says), the compi
 must find the same.
 
 The traversal runs no Python code and calls no dunder; the pass keeps no reference after it
-returns; callbacks (the search's own) run between traversals. See ``_heapscan.c``.
+returns; callbacks (the search's own) run between traversals. See ``native/src/heapscan/``.
 
 ``walk`` (Python 3.11 to 3.13) lists the snapshot off gc's lists in place and records its
 edge cache in the same walk: validated against three ``gc.get_objects`` listings and a pass

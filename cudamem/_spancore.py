@@ -1,11 +1,12 @@
-"""The optional compiled span core (``_spancore.c``): a span's open and close in C for the
+"""The optional compiled span core (``native/src/spancore/``): a span's open and close in C for the
 case almost every span is in (one device, no synchronize), a few times cheaper than the
 Python path; everything else is handed to the Python functions it replaces.
 
 Built, cached and loaded like the heap pass (``cudamem._cext``): nothing at import, a
 background build at the first span, ``CUDAMEM_FAST_SPAN=0`` turns it off. This module owns
-the build; ``span.py`` owns the switch: ``init`` gives it a state of its own (the module's
-globals and types it serves; another copy of ``span.py`` in the process gets another), it
+the build; ``span.py`` owns the switch: ``init`` gives it a state of its own (from the one
+table ``span._core_table`` hands it: its types, its ``SpanState``, its helpers and
+containers; another copy of ``span.py`` in the process gets another), it
 checks a span through each path field by field, and only then replaces its
 ``_open``/``_close`` with the state's.
 """

@@ -410,16 +410,8 @@ _open_peak: dict[RawSpan, int] = {}
 _process_peak: dict[int, int] = {}
 #: ``(device, value)`` not yet merged into ``_process_peak`` (appends are atomic).
 _peak_inbox: deque[tuple[int, int]] = deque()
-_entry_hooks: tuple[EntryHook, ...] = ()
-#: What a span opened with ``leaks=True`` calls: ``_entry_hooks`` and the hooks registered
-#: with ``leaks_only=True`` (which every other span skips without a call).
-_entry_hooks_leaks: tuple[EntryHook, ...] = ()
 _entry_registry: tuple[tuple[EntryHook, bool], ...] = ()
 _exit_hooks: tuple[tuple[ExitHook, tuple[type[BaseException], ...]], ...] = ()
-#: The exit hooks alone, what the close of a span whose block raised iterates, and those
-#: a span that did not raise needs (``errors_only`` left out); rebuilt on each registration.
-_exit_calls: tuple[ExitHook, ...] = ()
-_exit_calls_ok: tuple[ExitHook, ...] = ()
 #: Exit hooks registered with ``errors_only=True``.
 _errors_only: frozenset[ExitHook] = frozenset()
 #: The innermost span opened in this thread or task (its ``parent`` chain is the stack).
@@ -438,15 +430,67 @@ _new_raw = object.__new__
 finished: deque[RawSpan] = deque()
 #: Spans waiting before the closing thread calls the sink.
 FINISHED_AT = 256
-_finished_sink: Callable[[], None] | None = None
+
+
+class SpanState:
+    """What every open and close reads and what may be rebound meanwhile: the hooks to
+    call, the finished spans' consumer, the limits, and the Python open and close that the
+    compiled core hands the cases it does not take to. One object, read by the Python path
+    as attributes and by the compiled span core through its slots (``_core_table`` hands
+    it over once, at ``init``): no module namespace is the core's interface. Each copy of
+    this module has its own (``STATE``)."""
+
+    __slots__ = (
+        "entry_hooks",
+        "entry_hooks_leaks",
+        "exit_calls",
+        "exit_calls_ok",
+        "finished_at",
+        "finished_sink",
+        "max_children",
+        "peak_inbox_max",
+        "py_close",
+        "py_open",
+    )
+
+    #: The Python open and close: what the compiled core hands every call it does not take.
+    py_open: _OpenFn
+    py_close: _CloseFn
+    #: What every span's open calls, and what a span opened with ``leaks=True`` calls:
+    #: ``entry_hooks`` and the hooks registered with ``leaks_only=True`` (which every other
+    #: span skips without a call).
+    entry_hooks: tuple[EntryHook, ...]
+    entry_hooks_leaks: tuple[EntryHook, ...]
+    #: The exit hooks alone, what the close of a span whose block raised iterates, and those
+    #: a span that did not raise needs (``errors_only`` left out); rebuilt on each
+    #: registration.
+    exit_calls: tuple[ExitHook, ...]
+    exit_calls_ok: tuple[ExitHook, ...]
+    #: Called whenever ``finished_at`` spans wait on ``finished`` (``set_finished_sink``).
+    finished_sink: Callable[[], None] | None
+    #: Children kept per span (``MAX_CHILDREN``).
+    max_children: int
+    #: Folded peak values kept before they are merged (``_PEAK_INBOX``).
+    peak_inbox_max: int
+    #: Spans waiting before the closing thread calls the sink (``FINISHED_AT``).
+    finished_at: int
+
+    def __init__(self, py_open: _OpenFn, py_close: _CloseFn) -> None:
+        self.py_open = py_open
+        self.py_close = py_close
+        self.entry_hooks = self.entry_hooks_leaks = ()
+        self.exit_calls = self.exit_calls_ok = ()
+        self.finished_sink = None
+        self.max_children = MAX_CHILDREN
+        self.peak_inbox_max = _PEAK_INBOX
+        self.finished_at = FINISHED_AT
 
 
 def set_finished_sink(sink: Callable[[], None] | None) -> None:
     """Queue every top-level span closed with hooks on ``finished`` and call ``sink()``
     whenever ``FINISHED_AT`` wait; ``sink`` takes them off (``None``: stop queueing).
     Errors of ``sink`` are swallowed (a warning says so once)."""
-    global _finished_sink
-    _finished_sink = sink
+    STATE.finished_sink = sink
 
 
 def _reset_state() -> None:
@@ -489,9 +533,8 @@ def remove_entry_hook(hook: EntryHook) -> None:
 
 def _rebuild_entry_calls() -> None:
     """Derive what opens iterate from the registry; caller holds ``_hooks_lock``."""
-    global _entry_hooks, _entry_hooks_leaks
-    _entry_hooks = tuple(h for h, only in _entry_registry if not only)
-    _entry_hooks_leaks = tuple(h for h, _ in _entry_registry)
+    STATE.entry_hooks = tuple(h for h, only in _entry_registry if not only)
+    STATE.entry_hooks_leaks = tuple(h for h, _ in _entry_registry)
 
 
 def add_exit_hook(
@@ -528,9 +571,9 @@ def remove_exit_hook(hook: ExitHook) -> None:
 
 def _rebuild_exit_calls() -> None:
     """Derive what closes iterate from the registry; caller holds ``_hooks_lock``."""
-    global _exit_calls, _exit_calls_ok
-    _exit_calls = tuple(h for h, _ in _exit_hooks)
-    _exit_calls_ok = tuple(h for h in _exit_calls if h not in _errors_only)
+    calls = tuple(h for h, _ in _exit_hooks)
+    STATE.exit_calls = calls
+    STATE.exit_calls_ok = tuple(h for h in calls if h not in _errors_only)
 
 
 def _exit_hook_failed(
@@ -599,7 +642,7 @@ def _enter_peak(span: RawSpan, backend: _backend.Backend, devs: tuple[int, ...])
     span.before = vals
     for d, v in zip(devs, vals, strict=True):
         _peak_inbox.append((d, v[2]))
-    if len(_peak_inbox) > _PEAK_INBOX:
+    if len(_peak_inbox) > STATE.peak_inbox_max:
         _merge_peaks_soon()
 
 
@@ -733,7 +776,7 @@ def _py_open(
                                     fold[d] = discarded
                     if discarded > _process_peak.get(d, -1):  # else it cannot raise the max
                         _peak_inbox.append((d, discarded))
-                        if len(_peak_inbox) > _PEAK_INBOX:
+                        if len(_peak_inbox) > STATE.peak_inbox_max:
                             _merge_peaks_soon()
                 else:
                     _enter_peak(span, backend, devs)
@@ -754,7 +797,7 @@ def _py_open(
         if push:
             _top.set(span)
     if hooks:
-        for hook in _entry_hooks_leaks if leaks else _entry_hooks:
+        for hook in STATE.entry_hooks_leaks if leaks else STATE.entry_hooks:
             try:
                 hook(span)
             except Exception as err:
@@ -802,7 +845,7 @@ def _thread_name() -> str:
 
 def _drain_finished() -> None:
     """Hand the queue of finished spans to its consumer (errors: a warning, once)."""
-    sink = _finished_sink
+    sink = STATE.finished_sink
     if sink is not None:
         try:
             sink()
@@ -833,6 +876,7 @@ def _py_close(
     (``-W error``)."""
     if span.closed:
         return
+    state = STATE
     pending: BaseException | None = None
     try:
         backend = _backend._active
@@ -918,7 +962,7 @@ def _py_close(
             children = parent.children
             if children is None:
                 parent.children = [span]
-            elif len(children) < MAX_CHILDREN:
+            elif len(children) < state.max_children:
                 children.append(span)
             else:
                 parent.dropped = getattr(parent, "dropped", 0) + 1
@@ -926,11 +970,11 @@ def _py_close(
             span.top_level = True
             if span.parent is not None or span.children:
                 _unlink(span)
-            if hooks and _finished_sink is not None:
+            if hooks and state.finished_sink is not None:
                 finished.append(span)
-                if len(finished) >= FINISHED_AT:
+                if len(finished) >= state.finished_at:
                     _drain_finished()
-        for hook in () if not hooks else _exit_calls_ok if exc is None else _exit_calls:
+        for hook in () if not hooks else state.exit_calls_ok if exc is None else state.exit_calls:
             try:
                 hook(span)
             except Exception as err:
@@ -1013,11 +1057,13 @@ class _CloseFn(Protocol):
 
 
 #: What every span opens and closes with: the Python functions above, until the compiled
-#: span core (``_spancore.c``) is active; then the ``open``/``close`` of its state for this
+#: span core (``native/src/spancore/``) is active; then the ``open``/``close`` of its state for this
 #: module (``_core_check``), which do the common case (one device, no synchronize) in C and
 #: hand every other to ``_py_open``/``_py_close``.
 _open: _OpenFn = _py_open
 _close: _CloseFn = _py_close
+#: This module's span state (see ``SpanState``): read by both paths.
+STATE = SpanState(_py_open, _py_close)
 #: Whether the next Python open asks the span core's build again (until it is settled).
 _core_pending = True
 
@@ -1120,7 +1166,7 @@ def _serving(module: Any) -> Iterator[None]:
 
 class _Core(Protocol):
     """The compiled core's state for one span module (``init``'s answer): its functions
-    read that module's globals and make its types' spans."""
+    read that module's table (``_core_table``) and make its types' spans."""
 
     open: _OpenFn
     close: _CloseFn
@@ -1131,12 +1177,106 @@ class _Core(Protocol):
     exit: Any
 
 
+#: The fields the compiled core reads and stores by slot, in the order of its ``core.h``
+#: enums (``F_``, ``M_``, ``ST_``); ``init`` checks each descriptor's name and type.
+_RAW_FIELDS = (
+    "name",
+    "device",
+    "sync",
+    "peak",
+    "leaks",
+    "parent",
+    "children",
+    "extras",
+    "fold",
+    "xfold",
+    "_record",
+    "closed",
+    "devs",
+    "owner",
+    "solo",
+    "armed",
+    "before",
+    "start_ns",
+    "end_ns",
+    "exit_devs",
+    "after",
+    "level",
+    "alloc_delta",
+    "res_delta",
+    "peak_total",
+    "peak_delta",
+    "exception",
+    "thread",
+    "top_level",
+    "dropped",
+)
+_SPAN_FIELDS = ("_detached", "_device", "_extras", "_leaks", "_name", "_peak", "_raw", "_sync")
+_STATE_FIELDS = (
+    "py_open",
+    "py_close",
+    "entry_hooks",
+    "entry_hooks_leaks",
+    "exit_calls",
+    "exit_calls_ok",
+    "finished_sink",
+    "max_children",
+    "peak_inbox_max",
+    "finished_at",
+)
+
+
+def _slots(cls: type, names: tuple[str, ...]) -> tuple[Any, ...]:
+    return tuple(cls.__dict__[name] for name in names)
+
+
+def _core_table() -> tuple[Any, ...]:
+    """What the compiled core's ``init`` takes, once: the one interface between it and this
+    module, in the order of ``core.h``'s ``T_`` enum (its types, its state, where the
+    active backend is held, the slots it reads, the Python helpers it calls, the containers
+    it mutates in place, and whether ``_now_ns`` is ``time.perf_counter_ns``)."""
+    return (
+        RawSpan,
+        MemorySpan,
+        STATE,
+        _slots(RawSpan, _RAW_FIELDS),
+        _slots(MemorySpan, _SPAN_FIELDS),
+        _slots(SpanState, _STATE_FIELDS),
+        vars(_backend),
+        "_active",
+        # the helpers (``FN_``)
+        _py_span_enter,
+        _py_span_exit,
+        _merge_peaks_soon,
+        _enter_peak,
+        _entry_failed,
+        _entry_hook_failed,
+        _exit_hook_failed,
+        _close_failed,
+        _live,
+        _wait_folds,
+        _exception_info,
+        _thread_name,
+        _unlink,
+        _drain_finished,
+        _now_ns,
+        # the containers
+        _open_peak,
+        _process_peak,
+        _peak_inbox,
+        finished,
+        _top,
+        _tls,
+        _now_ns is time.perf_counter_ns,
+    )
+
+
 def _core_check(module: Any) -> _Core | str:
     """The compiled core's state for this module, or why it cannot serve: ``module.init``
-    takes this module's globals and types, and a quiet span (no peak, no stack, no hooks)
+    takes this module's table (``_core_table``), and a quiet span (no peak, no stack, no hooks)
     through the state has the fields and arithmetic a span through the Python path has."""
     try:
-        core: _Core = module.init(globals(), vars(_backend), RawSpan, MemorySpan)
+        core: _Core = module.init(_core_table())
         backend = _backend._active
         device = 0 if backend.device_count() > 0 else None
         spans = []

@@ -244,7 +244,7 @@ def python_edges() -> Iterator[list[str]]:
     """The calls of the Python open and close within the block, in order (``"open"``,
     ``"close"``): none for a span the compiled span core serves itself."""
     calls: list[str] = []
-    saved = _span._py_open, _span._py_close
+    saved = _span.STATE.py_open, _span.STATE.py_close
 
     def spy(edge: str, real: Any) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -253,8 +253,8 @@ def python_edges() -> Iterator[list[str]]:
 
         return call
 
-    _span._py_open, _span._py_close = spy("open", saved[0]), spy("close", saved[1])
+    _span.STATE.py_open, _span.STATE.py_close = spy("open", saved[0]), spy("close", saved[1])
     try:
         yield calls
     finally:
-        _span._py_open, _span._py_close = saved
+        _span.STATE.py_open, _span.STATE.py_close = saved

@@ -113,26 +113,27 @@ def test_no_import_circle_not_even_lazy_or_type_only() -> None:
     assert _circles(graph) == []
 
 
-def test_fastread_imports_no_cudamem_module_anywhere() -> None:
-    # The reader's build subprocess loads _fastread.py by path, where no package exists: any
-    # cudamem import in it, even in a function, fails there (the H200 run of 7e81094).
-    source = MODULES["cudamem._fastread"].read_text(encoding="utf-8")
+def test_the_reader_build_imports_no_cudamem_module_anywhere() -> None:
+    # The reader's build subprocess loads native/reader_build.py by path, where no package
+    # exists: any cudamem import in it, even in a function, fails there (the H200 run of
+    # 7e81094, when the build loaded _fastread.py).
+    source = MODULES["cudamem.native.reader_build"].read_text(encoding="utf-8")
     relative = [
         node.lineno
         for node in ast.walk(ast.parse(source))
         if isinstance(node, ast.ImportFrom) and node.level
     ]
     assert relative == []
-    assert _imports("cudamem._fastread", MODULES["cudamem._fastread"]) == set()
+    assert _imports("cudamem.native.reader_build", MODULES["cudamem.native.reader_build"]) == set()
 
 
 def test_the_layout_reader_sees_the_import_that_broke_the_build() -> None:
     # The rule above can fail: the line that broke the build, in a function too.
-    path = MODULES["cudamem._fastread"]
-    line = "from ._present import present\n"
-    assert _imports("cudamem._fastread", path, line) == {"cudamem._present"}
+    path = MODULES["cudamem.native.reader_build"]
+    line = "from .._present import present\n"
+    assert _imports("cudamem.native.reader_build", path, line) == {"cudamem._present"}
     lazy = "def f():\n    import cudamem.span\n"
-    assert _imports("cudamem._fastread", path, lazy) == {"cudamem.span"}
+    assert _imports("cudamem.native.reader_build", path, lazy) == {"cudamem.span"}
 
 
 def test_results_never_import_a_renderer() -> None:

@@ -129,12 +129,12 @@ def test_features_attach_as_hooks_in_import_order() -> None:
     exits = [hook for hook, _ in _span._exit_hooks]
     assert exits[:2] == [_leaks._on_span_exit, oom._on_span_exit]
     # The history takes top-level spans from the spans' own queue, not through a hook.
-    assert _span._finished_sink is _history._drain_soon
+    assert _span.STATE.finished_sink is _history._drain_soon
     assert _history._ring.inbox is _span.finished
     # Growth detection's entry hook runs for leaks=True spans alone while nothing is armed.
     assert _span._entry_registry[:1] == ((_leaks._on_span_enter, True),)
-    assert _leaks._on_span_enter not in _span._entry_hooks
-    assert _span._entry_hooks_leaks[:1] == (_leaks._on_span_enter,)
+    assert _leaks._on_span_enter not in _span.STATE.entry_hooks
+    assert _span.STATE.entry_hooks_leaks[:1] == (_leaks._on_span_enter,)
     # Only growth detection's own warning may leave a span's exit.
     assert dict(_span._exit_hooks)[_leaks._on_span_exit] == (cudamem.LeakWarning,)
 
@@ -477,13 +477,13 @@ def test_arming_a_name_widens_the_leak_entry_hook_to_every_span_and_disarming_na
     series = _leaks._Series(4)
     try:
         detector._arm("step", series)
-        assert _leaks._on_span_enter in _span._entry_hooks  # a leaks=False span asks too
+        assert _leaks._on_span_enter in _span.STATE.entry_hooks  # a leaks=False span asks too
         detector._arm("eval", _leaks._Series(4))
         detector._disarm("step", series)
-        assert _leaks._on_span_enter in _span._entry_hooks  # "eval" is still armed
+        assert _leaks._on_span_enter in _span.STATE.entry_hooks  # "eval" is still armed
         detector._disarm("eval", series)
-        assert _leaks._on_span_enter not in _span._entry_hooks
-        assert _span._entry_hooks_leaks[:1] == (_leaks._on_span_enter,)
+        assert _leaks._on_span_enter not in _span.STATE.entry_hooks
+        assert _span.STATE.entry_hooks_leaks[:1] == (_leaks._on_span_enter,)
     finally:
         detector.reset()
-    assert _leaks._armed == frozenset() and _leaks._on_span_enter not in _span._entry_hooks
+    assert _leaks._armed == frozenset() and _leaks._on_span_enter not in _span.STATE.entry_hooks

@@ -74,12 +74,14 @@ def test_a_module_without_the_calls_is_refused() -> None:
     assert _spancore.EXTENSION.check(Empty()) == "the compiled span core lacks init"
 
 
-def test_each_extension_builds_its_own_c_file_and_names_what_it_lacks() -> None:
+def test_each_extension_builds_its_own_c_files_and_names_what_it_lacks() -> None:
     from cudamem import _heapscan
 
-    assert _spancore.EXTENSION.source == os.path.join(ROOT, "cudamem", "_spancore.c")
-    assert _heapscan.EXTENSION.source == os.path.join(ROOT, "cudamem", "_heapscan.c")
-    assert all(os.path.exists(e.source) for e in (_spancore.EXTENSION, _heapscan.EXTENSION))
+    src = os.path.join(ROOT, "cudamem", "native", "src")
+    assert _spancore.EXTENSION.source == os.path.join(src, "spancore")
+    assert _heapscan.EXTENSION.source == os.path.join(src, "heapscan")
+    for ext in (_spancore.EXTENSION, _heapscan.EXTENSION):
+        assert any(name.endswith(".c") for name in os.listdir(ext.source))
 
     class Partial:
         scan = edges = staticmethod(lambda *a: None)
@@ -108,8 +110,10 @@ def test_init_refuses_a_type_whose_fields_are_not_slots() -> None:
         pass
 
     module = compiled_span_core()
+    table = list(_span._core_table())
+    table[0] = NoSlots
     with pytest.raises(TypeError, match=r"NoSlots\.name is not a slot"):
-        module.init(vars(_span), vars(_backend), NoSlots, _span.MemorySpan)
+        module.init(tuple(table))
     # The real types still pass (the refusal changed nothing).
     assert not isinstance(_span._core_check(module), str)
 
@@ -191,8 +195,8 @@ def test_two_span_modules_in_one_process_each_keep_their_own_core(
     first = _span
     seen: dict[str, list[Any]] = {"first": [], "second": []}
     for span_module, key in ((first, "first"), (second_span, "second")):
-        monkeypatch.setattr(span_module, "_finished_sink", lambda: None)
-        monkeypatch.setattr(span_module, "FINISHED_AT", 10**6)
+        monkeypatch.setattr(span_module.STATE, "finished_sink", lambda: None)
+        monkeypatch.setattr(span_module.STATE, "finished_at", 10**6)
         span_module.add_exit_hook(seen[key].append)
     queued = len(first.finished)
     calls: list[str] = []
@@ -203,9 +207,10 @@ def test_two_span_modules_in_one_process_each_keep_their_own_core(
                 fake.alloc(MiB)
             with second_span._serving(module):
                 for span_module, key in ((first, "first"), (second_span, "second")):
-                    for edge in ("_py_open", "_py_close"):
-                        real = getattr(span_module, edge)
-                        monkeypatch.setattr(span_module, edge, _spy(calls, f"{key}{edge}", real))
+                    for edge in ("py_open", "py_close"):
+                        real = getattr(span_module.STATE, edge)
+                        spy = _spy(calls, f"{key}{edge}", real)
+                        monkeypatch.setattr(span_module.STATE, edge, spy)
                 with first.track("first") as a, second_span.track("second") as b:
                     fake.alloc(2 * MiB)
                 with second_span.MemorySpan("second-class") as c:
@@ -240,7 +245,7 @@ def test_two_span_modules_in_one_process_each_keep_their_own_core(
 
 def test_a_state_outlives_its_owner_and_is_collected_in_a_cycle() -> None:
     """The functions span.py installs hold their state; a state that only a cycle keeps (it
-    holds the globals that hold it) is collected."""
+    holds a container of its table that holds it) is collected."""
     module = compiled_span_core()
     core = _span._core_check(module)
     assert not isinstance(core, str)
@@ -255,12 +260,14 @@ def test_a_state_outlives_its_owner_and_is_collected_in_a_cycle() -> None:
     class Marker:
         pass
 
-    span_globals = dict(vars(_span))
-    span_globals["marker"] = marker = Marker()
+    # A state kept only by a container of its own table, which holds the state.
+    table = list(_span._core_table())
+    open_peak: dict[Any, Any] = {}
+    table[next(i for i, x in enumerate(table) if x is _span._open_peak)] = open_peak
+    open_peak["marker"] = marker = Marker()
     gone = weakref.ref(marker)
-    types = _span.RawSpan, _span.MemorySpan
-    span_globals["state"] = module.init(span_globals, vars(_backend), *types)
-    del span_globals, marker
+    open_peak["state"] = module.init(tuple(table))
+    del table, open_peak, marker
     gc.collect()
     assert gone() is None
 
