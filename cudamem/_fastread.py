@@ -1,7 +1,8 @@
 """The optional C++ counter reader: allocated, reserved and peak bytes in ~0.2 µs a read.
 
 ``torch._C._cuda_memoryStats`` builds 39 dicts of 122 ints per call (10.7 µs on an H200);
-``_fastread.cpp`` returns the three integers spans need (0.16 µs, 0.18 µs with a peak reset).
+the C++ reader (``native/src/fastread/``) returns the three integers spans need (0.16 µs,
+0.18 µs with a peak reset).
 The same library holds the per-module profile's backward gates (``GateLog``: C++ pre-hooks on
 autograd nodes that log the counters with no GIL; ``cudamem.modules`` replays the log). It is
 compiled once per (torch, CUDA, C++ ABI, Python, source) into a per-user cache (about 20 s on
@@ -90,7 +91,8 @@ __all__ = [
 #: ``CUDAMEM_FAST_READER=0`` (or ``false``/``no``/``off``) keeps the dict path.
 SWITCH_ENV = "CUDAMEM_FAST_READER"
 
-SOURCE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_fastread.cpp")
+#: The reader's sources (a header and its parts, one translation unit: ``reader_build.bundle``).
+SOURCE_DIR = reader_build.SOURCE_DIR
 
 #: Longest a build may take before it is abandoned (a hung compiler must not leave a
 #: subprocess behind forever).
@@ -144,7 +146,7 @@ class ForwardHooks(Protocol):
 class GateLog(Protocol):
     """The per-module profile's counter log (``cudamem.modules``): module calls' forward
     edges logged by ``mark``, their backward edges by C++ pre-hooks on autograd nodes that
-    log the counters, with no GIL, when the node is about to run (``_fastread.cpp``)."""
+    log the counters, with no GIL, when the node is about to run (``native/src/fastread/``)."""
 
     def gate(self, grad_fn: object, code: int, owner: int, step: int, device: int, /) -> bool:
         """Log ``code`` whenever ``grad_fn`` is about to run: added to the node's C++ gate for
@@ -174,7 +176,7 @@ class GateLog(Protocol):
     ) -> tuple[int, int]:
         """The events since the last replay as each module call's figures, added up per
         module slot (``log_figures``): how many calls ended, and how many events were
-        dropped (see ``_fastread.cpp``)."""
+        dropped (see ``native/src/fastread/replay.cpp``)."""
         ...
 
     def log_figures(self, owner: int, /) -> tuple[int, ...]:
@@ -525,9 +527,8 @@ def torch_spec() -> BuildSpec | ReaderUnavailable:
     if not cuda:
         return ReaderUnavailable(UNSUPPORTED, f"torch {torch.__version__} is built without CUDA")
     try:
-        with open(SOURCE_PATH, encoding="utf-8") as fh:
-            source = fh.read()
-    except OSError as exc:
+        source = reader_build.bundle()
+    except (OSError, ValueError) as exc:
         return ReaderUnavailable(UNSUPPORTED, f"the reader's source is missing: {exc}")
     return BuildSpec(
         torch_version=str(torch.__version__),

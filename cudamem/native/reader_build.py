@@ -28,8 +28,8 @@ SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "src", "fa
 #: of ``SOURCE_DIR`` is one of them.
 ORDER = (
     "fastread.h",
-    "counters.cpp",
     "log.cpp",
+    "counters.cpp",
     "gates.cpp",
     "forward.cpp",
     "replay.cpp",

@@ -34,11 +34,12 @@ from cudamem._fastread import (
     cache_key,
 )
 from cudamem._present import present
+from cudamem.native import reader_build
 
 from ..fakes import FakeAllocator
 
 ROOT = Path(__file__).resolve().parents[2]
-SOURCE = Path(_fastread.SOURCE_PATH).read_text()
+SOURCE = reader_build.bundle()
 
 
 def _spec(**changes: Any) -> BuildSpec:

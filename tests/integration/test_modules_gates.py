@@ -1,5 +1,6 @@
-"""The per-module profile's C++ gates (``_fastread.cpp``), built here against a stub allocator
-(``CUDAMEM_STUB_ALLOCATOR``: counters set by hand, no CUDA headers) and run on CPU tensors.
+"""The per-module profile's C++ gates (``native/src/fastread/``), built here against a stub
+allocator (``CUDAMEM_STUB_ALLOCATOR``: counters set by hand, no CUDA headers) and run on CPU
+tensors.
 
 The same models are profiled twice through one fake device whose counters live in the stub:
 once with Python gates (spans opened and closed in the hooks) and once with C++ gates (a log
@@ -23,6 +24,7 @@ from torch import nn
 import cudamem
 from cudamem import _backend
 from cudamem import span as _span
+from cudamem.native import reader_build
 
 from ..benchmark_import import benchmark
 from ..fakes import FakeAllocator
@@ -40,9 +42,7 @@ def _build_stub(tmp_path_factory: pytest.TempPathFactory, name: str, *flags: str
         pytest.skip("needs a C++ compiler and ninja to build the C++ gates")
     import torch.utils.cpp_extension as cpp_extension
 
-    source = os.path.join(os.path.dirname(cudamem.__file__), "_fastread.cpp")
-    with open(source, encoding="utf-8") as fh:
-        text = fh.read()
+    text = reader_build.bundle()
     try:
         return cpp_extension.load_inline(  # type: ignore[no-untyped-call]
             name=name,
@@ -613,7 +613,7 @@ def test_a_full_log_drops_events_says_so_and_leaves_nothing_open(small_stub: Any
         small_stub.log_replay(owner, 0, True, False)
 
 
-# -- the forward hooks' fast path in C (``Forward`` in ``_fastread.cpp``) ---------------------
+# -- the forward hooks' fast path in C (``Forward`` in ``native/src/fastread/forward.cpp``) --
 
 
 def test_inner_calls_take_the_c_hooks_and_only_top_level_calls_reach_python(

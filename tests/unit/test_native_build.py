@@ -95,3 +95,35 @@ def test_the_reader_build_loads_by_path_in_a_fresh_process_as_the_build_does(
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_every_source_of_the_reader_names_its_build(tmp_path: Path) -> None:
+    """The reader's build is named by its one translation unit (``bundle``: every part, each
+    after a ``#line`` naming it), so a change of any part or of the header builds anew."""
+    folder = tmp_path / "fastread"
+    shutil.copytree(reader_build.SOURCE_DIR, folder)
+    assert sorted(cache.sources(str(folder))) == sorted(reader_build.ORDER)
+
+    def key() -> str:
+        return _fastread.cache_key(
+            torch_version="2.4",
+            cuda_version="12.4",
+            cxx11_abi=True,
+            source=reader_build.bundle(str(folder)),
+        )
+
+    first = key()
+    text = reader_build.bundle(str(folder))
+    assert text.startswith('#line 1 "fastread/fastread.h"')
+    assert '#include "fastread.h"\n' not in text
+    for name in reader_build.ORDER:
+        assert f'#line 1 "fastread/{name}"' in text
+        path = folder / name
+        saved = path.read_bytes()
+        path.write_bytes(saved + b"\n")
+        assert key() != first, f"a change of {name} keeps the reader's build name"
+        path.write_bytes(saved)
+    assert key() == first
+    (folder / "extra.hpp").write_text("// not in ORDER\n")
+    with pytest.raises(ValueError, match="the reader's sources are"):
+        reader_build.bundle(str(folder))
