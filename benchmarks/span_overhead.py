@@ -50,8 +50,8 @@ from _common import ConstantReader, cpu_and_gpu_ms, machine, matmul_step
 
 import cudamem
 from cudamem import _backend, _spancore
-from cudamem import span as _span
 from cudamem.render.text import render_table
+from cudamem.spans import span as _span
 
 CUDA = torch.cuda.is_available()
 #: Cycles of the spin kernel that holds the GPU back while the steps are queued.

@@ -65,8 +65,9 @@ def _stub_backend() -> Any:
 def _cases() -> tuple[dict[str, Callable[[], object]], dict[str, Callable[[int], float]]]:
     """(loop cases: one call = one unit; direct cases: ``f(n)`` -> µs per unit)."""
     import cudamem
-    from cudamem import _history
-    from cudamem import span as _span
+    from cudamem.spans import history as _history
+    from cudamem.spans import span as _span
+    from cudamem.spans import state as _spans_state
 
     leaks = importlib.import_module("cudamem.leaks")  # ``cudamem.leaks`` is also a function
     oom = importlib.import_module("cudamem.oom")
@@ -112,7 +113,7 @@ def _cases() -> tuple[dict[str, Callable[[], object]], dict[str, Callable[[int],
         with track("outer"), track("inner"):
             pass
 
-    saved_hooks = list(_span._exit_hooks)
+    saved_hooks = list(_spans_state._exit_hooks)
 
     loop: dict[str, Callable[[], object]] = {
         "bare function call": bare,
@@ -125,16 +126,16 @@ def _cases() -> tuple[dict[str, Callable[[], object]], dict[str, Callable[[int],
         "nested pair (2 spans)": nested,
     }
 
-    errors_only = set(_span._errors_only)
+    errors_only = set(_spans_state._errors_only)
     # The history's queue (absent before; a module global before the span state).
     state = getattr(_span, "STATE", _span)
     saved_sink = getattr(state, "finished_sink", getattr(_span, "_finished_sink", None))
 
     def without_hooks(n: int) -> float:
         for hook, _ in saved_hooks:
-            _span.remove_exit_hook(hook)
+            _spans_state.remove_exit_hook(hook)
         if saved_sink is not None:
-            _span.set_finished_sink(None)
+            _spans_state.set_finished_sink(None)
         try:
             t0 = now()
             for _ in range(n):
@@ -143,9 +144,11 @@ def _cases() -> tuple[dict[str, Callable[[], object]], dict[str, Callable[[int],
             return (now() - t0) / n / 1e3
         finally:
             for hook, propagate in saved_hooks:
-                _span.add_exit_hook(hook, propagate=propagate, errors_only=hook in errors_only)
+                _spans_state.add_exit_hook(
+                    hook, propagate=propagate, errors_only=hook in errors_only
+                )
             if saved_sink is not None:
-                _span.set_finished_sink(saved_sink)
+                _spans_state.set_finished_sink(saved_sink)
 
     def clock_pair(n: int) -> float:
         total = 0
@@ -192,7 +195,7 @@ def _cases() -> tuple[dict[str, Callable[[], object]], dict[str, Callable[[int],
 
     def history_queue(n: int) -> float:
         """What a top-level span's exit does for the history (``span._close`` inline)."""
-        queue, at, sink = _span.finished, _span.FINISHED_AT, saved_sink
+        queue, at, sink = _spans_state.finished, _spans_state.FINISHED_AT, saved_sink
         t0 = now()
         for _ in range(n):
             queue.append(raw)

@@ -5,7 +5,7 @@ Spans (``track``/``MemorySpan``) measure what code took and gave back per device
 graphs; ``explain``/``release`` reconcile nvidia-smi with PyTorch.
 
 This package exports what you call. The results those calls return are frozen values,
-importable from the modules that define them (``cudamem.span.SpanRecord``,
+importable from the modules that define them (``cudamem.spans.record.SpanRecord``,
 ``cudamem.census.Census``, ``cudamem.leaks.LeakReport``, ...): see the API reference.
 """
 
@@ -14,7 +14,6 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ._history import clear_history, history, set_history_size
 from .census import live_tensors, unaccounted
 from .diff import diff
 from .holders import find_graph_holders, who_holds
@@ -28,7 +27,8 @@ from .plan import plan
 from .release import release
 from .scalars import ScalarLogger, log_scalar
 from .snapshot import UnsafeSnapshotError, load_snapshot
-from .span import MemorySpan, StepSpan, max_allocated, track
+from .spans.history import clear_history, history, set_history_size
+from .spans.span import MemorySpan, StepSpan, max_allocated, track
 from .workers import HostMemoryWarning
 
 if TYPE_CHECKING:

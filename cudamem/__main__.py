@@ -163,7 +163,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     from ._present import present
     from .ledger import machine_status
     from .render.json import to_json
-    from .span import span_core_status
+    from .spans.span import span_core_status
 
     status = machine_status(pids=args.pid or ())
     reader = _backend.reader_status()

@@ -28,7 +28,8 @@ from .census import Census
 from .culprits import NO_HOLDER, group_culprits
 from .memviz import _LIVE, CONTAINER_KEY, HOLDER_FILENAME, NOTE_FILENAME
 from .snapshot import load_snapshot
-from .span import MemorySpan, SpanRecord
+from .spans.record import SpanRecord
+from .spans.span import MemorySpan
 
 __all__ = ["DiffEntry", "MemoryDiff", "diff"]
 

@@ -1,8 +1,5 @@
-"""What leak finding returns: a span's left-behind storages and a growth finding.
-
-Plain frozen values (``cudamem.leaks`` makes them; ``cudamem.render.leaks`` draws them),
-apart from the detector so that a span can name the type of ``span.leaks`` without
-importing the detector that hooks into it.
+"""What growth detection returns: ``Growth``, a repeated span's sustained rise and who
+holds it (``cudamem.render.leaks`` draws it). ``LeakReport`` is ``cudamem.spans.leftovers``'.
 """
 
 from __future__ import annotations
@@ -10,34 +7,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ._present import Presented, PresentedHtml
+from ._present import Presented
 
 if TYPE_CHECKING:
-    from .census import LiveStorage
     from .culprits import Culprit
 
-__all__ = ["Growth", "LeakReport"]
-
-
-@dataclass(frozen=True, slots=True)
-class LeakReport(PresentedHtml):
-    """Storages created during a span that were still alive after it, with holders."""
-
-    span: str
-    #: When the storages were checked: ``'at exit'`` or ``'now'``.
-    checked: str
-    count: int
-    nbytes: int
-    #: The largest ones (at most ``MAX_LISTED``); ``count``/``nbytes`` cover all.
-    storages: tuple[LiveStorage, ...]
-    culprits: tuple[Culprit, ...]
-    notes: tuple[str, ...] = ()
-
-    def __len__(self) -> int:
-        return self.count
-
-    def __bool__(self) -> bool:
-        return self.count > 0
+__all__ = ["Growth"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -59,12 +59,14 @@ from ._frames import is_library_file
 from ._present import Presented
 from .census import StorageSnapshot
 from .culprits import NO_HOLDER, Culprit, group_culprits, held_shapes
-from .leak_report import Growth, LeakReport
-from .span import MemorySpan, add_entry_hook, add_exit_hook
+from .leak_report import Growth
+from .spans.leftovers import LeakReport
+from .spans.span import MemorySpan
+from .spans.state import add_entry_hook, add_exit_hook
 
 if TYPE_CHECKING:
     from .census import LiveStorage
-    from .span import RawSpan
+    from .spans.raw import RawSpan
 
 __all__ = [
     "Culprit",

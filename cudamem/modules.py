@@ -78,7 +78,8 @@ from ._format import plural
 from ._module_bytes import StateBytes, state_bytes
 from ._present import PresentedHtml
 from .module_profile import ModuleProfile, RawModule, build_profile
-from .span import RawSpan, close_quiet, open_quiet
+from .spans.raw import RawSpan
+from .spans.span import close_quiet, open_quiet
 
 __all__ = ["ModuleProfiler", "track_modules"]
 

@@ -46,12 +46,13 @@ from .culprits import NO_HOLDER, Culprit, group_culprits
 from .fragmentation import FRAGMENTATION, headroom, judge_oom
 from .leaks import leak_settings
 from .snapshot import Frame, allocated_blocks, largest_free, segments_of, split_cache
-from .span import add_exit_hook
+from .spans.state import add_exit_hook
 
 if TYPE_CHECKING:
     from types import TracebackType
 
-    from .span import RawSpan, SpanRecord
+    from .spans.raw import RawSpan
+    from .spans.record import SpanRecord
 
 __all__ = [
     "OomEvent",

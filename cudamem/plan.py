@@ -53,7 +53,7 @@ from .memory_plan import (
 from .module_profile import ModuleProfile
 from .modules import track_modules
 from .oom import caught_oom
-from .span import close_quiet, open_quiet
+from .spans.span import close_quiet, open_quiet
 
 __all__ = ["plan"]
 

@@ -27,10 +27,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
-from . import _backend, _history, workers
+from . import _backend, workers
 from ._args import check_bool, check_int
 from ._frames import own_frame
-from ._history import History
 from ._present import Presented
 from .census import Census, listing_order, live_storages, live_tensors
 from .culprits import group_culprits
@@ -39,7 +38,10 @@ from .leaks import LeakWarning
 from .ledger import Explanation, explain
 from .modules import track_modules
 from .oom import OomReport, oom_report
-from .span import ExceptionInfo, StepSpan, max_allocated
+from .spans import history as _history
+from .spans.history import History
+from .spans.record import ExceptionInfo
+from .spans.span import StepSpan, max_allocated
 from .workers import HostMemoryWarning
 
 __all__ = ["RunReport", "ScriptError", "StepWatcher", "Unlisted", "run_script"]

@@ -19,7 +19,7 @@ class DeviceCounters(NamedTuple):
 
     ``peak_allocated`` is PyTorch's peak counter as read: the highest ``allocated`` since that
     device's peak was last reset (spans with ``peak=True`` reset it on entry), not the span's
-    own peak (see ``cudamem.span.DeviceSpan.peak``).
+    own peak (see ``cudamem.spans.record.DeviceSpan.peak``).
     """
 
     device: int

@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 
-from cudamem._history import History, SpanStats
 from cudamem._nvml import DeviceMemory, GpuProcess, NvmlDevice, NvmlStatus
 from cudamem.census import Census, LiveStorage, Unaccounted
 from cudamem.culprits import Culprit
@@ -24,7 +23,8 @@ from cudamem.release import DeviceRelease, ReleaseResult
 from cudamem.runner import RunReport
 from cudamem.scalars import LoggerStats, SeriesSummary
 from cudamem.snapshot import CacheSplit, PrivatePool
-from cudamem.span import DeviceSpan, ExceptionInfo, SpanRecord
+from cudamem.spans.history import History, SpanStats
+from cudamem.spans.record import DeviceSpan, ExceptionInfo, SpanRecord
 from cudamem.stats import AllocatorStats
 
 from .routes import split

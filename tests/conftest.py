@@ -15,8 +15,10 @@ import torch
 from _pytest.pytester import SysModulesSnapshot
 
 import cudamem
-from cudamem import _cext, _history, _spancore, _warn
-from cudamem import span as _span
+from cudamem import _cext, _spancore, _warn
+from cudamem.spans import history as _history
+from cudamem.spans import span as _span
+from cudamem.spans import state as _spans_state
 
 from . import own_process
 
@@ -205,7 +207,7 @@ def _clean_cudamem_state() -> Iterator[None]:
     growth detector that has seen no span (a test's rising spans arm it for their names;
     left armed, every later span of that name would be captured and judged)."""
     cudamem.clear_history()
-    _span._reset_state()
+    _spans_state._reset_state()
     _leaks._detector.reset()
     yield
     _leaks._detector.reset()
@@ -244,7 +246,8 @@ def python_edges() -> Iterator[list[str]]:
     """The calls of the Python open and close within the block, in order (``"open"``,
     ``"close"``): none for a span the compiled span core serves itself."""
     calls: list[str] = []
-    saved = _span.STATE.py_open, _span.STATE.py_close
+    state = _spans_state.STATE
+    saved = state.py_open, state.py_close
 
     def spy(edge: str, real: Any) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -253,8 +256,8 @@ def python_edges() -> Iterator[list[str]]:
 
         return call
 
-    _span.STATE.py_open, _span.STATE.py_close = spy("open", saved[0]), spy("close", saved[1])
+    state.py_open, state.py_close = spy("open", saved[0]), spy("close", saved[1])
     try:
         yield calls
     finally:
-        _span.STATE.py_open, _span.STATE.py_close = saved
+        state.py_open, state.py_close = saved

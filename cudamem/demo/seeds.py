@@ -31,7 +31,7 @@ from ..host import to_host
 from ..modules import track_modules
 from ..release import release
 from ..scalars import ScalarLogger
-from ..span import MemorySpan, track
+from ..spans.span import MemorySpan, track
 
 __all__ = ["Check", "Experiment", "experiments", "run_demo"]
 

@@ -7,11 +7,12 @@ import socket
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .. import _backend, _history, _nvml
+from .. import _backend, _nvml
 from ..leaks import _detector as detector
 from ..leaks import theil_sen
 from ..ledger import LedgerLine, explain
-from ..span import max_allocated
+from ..spans import history as _history
+from ..spans.span import max_allocated
 from ..stats import device_name
 from ._results import (
     CONTEXT_ESTIMATE,

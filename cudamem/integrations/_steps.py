@@ -39,7 +39,7 @@ from .. import _backend
 from .._args import check_bool, check_int
 from ..leaks import add_growth_hook, leak_settings, remove_growth_hook
 from ..modules import ModuleProfiler, track_modules
-from ..span import MemorySpan, StepSpan
+from ..spans.span import MemorySpan, StepSpan
 from ._cpu import CpuStorageBackend
 from ._host import HOST_METRICS, HostMeter
 

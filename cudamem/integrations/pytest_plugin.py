@@ -31,7 +31,7 @@ import pytest
 
 from .. import _backend
 from ..census import LiveStorage, StorageSnapshot, live_refs
-from ..span import StepSpan
+from ..spans.span import StepSpan
 from .results import MemoryCheck
 
 __all__ = [

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from .._format import format_bytes, format_duration, plural
-from .._history import History
 from .._present import renders
+from ..spans.history import History
 from .text import render_table
 
 __all__ = ["render_history"]

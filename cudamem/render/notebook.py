@@ -14,9 +14,10 @@ from .._format import escape_html, format_bytes, format_duration, plural
 from .._present import renders
 from ..holders import Holders
 from ..integrations.results import NotebookHolders
-from ..leak_report import LeakReport
 from ..ledger import DeviceLedger, Explanation
-from ..span import MemorySpan, SpanRecord
+from ..spans.leftovers import LeakReport
+from ..spans.record import SpanRecord
+from ..spans.span import MemorySpan
 from .fragmentation import fragmentation_html
 from .holders import render_holder
 from .host import render_host_ledger

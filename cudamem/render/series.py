@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from .._format import plural
 
 if TYPE_CHECKING:
-    from ..span import SpanRecord
+    from ..spans.record import SpanRecord
 
 __all__ = ["Point", "nothing_to_plot", "points"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .._format import format_bytes, format_duration
 from .._present import renders
-from ..span import DeviceSpan, ExceptionInfo, SpanRecord
+from ..spans.record import DeviceSpan, ExceptionInfo, SpanRecord
 from ..stats import AllocatorStats, device_name
 
 __all__ = [

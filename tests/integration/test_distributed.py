@@ -22,7 +22,7 @@ import torch
 
 import cudamem
 import cudamem.distributed as cdist
-from cudamem import _history, _nvml
+from cudamem import _nvml
 from cudamem._data import to_data
 from cudamem.distributed import (
     HostGpu,
@@ -40,6 +40,7 @@ from cudamem.distributed._results import absent_row
 from cudamem.ledger import LedgerLine
 from cudamem.render.distributed import render_distributed
 from cudamem.render.json import to_json
+from cudamem.spans import history as _history
 
 MiB = 1024**2
 ROOT = Path(__file__).resolve().parents[2]

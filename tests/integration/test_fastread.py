@@ -645,7 +645,7 @@ def test_status_values_and_json() -> None:
 
 def test_status_command_names_the_reader(capsys: pytest.CaptureFixture[str]) -> None:
     from cudamem import _cext, _heapscan, _nvml
-    from cudamem.span import span_core_status
+    from cudamem.spans.span import span_core_status
 
     from ..nvml_fakes import FakeGpu, make_nvml
 

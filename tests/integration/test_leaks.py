@@ -25,7 +25,6 @@ import torch
 
 import cudamem
 from cudamem import _backend, census
-from cudamem import span as _span
 from cudamem._data import to_data
 from cudamem.census import LiveStorage
 from cudamem.culprits import NO_HOLDER, Culprit, group_culprits
@@ -38,6 +37,7 @@ from cudamem.leaks import (
     theil_sen,
 )
 from cudamem.render.json import to_json
+from cudamem.spans import state as _spans_state
 
 from ..fakes import FakeAllocator, leak_detection, leak_warnings
 from ..routes import split
@@ -617,12 +617,12 @@ def test_decorated_function_passes_leaks(fake: CpuFake) -> None:
     def fn() -> None:
         outputs.append(torch.zeros(256))
 
-    _span.add_exit_hook(grab)
+    _spans_state.add_exit_hook(grab)
     try:
         fn()
         fn()
     finally:
-        _span.remove_exit_hook(grab)
+        _spans_state.remove_exit_hook(grab)
     assert len(outputs) == 2 and len(reports) == 2
     for report in reports:
         assert report is not None, "the decorated call's span took no leak capture"

@@ -23,8 +23,8 @@ from torch import nn
 
 import cudamem
 from cudamem import _backend
-from cudamem import span as _span
 from cudamem.native import reader_build
+from cudamem.spans import state as _spans_state
 
 from ..benchmark_import import benchmark
 from ..fakes import FakeAllocator
@@ -358,7 +358,7 @@ def test_a_failed_backward_drops_the_open_calls_and_leaves_no_span_open(stub: An
             with pytest.raises(RuntimeError, match="backward failed"):
                 model(x).sum().backward()
             model(x)  # the next forward replays what the failed pass logged
-        assert _span._open_peak == {}
+        assert _spans_state._open_peak == {}
     p = prof.profile
     assert p.module("Failing.second").backward_calls.max == 1  # finished before the failure
     assert p.module("Failing").backward_calls.max == 0  # never finished: not recorded

@@ -13,13 +13,14 @@ DOCUMENTED = set(re.findall(r"^::: (cudamem[\w.]*)$", API, flags=re.M))
 
 #: Result types, each in the module that defines it (imported there, documented there).
 RESULTS = {
-    "span": ("SpanRecord", "DeviceSpan", "ExceptionInfo"),
-    "_history": ("History", "SpanStats"),
+    "spans.record": ("SpanRecord", "DeviceSpan", "ExceptionInfo"),
+    "spans.history": ("History", "SpanStats"),
     "stats": ("AllocatorStats", "DeviceCounters"),
     "holders": ("Holders", "Holder", "GraphHolders", "GraphHolder"),
     "census": ("Census", "LiveStorage", "Unaccounted"),
     "culprits": ("Culprit",),
-    "leak_report": ("LeakReport", "Growth"),
+    "spans.leftovers": ("LeakReport",),
+    "leak_report": ("Growth",),
     "leaks": ("LeakSettings",),
     "oom": ("OomReport", "OomEvent", "OomGuard"),
     "ledger": ("Explanation", "DeviceLedger", "LedgerLine", "MachineStatus", "StatusLine"),

@@ -32,7 +32,7 @@ PACKAGE = Path(cudamem.__file__).resolve().parent
 OWN_TEXT = {
     # A live span, not a result: "open" or "not entered" (its private state), else its
     # record's text, which is present()'s.
-    "cudamem.span.MemorySpan.__str__",
+    "cudamem.spans.span.MemorySpan.__str__",
     # A path's text is the path itself (holder_path.py's structure), not a rendering.
     "cudamem.holder_path.HolderPath.__str__",
 }
@@ -128,7 +128,7 @@ def test_import_cudamem_loads_no_renderer() -> None:
         """
     )
     loaded = json.loads(out)
-    assert "cudamem" in loaded and "cudamem.span" in loaded
+    assert "cudamem" in loaded and "cudamem.spans.span" in loaded
     assert [m for m in loaded if m.startswith("cudamem.render")] == []
     # The front ends the renderers import come with them, not with cudamem.
     assert "cudamem.runner" not in loaded

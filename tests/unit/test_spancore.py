@@ -14,15 +14,18 @@ import sysconfig
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from types import ModuleType
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 import cudamem
 from cudamem import _backend, _cext, _fastread, _spancore
-from cudamem import span as _span
 from cudamem._data import to_data
+from cudamem.spans import python_path as _spans_python_path
+from cudamem.spans import raw as _spans_raw
+from cudamem.spans import span as _span
+from cudamem.spans import state as _spans_state
 
 from ..conftest import compiled_span_core, python_edges
 from ..fakes import FakeAllocator
@@ -134,7 +137,8 @@ def _run(code: str, **env: str) -> str:
 
 SWITCH = """
 import cudamem
-from cudamem import _backend, _spancore, span
+from cudamem import _backend, _spancore
+from cudamem.spans import span
 from tests.fakes import FakeAllocator
 with _backend.use(FakeAllocator()):
     with cudamem.track("first"):
@@ -163,18 +167,37 @@ def test_the_spans_after_the_build_open_and_close_through_the_core() -> None:
 # -- one core state per span module ----------------------------------------------------
 
 
+def _machinery(package: str) -> SimpleNamespace:
+    """The span machinery of ``package`` (``cudamem.spans`` or a copy) as one namespace: its
+    span, state and raw modules' names."""
+    names = SimpleNamespace()
+    for leaf in ("raw", "state", "span"):
+        module = importlib.import_module(f"{package}.{leaf}")
+        names.__dict__.update({k: v for k, v in vars(module).items() if not k.startswith("__")})
+    return names
+
+
 @pytest.fixture
-def second_span(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    """A second ``cudamem.span`` in this process, as ``importlib.reload``, an autoreload or
-    an in-process pytester run makes one: span.py executed again into a module of its own
-    (registered under another name for the test, then forgotten)."""
-    name = "cudamem._span_second"
-    spec = importlib.util.spec_from_file_location(name, _span.__file__)
+def second_span() -> Iterator[SimpleNamespace]:
+    """A second span machinery in this process, as ``importlib.reload``, an autoreload or an
+    in-process pytester run makes one: the whole ``cudamem.spans`` package executed again
+    under another name (registered for the test, then forgotten)."""
+    name = "cudamem._spans_second"
+    folder = os.path.dirname(_span.__file__)
+    spec = importlib.util.spec_from_file_location(
+        name, os.path.join(folder, "__init__.py"), submodule_search_locations=[folder]
+    )
     assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, name, module)
-    spec.loader.exec_module(module)
-    return module
+    package = importlib.util.module_from_spec(spec)
+    sys.modules[name] = package
+    try:
+        spec.loader.exec_module(package)
+        machinery = _machinery(name)
+        assert machinery.MemorySpan is not _span.MemorySpan
+        yield machinery
+    finally:
+        for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
+            del sys.modules[key]
 
 
 def _spy(calls: list[str], edge: str, real: Callable[..., Any]) -> Callable[..., Any]:
@@ -186,13 +209,13 @@ def _spy(calls: list[str], edge: str, real: Callable[..., Any]) -> Callable[...,
 
 
 def test_two_span_modules_in_one_process_each_keep_their_own_core(
-    second_span: ModuleType, monkeypatch: pytest.MonkeyPatch
+    second_span: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Each span module's spans open and close in C with that module's types, stack, hooks
     and finished queue, and the first module's spans keep all of them after the core is
     initialised for the second."""
     module = compiled_span_core()
-    first = _span
+    first = _machinery("cudamem.spans")
     seen: dict[str, list[Any]] = {"first": [], "second": []}
     for span_module, key in ((first, "first"), (second_span, "second")):
         monkeypatch.setattr(span_module.STATE, "finished_sink", lambda: None)
@@ -255,7 +278,7 @@ def test_a_state_outlives_its_owner_and_is_collected_in_a_cycle() -> None:
     with _backend.use(FakeAllocator()):
         raw = open_("kept", None, False, False, False, False, False, hooks=False)
         close(raw, None, hooks=False)
-    assert type(raw) is _span.RawSpan and raw.closed and raw.alloc_delta == 0
+    assert type(raw) is _spans_raw.RawSpan and raw.closed and raw.alloc_delta == 0
 
     class Marker:
         pass
@@ -263,7 +286,7 @@ def test_a_state_outlives_its_owner_and_is_collected_in_a_cycle() -> None:
     # A state kept only by a container of its own table, which holds the state.
     table = list(_span._core_table())
     open_peak: dict[Any, Any] = {}
-    table[next(i for i, x in enumerate(table) if x is _span._open_peak)] = open_peak
+    table[next(i for i, x in enumerate(table) if x is _spans_state._open_peak)] = open_peak
     open_peak["marker"] = marker = Marker()
     gone = weakref.ref(marker)
     open_peak["state"] = module.init(tuple(table))
@@ -304,7 +327,7 @@ def test_the_state_s_span_methods_hand_any_other_call_to_python(
             exit_(None)
         exit_(None, None, None)
     assert span.closed and span.allocated_delta == MiB
-    assert other.closed and _span._top.get() is None
+    assert other.closed and _spans_state._top.get() is None
 
 
 # -- the same spans ------------------------------------------------------------------
@@ -369,7 +392,7 @@ def _decorated(fake: FakeAllocator) -> list[Any]:
 
 def _many_children(fake: FakeAllocator) -> list[Any]:
     with cudamem.track("parent") as parent:
-        for _ in range(_span.MAX_CHILDREN + 3):
+        for _ in range(_spans_state.MAX_CHILDREN + 3):
             with cudamem.track("child"):
                 fake.alloc(1)
     return [parent]
@@ -384,7 +407,7 @@ def _named_device(fake: FakeAllocator) -> list[Any]:
 
 
 def _history(fake: FakeAllocator) -> list[Any]:
-    for i in range(_span.FINISHED_AT + 5):
+    for i in range(_spans_state.FINISHED_AT + 5):
         with cudamem.track("loop"):
             fake.alloc(i % 3)
     return [cudamem.history()]
@@ -401,7 +424,7 @@ def test_the_core_makes_the_spans_python_makes(
     for compiled in (False, True):
         paths(compiled)
         cudamem.clear_history()
-        _span._reset_state()
+        _spans_state._reset_state()
         fake = FakeAllocator(devices=1)
         with _backend.use(fake):
             results = scenario(fake)
@@ -475,7 +498,7 @@ def test_a_hook_that_interrupts_propagates_and_the_next_span_is_clean(
         if raw.name == "stop":
             raise KeyboardInterrupt
 
-    _span.add_exit_hook(interrupt)
+    _spans_state.add_exit_hook(interrupt)
     try:
         with _backend.use(FakeAllocator()):
             with pytest.raises(KeyboardInterrupt), cudamem.track("stop"):
@@ -483,9 +506,9 @@ def test_a_hook_that_interrupts_propagates_and_the_next_span_is_clean(
             with cudamem.track("after") as after:
                 pass
     finally:
-        _span.remove_exit_hook(interrupt)
+        _spans_state.remove_exit_hook(interrupt)
     assert after.closed and after.allocated_delta == 0
-    assert _span._top.get() is None
+    assert _spans_state._top.get() is None
 
 
 def test_threads_open_and_close_through_the_core_without_losing_a_peak(
@@ -513,7 +536,7 @@ def test_threads_open_and_close_through_the_core_without_losing_a_peak(
         for t in threads:
             t.join()
     assert peaks == [5 * MiB] * 800
-    assert _span._open_peak == {}
+    assert _spans_state._open_peak == {}
 
 
 def test_the_history_folds_a_batch_in_c_to_pythons_figures(
@@ -521,7 +544,7 @@ def test_the_history_folds_a_batch_in_c_to_pythons_figures(
 ) -> None:
     """A batch of the same name with errors, unmeasured spans, spans without a peak and
     large values: the compiled fold and the Python fold give the same aggregates."""
-    from cudamem import _history
+    from cudamem.spans import history as _history
 
     paths(True)
     fake = FakeAllocator(devices=1)
@@ -537,8 +560,8 @@ def test_the_history_folds_a_batch_in_c_to_pythons_figures(
             except ValueError:
                 pass
             spans.append(span._raw)
-    spans.append(_span._py_open("unmeasured", None, False, False, False, False, False))
-    _span._py_close(spans[-1], None)  # settled devices, so measured; drop its after:
+    spans.append(_spans_python_path._py_open("unmeasured", None, False, False, False, False, False))
+    _spans_python_path._py_close(spans[-1], None)  # settled devices, so measured; drop its after:
     spans[-1].after = ()
     compiled, python = _history._Aggregate(), _history._Aggregate()
     assert core.columns(spans) is not None
@@ -553,10 +576,10 @@ def test_the_compiled_fold_refuses_what_it_does_not_read(core: Any) -> None:
     assert core.columns([]) is None
     assert core.columns([object()]) is None
     assert core.columns(("not", "a list")) is None
-    raw = _span._py_open("x", None, False, False, False, False, False, hooks=False)
+    raw = _spans_python_path._py_open("x", None, False, False, False, False, False, hooks=False)
     # Open, never closed: its exit fields are unset.
     assert core.columns([raw]) is None
-    _span._py_close(raw, None, hooks=False)
+    _spans_python_path._py_close(raw, None, hooks=False)
     assert core.columns([raw]) is not None
     raw.alloc_delta = 2**70  # past 64 bits: Python's ints fold it
     assert core.columns([raw]) is None

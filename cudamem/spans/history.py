@@ -4,7 +4,7 @@ A decorated function called a million times must not grow memory: the ring keeps
 ``maxlen`` spans and the aggregates are a fixed handful of numbers per distinct name (at
 most ``MAX_NAMES`` names; the rest are pooled under ``'<other>'``).
 
-The history takes the top-level spans from ``span.finished``, the queue a span's exit
+The history takes the top-level spans from ``state.finished``, the queue a span's exit
 appends to (a ``deque``: atomic, no lock, no call). Every ``DRAIN_AT`` spans, and whenever
 the history is read, that queue is drained under the lock into the ring and the aggregates
 (O(1) per span, from the span's raw integers). ``SpanRecord`` objects are built only when
@@ -18,11 +18,13 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
+from .._present import Presented
 from . import span as _span
-from ._present import Presented
+from .state import FINISHED_AT, finished, set_finished_sink
 
 if TYPE_CHECKING:
-    from .span import RawSpan, SpanRecord
+    from .raw import RawSpan
+    from .record import SpanRecord
 
 __all__ = ["History", "SpanStats", "clear_history", "history", "set_history_size"]
 
@@ -30,7 +32,7 @@ DEFAULT_SIZE = 1000
 MAX_NAMES = 1000
 OTHER = "<other>"
 #: Spans waiting in the inbox before the exiting thread drains it.
-DRAIN_AT = _span.FINISHED_AT
+DRAIN_AT = FINISHED_AT
 
 #: Spans of one name from which a drain folds them column by column (``_Aggregate.add``).
 _BATCH_FROM = 12
@@ -209,8 +211,8 @@ class History(Presented):
 class _Ring:
     def __init__(self, maxlen: int) -> None:
         self.lock = threading.Lock()
-        #: The spans' queue of finished top-level spans (``span.finished``).
-        self.inbox: deque[RawSpan] = _span.finished
+        #: The spans' queue of finished top-level spans (``state.finished``).
+        self.inbox: deque[RawSpan] = finished
         self.records: deque[RawSpan] = deque(maxlen=maxlen)
         self.aggregates: dict[str, _Aggregate] = {}
         self.total = 0
@@ -291,4 +293,4 @@ def set_history_size(maxlen: int) -> None:
         _ring.records = deque(_ring.records, maxlen=maxlen)
 
 
-_span.set_finished_sink(_drain_soon)
+set_finished_sink(_drain_soon)
