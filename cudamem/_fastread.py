@@ -96,7 +96,7 @@ _FINAL = frozenset({ACTIVE, DISABLED, UNSUPPORTED, FAILED, DROPPED})
 
 
 #: The module of cudamem's renderer registry, looked up (never imported) by ``__str__``.
-_REGISTRY = "cudamem._present"
+_REGISTRY = "cudamem.base.present"
 
 
 class Reader(Protocol):

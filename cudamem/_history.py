@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 from . import span as _span
-from ._present import Presented
+from .base.present import Presented
 
 if TYPE_CHECKING:
     from .span import RawSpan, SpanRecord

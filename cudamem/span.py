@@ -38,14 +38,15 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, cast, overlo
 
 from typing_extensions import ParamSpec
 
-from . import _backend, _spancore
-from ._backend import Counters
+from . import _spancore
 from ._cext import ExtensionStatus
-from ._data import to_data
-from ._device_arg import DeviceLike, resolve_device
-from ._present import Presented, PresentedHtml
-from ._warn import warn_once
-from .stats import DeviceCounters, device_name
+from .allocator import backend as _backend
+from .allocator.backend import Counters
+from .allocator.device_arg import DeviceLike, resolve_device
+from .allocator.stats import DeviceCounters, device_name
+from .base.data import to_data
+from .base.present import Presented, PresentedHtml
+from .base.warn import warn_once
 
 if TYPE_CHECKING:
     from .leak_report import LeakReport

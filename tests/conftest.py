@@ -15,13 +15,14 @@ import torch
 from _pytest.pytester import SysModulesSnapshot
 
 import cudamem
-from cudamem import _cext, _history, _spancore, _warn
+from cudamem import _cext, _history, _spancore
 from cudamem import span as _span
+from cudamem.base import warn as _warn
 
 from . import own_process
 
 #: The module (``cudamem.leaks`` is also the package's function of that name).
-_leaks = importlib.import_module("cudamem.leaks")
+_leaks = importlib.import_module("cudamem.growth.detector")
 
 
 def _has_cuda() -> bool:

@@ -462,7 +462,7 @@ def _reset_cudamem() -> None:
     from cudamem import _history
     from cudamem import span as _span
 
-    leaks: Any = importlib.import_module("cudamem.leaks")
+    leaks: Any = importlib.import_module("cudamem.growth.detector")
     cudamem.configure_leaks()
     leaks._detector.reset()
     _span._reset_state()

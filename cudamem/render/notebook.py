@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .._format import escape_html, format_bytes, format_duration, plural
-from .._present import renders
-from ..holders import Holders
+from ..base.format import escape_html, format_bytes, format_duration, plural
+from ..base.present import renders
+from ..holders.finder import Holders
 from ..integrations.results import NotebookHolders
 from ..leak_report import LeakReport
-from ..ledger import DeviceLedger, Explanation
+from ..ledger.device import DeviceLedger, Explanation
 from ..span import MemorySpan, SpanRecord
 from .fragmentation import fragmentation_html
 from .holders import render_holder

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from .._format import plural
 from .._history import History, history
+from ..base.format import plural
 from .series import nothing_to_plot, points
 
 __all__ = ["plot"]

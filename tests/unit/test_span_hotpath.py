@@ -12,8 +12,9 @@ from collections.abc import Iterator
 import pytest
 
 import cudamem
-from cudamem import _backend, _history
+from cudamem import _history
 from cudamem import span as _span
+from cudamem.allocator import backend as _backend
 from cudamem.span import RawSpan, add_exit_hook, remove_exit_hook
 
 from ..fakes import FakeAllocator
@@ -211,7 +212,7 @@ def test_errors_only_exit_hooks_run_for_spans_that_raised(fake: FakeAllocator) -
 
 
 def test_the_oom_hook_is_skipped_only_for_spans_that_did_not_raise() -> None:
-    oom = sys.modules["cudamem.oom"]
+    oom = sys.modules["cudamem.ledger.oom"]
     assert oom._on_span_exit in _span._exit_calls
     assert oom._on_span_exit not in _span._exit_calls_ok
     assert _span._exit_calls_ok == tuple(h for h in _span._exit_calls if h is not oom._on_span_exit)

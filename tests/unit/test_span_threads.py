@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import pytest
 
 import cudamem
-from cudamem import _backend
 from cudamem import span as _span
+from cudamem.allocator import backend as _backend
 
 from ..fakes import FakeAllocator
 

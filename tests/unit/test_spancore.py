@@ -20,9 +20,10 @@ from typing import Any
 import pytest
 
 import cudamem
-from cudamem import _backend, _cext, _fastread, _spancore
+from cudamem import _cext, _fastread, _spancore
 from cudamem import span as _span
-from cudamem._data import to_data
+from cudamem.allocator import backend as _backend
+from cudamem.base.data import to_data
 
 from ..conftest import compiled_span_core, python_edges
 from ..fakes import FakeAllocator
@@ -130,7 +131,8 @@ def _run(code: str, **env: str) -> str:
 
 SWITCH = """
 import cudamem
-from cudamem import _backend, _spancore, span
+from cudamem.allocator import backend as _backend
+from cudamem import _spancore, span
 from tests.fakes import FakeAllocator
 with _backend.use(FakeAllocator()):
     with cudamem.track("first"):
