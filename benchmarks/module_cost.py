@@ -52,8 +52,8 @@ import _modules_before as before  # noqa: E402
 from _common import ConstantReader, machine  # noqa: E402
 
 import cudamem  # noqa: E402
-from cudamem import _backend  # noqa: E402
-from cudamem import modules as after  # noqa: E402
+from cudamem.allocator import backend as _backend  # noqa: E402
+from cudamem.modules import profiler as after  # noqa: E402
 from cudamem.render.text import render_table  # noqa: E402
 from cudamem.spans import span  # noqa: E402
 from cudamem.spans import state as _spans_state  # noqa: E402

@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from module_profile import DEVICE, _sync, ready_paths
 
 import cudamem
-from cudamem import _backend
+from cudamem.allocator import backend as _backend
 
 CALLS_PER_READING = 20_000
 CHAIN_NODES = 400

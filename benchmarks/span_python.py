@@ -46,7 +46,7 @@ ROOT = os.path.dirname(HERE)
 
 def _stub_backend() -> Any:
     """The real ``TorchBackend`` with one device that has a context and a stub C++ reader."""
-    from cudamem import _backend
+    from cudamem.allocator import backend as _backend
 
     backend = _backend.TorchBackend()
     counters = {0: (1 << 20, 2 << 20, 1 << 20)}.__getitem__
@@ -69,8 +69,10 @@ def _cases() -> tuple[dict[str, Callable[[], object]], dict[str, Callable[[int],
     from cudamem.spans import span as _span
     from cudamem.spans import state as _spans_state
 
-    leaks = importlib.import_module("cudamem.leaks")  # ``cudamem.leaks`` is also a function
-    oom = importlib.import_module("cudamem.oom")
+    leaks = importlib.import_module(
+        "cudamem.growth.detector"
+    )  # ``cudamem.leaks`` is also a function
+    oom = importlib.import_module("cudamem.ledger.oom")
 
     track, memory_span = cudamem.track, cudamem.MemorySpan
     counters = _backend_now().counters
@@ -237,7 +239,7 @@ _clock = [0.0]
 
 
 def _backend_now() -> Any:
-    from cudamem import _backend
+    from cudamem.allocator import backend as _backend
 
     return _backend.get()
 
@@ -245,7 +247,7 @@ def _backend_now() -> Any:
 def measure(rounds: int, per_round: int) -> dict[str, list[float]]:
     """µs per unit of every case, ``rounds`` interleaved rounds of ``per_round`` units."""
     import cudamem
-    from cudamem import _backend
+    from cudamem.allocator import backend as _backend
 
     with _backend.use(_stub_backend()):
         loop, direct = _cases()

@@ -113,7 +113,7 @@ _FINAL = FINAL
 
 
 #: The module of cudamem's renderer registry, looked up (never imported) by ``__str__``.
-_REGISTRY = "cudamem._present"
+_REGISTRY = "cudamem.base.present"
 
 
 class Reader(Protocol):

@@ -15,7 +15,8 @@ import torch
 from _pytest.pytester import SysModulesSnapshot
 
 import cudamem
-from cudamem import _cext, _spancore, _warn
+from cudamem import _cext, _spancore
+from cudamem.base import warn as _warn
 from cudamem.spans import history as _history
 from cudamem.spans import span as _span
 from cudamem.spans import state as _spans_state
@@ -23,7 +24,7 @@ from cudamem.spans import state as _spans_state
 from . import own_process
 
 #: The module (``cudamem.leaks`` is also the package's function of that name).
-_leaks = importlib.import_module("cudamem.leaks")
+_leaks = importlib.import_module("cudamem.growth.detector")
 
 
 def _has_cuda() -> bool:

@@ -462,7 +462,7 @@ def _reset_cudamem() -> None:
     from cudamem.spans import history as _history
     from cudamem.spans import state as _spans_state
 
-    leaks: Any = importlib.import_module("cudamem.leaks")
+    leaks: Any = importlib.import_module("cudamem.growth.detector")
     cudamem.configure_leaks()
     leaks._detector.reset()
     _spans_state._reset_state()

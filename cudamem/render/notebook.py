@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .._format import escape_html, format_bytes, format_duration, plural
-from .._present import renders
-from ..holders import Holders
+from ..base.format import escape_html, format_bytes, format_duration, plural
+from ..base.present import renders
+from ..holders.finder import Holders
 from ..integrations.results import NotebookHolders
-from ..ledger import DeviceLedger, Explanation
+from ..ledger.device import DeviceLedger, Explanation
 from ..spans.leftovers import LeakReport
 from ..spans.record import SpanRecord
 from ..spans.span import MemorySpan

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from .._format import plural
+from ..base.format import plural
 from ..spans.history import History, history
 from .series import nothing_to_plot, points
 

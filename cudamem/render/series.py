@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .._format import plural
+from ..base.format import plural
 
 if TYPE_CHECKING:
     from ..spans.record import SpanRecord

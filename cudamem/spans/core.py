@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from .. import _backend
+from ..allocator import backend as _backend
 from .python_path import (
     _close_failed,
     _drain_finished,

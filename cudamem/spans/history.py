@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
-from .._present import Presented
+from ..base.present import Presented
 from . import span as _span
 from .state import FINISHED_AT, finished, set_finished_sink
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .._present import PresentedHtml
+from ..base.present import PresentedHtml
 
 if TYPE_CHECKING:
-    from ..census import LiveStorage
-    from ..culprits import Culprit
+    from ..holders.census import LiveStorage
+    from ..holders.culprits import Culprit
 
 __all__ = ["LeakReport"]
 

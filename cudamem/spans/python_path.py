@@ -10,8 +10,8 @@ import threading
 import time
 from typing import Any
 
-from .. import _backend
-from .._warn import warn_once
+from ..allocator import backend as _backend
+from ..base.warn import warn_once
 from .raw import _NOTHING, RawSpan
 from .raw import now_ns as _now_ns
 from .record import ExceptionInfo

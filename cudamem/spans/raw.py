@@ -7,11 +7,11 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from ..stats import DeviceCounters
+from ..allocator.stats import DeviceCounters
 from .record import DeviceSpan, SpanRecord
 
 if TYPE_CHECKING:
-    from .._backend import Counters
+    from ..allocator.backend import Counters
     from .record import ExceptionInfo
 
 __all__ = ["RawSpan", "now_ns"]

@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from .._device_arg import DeviceLike, resolve_device
-from .._present import Presented, PresentedHtml
-from ..stats import DeviceCounters, device_name
+from ..allocator.device_arg import DeviceLike, resolve_device
+from ..allocator.stats import DeviceCounters, device_name
+from ..base.present import Presented, PresentedHtml
 
 __all__ = ["DeviceSpan", "ExceptionInfo", "SpanRecord"]
 

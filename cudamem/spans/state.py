@@ -16,7 +16,7 @@ from collections.abc import Callable
 from contextvars import ContextVar
 from typing import Any, Protocol
 
-from .._warn import warn_once
+from ..base.warn import warn_once
 from .raw import RawSpan
 
 __all__ = [

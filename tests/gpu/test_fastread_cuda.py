@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from cudamem import _backend, _fastread
+from cudamem import _fastread
 from cudamem._fastread import FastReader, Reader
+from cudamem.allocator import backend as _backend
 
 pytestmark = pytest.mark.cuda
 ROOT = Path(__file__).resolve().parents[2]
@@ -133,7 +134,7 @@ def _run(code: str, cache: Path, **env: str) -> subprocess.CompletedProcess[str]
 
 _BACKGROUND = """
     import torch, cudamem
-    from cudamem import _backend
+    from cudamem.allocator import backend as _backend
     x = torch.ones(1 << 20, device="cuda:0")
     b = _backend.get()
     first = b.counters(0)

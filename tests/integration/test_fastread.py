@@ -23,9 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from cudamem import _backend, _fastread
-from cudamem.__main__ import main
-from cudamem._data import to_data
+from cudamem import _fastread
 from cudamem._fastread import (
     BuildSpec,
     FastReader,
@@ -33,7 +31,10 @@ from cudamem._fastread import (
     ReaderUnavailable,
     cache_key,
 )
-from cudamem._present import present
+from cudamem.allocator import backend as _backend
+from cudamem.base.data import to_data
+from cudamem.base.present import present
+from cudamem.cli.commands import main
 from cudamem.native import reader_build
 
 from ..fakes import FakeAllocator
@@ -644,7 +645,8 @@ def test_status_values_and_json() -> None:
 
 
 def test_status_command_names_the_reader(capsys: pytest.CaptureFixture[str]) -> None:
-    from cudamem import _cext, _heapscan, _nvml
+    from cudamem import _cext, _heapscan
+    from cudamem.ledger import nvml as _nvml
     from cudamem.spans.span import span_core_status
 
     from ..nvml_fakes import FakeGpu, make_nvml
@@ -702,7 +704,7 @@ def test_import_cudamem_compiles_nothing_and_starts_no_thread() -> None:
         import torch
         before = {t.ident for t in threading.enumerate()}
         import cudamem
-        from cudamem import _backend
+        from cudamem.allocator import backend as _backend
         with cudamem.track("step"):
             x = torch.ones(4)
         assert _backend.get().counters(0) == (0, 0, 0) or torch.cuda.is_initialized()

@@ -149,7 +149,7 @@ def test_module_dicts_names_each_module_dict_once(compiled: Any) -> None:
     assert compiled.module_dicts(modules) == {id(vars(plain)): "cm_plain", id(vars(sub)): "cm_sub"}
     with pytest.raises(TypeError, match="must be a dict"):
         compiled.module_dicts([plain])
-    search = cudamem._search.Search.__new__(cudamem._search.Search)
+    search = cudamem.holders._search.Search.__new__(cudamem.holders._search.Search)
     fast = search._module_dicts()
     with _heapscan.python_pass():
         assert search._module_dicts() == fast
@@ -354,7 +354,7 @@ def test_no_compiler_leaves_the_python_pass(tmp_path: Path) -> None:
 
 
 def test_all_tensors_are_the_same_objects_in_the_same_order(compiled: Any) -> None:
-    from cudamem import _autograd
+    from cudamem.holders import _autograd
 
     keep = [torch.ones(i + 1) for i in range(50)] + [torch.nn.Parameter(torch.ones(2))]
     gc.collect()
@@ -505,7 +505,7 @@ def test_gc_order_lists_the_snapshot_as_gc_get_objects_does(compiled: Any) -> No
     ranges: list[tuple[int, int]] = []
     heap = _heap.snapshot(ranges)
     assert sum(end - start for start, end in ranges) == len(heap)
-    from cudamem import _autograd
+    from cudamem.holders import _autograd
 
     assert [id(t) for t in _autograd.all_tensors(heap, ranges)] == [
         id(t) for t in _autograd.all_tensors()

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 import cudamem
-from cudamem import _backend
+from cudamem.allocator import backend as _backend
 from cudamem.native import reader_build
 from cudamem.spans import state as _spans_state
 
@@ -414,7 +414,7 @@ def test_one_cpp_gate_per_node_and_nothing_python_on_the_nodes(stub: Any) -> Non
         model(x).sum().backward()
     p = prof.profile
     assert p.steps == 2  # the dropped forward and the one after it: one step
-    assert p.module("Sequential.0").calls == cudamem.module_profile.Spread(1.5, 2)
+    assert p.module("Sequential.0").calls == cudamem.modules.profile.Spread(1.5, 2)
     assert [p.module(f"Sequential.{i}").backward_calls.max for i in range(4)] == [1] * 4
     assert p.module("Sequential").backward_calls.max == 1
 
@@ -622,7 +622,7 @@ def test_inner_calls_take_the_c_hooks_and_only_top_level_calls_reach_python(
     """With the C++ log, a call inside another one is entered and left in C: Python's
     ``_pre`` and ``_post`` see the top-level call of each step (where steps begin and
     end), no other; the figures are the span path's (``test_cpp_gates_give_...``)."""
-    from cudamem.modules import ModuleProfiler as profiler
+    from cudamem.modules.profiler import ModuleProfiler as profiler
 
     seen: dict[str, list[str]] = {"pre": [], "post": []}
     real_pre, real_post = profiler._pre, profiler._post
@@ -753,7 +753,7 @@ def test_a_hostile_argument_raises_from_the_forward_on_both_paths_alike(stub: An
 
 
 def test_the_c_hooks_check_their_arguments(stub: Any) -> None:
-    from cudamem.modules import _grad_tensor
+    from cudamem.modules.profiler import _grad_tensor
 
     stack: list[Any] = []
     with pytest.raises(TypeError):
@@ -789,7 +789,7 @@ def test_a_node_held_from_c_takes_a_gate_as_a_grad_fn_does(stub: Any) -> None:
         class Node:
             slot = 0
 
-        from cudamem.modules import _grad_tensor
+        from cudamem.modules.profiler import _grad_tensor
 
         fwd = stub.Forward(stack, print, print, _grad_tensor, owner, 0)
         fwd.next = 1
@@ -899,7 +899,7 @@ def test_a_profile_stopped_by_the_argument_search_drops_the_call(
 ) -> None:
     """The search runs Python; should that stop the profile, the call is dropped on both
     paths: no read past an emptied stack in C, no span left open in Python."""
-    from cudamem import modules
+    from cudamem.modules import profiler as modules
 
     class Inner(nn.Module):
         def __init__(self) -> None:

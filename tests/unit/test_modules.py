@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 import cudamem
-from cudamem import _backend
-from cudamem._format import format_bytes
-from cudamem.module_profile import RawModule, Spread, build_profile
+from cudamem.allocator import backend as _backend
+from cudamem.base.format import format_bytes
+from cudamem.modules.profile import RawModule, Spread, build_profile
 from cudamem.render.json import to_json
 
 from ..fakes import FakeAllocator

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import cudamem
-from cudamem import _backend
+from cudamem.allocator import backend as _backend
+from cudamem.allocator.stats import AllocatorStats
 from cudamem.render.json import to_json
-from cudamem.stats import AllocatorStats
 
 from ..fakes import FakeAllocator
 

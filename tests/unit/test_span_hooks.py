@@ -13,13 +13,14 @@ import pytest
 import torch
 
 import cudamem
-from cudamem import _backend, _warn
-from cudamem._data import to_data
+from cudamem.allocator import backend as _backend
+from cudamem.allocator.stats import DeviceCounters
+from cudamem.base import warn as _warn
+from cudamem.base.data import to_data
 from cudamem.spans import state as _spans_state
 from cudamem.spans.raw import RawSpan
 from cudamem.spans.record import DeviceSpan, SpanRecord
 from cudamem.spans.state import add_entry_hook, add_exit_hook, remove_entry_hook, remove_exit_hook
-from cudamem.stats import DeviceCounters
 
 from ..fakes import FakeAllocator
 
@@ -28,7 +29,7 @@ pytestmark = pytest.mark.usefixtures("span_path")
 
 MiB = 1024**2
 _history = sys.modules["cudamem.spans.history"]
-_leaks = sys.modules["cudamem.leaks"]
+_leaks = sys.modules["cudamem.growth.detector"]
 
 
 @pytest.fixture
@@ -119,7 +120,7 @@ def test_hooks_fire_in_order_with_entry_counters_and_totals(fake: FakeAllocator)
 
 
 def test_features_attach_as_hooks_in_import_order() -> None:
-    oom = sys.modules["cudamem.oom"]
+    oom = sys.modules["cudamem.ledger.oom"]
     exits = [hook for hook, _ in _spans_state._exit_hooks]
     assert exits[:2] == [_leaks._on_span_exit, oom._on_span_exit]
     # The history takes top-level spans from the spans' own queue, not through a hook.

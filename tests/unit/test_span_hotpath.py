@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 import cudamem
-from cudamem import _backend
+from cudamem.allocator import backend as _backend
 from cudamem.spans import history as _history
 from cudamem.spans import state as _spans_state
 from cudamem.spans.raw import RawSpan
@@ -213,7 +213,7 @@ def test_errors_only_exit_hooks_run_for_spans_that_raised(fake: FakeAllocator) -
 
 
 def test_the_oom_hook_is_skipped_only_for_spans_that_did_not_raise() -> None:
-    oom = sys.modules["cudamem.oom"]
+    oom = sys.modules["cudamem.ledger.oom"]
     assert oom._on_span_exit in _spans_state.STATE.exit_calls
     assert oom._on_span_exit not in _spans_state.STATE.exit_calls_ok
     calls = _spans_state.STATE.exit_calls

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 import cudamem
-from cudamem import _backend
+from cudamem.allocator import backend as _backend
 from cudamem.spans import state as _spans_state
 
 from ..fakes import FakeAllocator

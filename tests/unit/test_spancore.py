@@ -20,8 +20,9 @@ from typing import Any
 import pytest
 
 import cudamem
-from cudamem import _backend, _cext, _fastread, _spancore
-from cudamem._data import to_data
+from cudamem import _cext, _fastread, _spancore
+from cudamem.allocator import backend as _backend
+from cudamem.base.data import to_data
 from cudamem.spans import python_path as _spans_python_path
 from cudamem.spans import raw as _spans_raw
 from cudamem.spans import span as _span
@@ -137,7 +138,8 @@ def _run(code: str, **env: str) -> str:
 
 SWITCH = """
 import cudamem
-from cudamem import _backend, _spancore
+from cudamem.allocator import backend as _backend
+from cudamem import _spancore
 from cudamem.spans import span
 from tests.fakes import FakeAllocator
 with _backend.use(FakeAllocator()):
