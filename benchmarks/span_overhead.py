@@ -49,8 +49,8 @@ import torch
 from _common import ConstantReader, cpu_and_gpu_ms, machine, matmul_step
 
 import cudamem
-from cudamem import _spancore
 from cudamem.allocator import backend as _backend
+from cudamem.native import spancore as _spancore
 from cudamem.render.text import render_table
 from cudamem.spans import span as _span
 

@@ -15,8 +15,9 @@ import torch
 from _pytest.pytester import SysModulesSnapshot
 
 import cudamem
-from cudamem import _cext, _spancore
 from cudamem.base import warn as _warn
+from cudamem.native import cext as _cext
+from cudamem.native import spancore as _spancore
 from cudamem.spans import history as _history
 from cudamem.spans import span as _span
 from cudamem.spans import state as _spans_state
@@ -231,7 +232,7 @@ def compiled_span_core() -> Any:
 @pytest.fixture(params=["python", "compiled"])
 def span_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """Run the test once with spans opened and closed by the Python functions and once by
-    the compiled span core (``_spancore.c``), which must agree on everything.
+    the compiled span core (``native/src/spancore/``), which must agree on everything.
 
     Where a C compiler exists the compiled run must really use the core: a core that does
     not build or fails its check fails the test instead of skipping it. Each run warns

@@ -7,7 +7,7 @@ and it never creates a CUDA context as a side effect: only devices that already 
 context are read or synchronized, unless the caller names a device explicitly.
 
 Spans read three numbers per device per edge through ``Backend.counters``; the real
-backend answers them from the C++ reader of ``cudamem._fastread`` (~0.2 µs) once it is
+backend answers them from the C++ reader of ``cudamem.native.fastread`` (~0.2 µs) once it is
 built and validated, and from the raw dict until then or wherever it cannot be built.
 
 Tests swap the active backend with ``use`` to drive span logic through a fake allocator.
@@ -25,7 +25,8 @@ from typing import Any, ClassVar, TypeVar, cast
 
 import torch
 
-from .. import _fastread
+from ..native import fastread as _fastread
+from ..native import states as _native_states
 from .stats import AllocatorStats
 
 __all__ = [
@@ -731,19 +732,19 @@ _torch = TorchBackend()
 _active: Backend = _torch
 
 
-def reader_status() -> _fastread.ReaderStatus:
+def reader_status() -> _native_states.ReaderStatus:
     """Which counter reader this process's real backend uses (the C++ one or the dict),
     and why. Creates no CUDA context and starts no build."""
     return _torch.reader.status()
 
 
-def build_reader(*, validate: bool = True) -> _fastread.ReaderStatus:
+def build_reader(*, validate: bool = True) -> _native_states.ReaderStatus:
     """Compile the C++ reader now, on this thread (``python -m cudamem build-reader``),
     ignoring markers left by earlier failures. With ``validate`` and a visible GPU it is
     then checked against the dict read on ``cuda:0``, which initialises CUDA there."""
     backend = _torch
     backend.reader.build_now(force=True)
-    if validate and backend.reader.state == _fastread.READY and backend.device_count() > 0:
+    if validate and backend.reader.state == _native_states.READY and backend.device_count() > 0:
         probe = torch.empty(1 << 20, dtype=torch.uint8, device="cuda:0")
         backend.counters(0)  # validates it: equal to the dict read, or dropped
         del probe

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from .. import _heapscan
+from ..native import heapscan as _heapscan
 from ._naming import class_attr, is_sub, type_name
 from ._storages import StorageRef, ref_of
 

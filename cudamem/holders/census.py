@@ -23,7 +23,6 @@ from typing import Any, ClassVar
 
 import torch
 
-from .. import _heap, _heapscan
 from ..allocator import backend as _backend
 from ..allocator.device_arg import DeviceLike, resolve_device
 from ..allocator.snapshot import Block, allocated_blocks
@@ -31,6 +30,8 @@ from ..base.format import format_bytes, plural
 from ..base.frames import own_frame
 from ..base.present import Presented
 from ..base.sequence import ItemSequence
+from ..native import heap as _heap
+from ..native import heapscan as _heapscan
 from . import _autograd
 from ._autograd import StorageKey
 from ._naming import frame_locals
@@ -413,7 +414,7 @@ def _discount_preserved(
     "Python tensor" that nothing in Python refers to: the memory is held by the graph, and the
     census should say so. Such an object has no referrer but cudamem's own lists and is no
     running frame's local: one referrer pass over the candidates (tensors whose storage a
-    graph saved; see ``cudamem._heap.referrers``) and a walk of every thread's frames
+    graph saved; see ``cudamem.native.heap.referrers``) and a walk of every thread's frames
     tell them apart.
     """
     import types

@@ -27,12 +27,12 @@ from typing import Any, ClassVar
 
 import torch
 
-from .. import _heap
 from ..base.args import check_int, check_seconds
 from ..base.format import plural
 from ..base.frames import own_frame
 from ..base.present import Presented, PresentedHtml
 from ..base.sequence import ItemSequence
+from ..native import heap as _heap
 from . import _autograd, _search
 from ._autograd import StorageKey
 from ._graph_paths import write

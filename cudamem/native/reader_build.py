@@ -1,8 +1,8 @@
 """The C++ counter reader's build: what the build subprocess runs, and the one translation
 unit it compiles.
 
-The build subprocess (``cudamem._fastread.build_in_subprocess``) loads this file by path,
-where no package exists: it imports the standard library and torch only, never a cudamem
+The build subprocess (``reader_toolchain.build_in_subprocess``) loads this file by path, where
+no package exists: it imports the standard library and torch only, never a cudamem
 module, at module level or in a function (``tests/unit/test_layout.py`` checks the rule;
 ``tests/integration/test_fastread.py`` performs that load in a fresh process).
 

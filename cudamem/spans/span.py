@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
 
 from typing_extensions import ParamSpec
 
-from .. import _spancore
-from .._cext import ExtensionStatus
 from ..allocator import backend as _backend
 from ..allocator.device_arg import DeviceLike, resolve_device
 from ..base.data import to_data
 from ..base.present import PresentedHtml
+from ..native import spancore as _spancore
+from ..native.states import ExtensionStatus
 from .core import _Core, core_check, core_table
 from .python_path import _merge_peaks, _py_close, _py_open
 from .raw import RawSpan

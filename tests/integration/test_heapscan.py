@@ -1,5 +1,5 @@
-"""The compiled heap pass (``cudamem/_heapscan.c``): built, validated, switched off, and the
-same answers as the Python pass, on hostile and mutating heaps too.
+"""The compiled heap pass (``cudamem/native/src/heapscan/``): built, validated, switched off,
+and the same answers as the Python pass, on hostile and mutating heaps too.
 
 Where no C compiler exists these tests skip the compiled half; the Python pass is what the
 rest of the suite runs on then.
@@ -22,7 +22,8 @@ import pytest
 import torch
 
 import cudamem
-from cudamem import _heap, _heapscan
+from cudamem.native import heap as _heap
+from cudamem.native import heapscan as _heapscan
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -323,7 +324,7 @@ def test_switched_off_by_the_environment_and_import_compiles_nothing(tmp_path: P
     out = _fresh(
         """
         import cudamem, torch
-        from cudamem import _heapscan
+        from cudamem.native import heapscan as _heapscan
         print("import", _heapscan.status().state)
         t = torch.ones(2); keep = [t]
         assert "keep[0]" in str(cudamem.who_holds(t))
@@ -340,7 +341,7 @@ def test_no_compiler_leaves_the_python_pass(tmp_path: Path) -> None:
     out = _fresh(
         """
         import cudamem, torch
-        from cudamem import _heapscan
+        from cudamem.native import heapscan as _heapscan
         t = torch.ones(2); keep = [t]
         assert "keep[0]" in str(cudamem.who_holds(t))
         s = _heapscan.wait(30)

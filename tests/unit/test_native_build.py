@@ -12,8 +12,20 @@ from pathlib import Path
 
 import pytest
 
-from cudamem import _cext, _fastread, _heapscan, _spancore
 from cudamem.native import cache, reader_build, states
+from cudamem.native import (
+    cext as _cext,
+)
+from cudamem.native import (
+    fastread as _fastread,
+)
+from cudamem.native import (
+    heapscan as _heapscan,
+)
+from cudamem.native import reader_toolchain as _native_reader_toolchain
+from cudamem.native import (
+    spancore as _spancore,
+)
 
 EXTENSIONS = [_spancore.EXTENSION, _heapscan.EXTENSION]
 
@@ -73,17 +85,17 @@ def test_the_reader_build_loads_by_path_in_a_fresh_process_as_the_build_does(
     name = "_cudamem_reader_probe"
     (tmp_path / (name + reader_build.library_suffix())).write_bytes(b"")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    argv = [sys.executable, "-c", _fastread._BOOTSTRAP, reader_build.__file__]
+    argv = [sys.executable, "-c", _native_reader_toolchain._BOOTSTRAP, reader_build.__file__]
     argv += [str(tmp_path), name, str(tmp_path / "unused.cpp")]
     done = subprocess.run(
         argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False
     )
     assert done.returncode == 0, done.stderr
-    probe = _fastread._BOOTSTRAP.replace(
+    probe = _native_reader_toolchain._BOOTSTRAP.replace(
         "sys.exit(mod.build_main(sys.argv[2:]))\n",
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'cudamem'))\n",
     )
-    assert probe != _fastread._BOOTSTRAP
+    assert probe != _native_reader_toolchain._BOOTSTRAP
     done = subprocess.run(
         [sys.executable, "-c", probe, reader_build.__file__],
         cwd=tmp_path,
@@ -105,7 +117,7 @@ def test_every_source_of_the_reader_names_its_build(tmp_path: Path) -> None:
     assert sorted(cache.sources(str(folder))) == sorted(reader_build.ORDER)
 
     def key() -> str:
-        return _fastread.cache_key(
+        return _native_reader_toolchain.cache_key(
             torch_version="2.4",
             cuda_version="12.4",
             cxx11_abi=True,

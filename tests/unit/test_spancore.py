@@ -1,4 +1,4 @@
-"""The compiled span core (``_spancore.c``): its build entry, its switch, and that a span
+"""The compiled span core (``native/src/spancore/``): its build entry, its switch, and that a span
 through it is the span the Python path makes, field by field, in the common case and in
 every case it hands back to Python."""
 
@@ -20,9 +20,11 @@ from typing import Any
 import pytest
 
 import cudamem
-from cudamem import _cext, _fastread, _spancore
 from cudamem.allocator import backend as _backend
 from cudamem.base.data import to_data
+from cudamem.native import cext as _cext
+from cudamem.native import fastread as _fastread
+from cudamem.native import spancore as _spancore
 from cudamem.spans import python_path as _spans_python_path
 from cudamem.spans import raw as _spans_raw
 from cudamem.spans import span as _span
@@ -79,7 +81,7 @@ def test_a_module_without_the_calls_is_refused() -> None:
 
 
 def test_each_extension_builds_its_own_c_files_and_names_what_it_lacks() -> None:
-    from cudamem import _heapscan
+    from cudamem.native import heapscan as _heapscan
 
     src = os.path.join(ROOT, "cudamem", "native", "src")
     assert _spancore.EXTENSION.source == os.path.join(src, "spancore")
@@ -139,7 +141,7 @@ def _run(code: str, **env: str) -> str:
 SWITCH = """
 import cudamem
 from cudamem.allocator import backend as _backend
-from cudamem import _spancore
+from cudamem.native import spancore as _spancore
 from cudamem.spans import span
 from tests.fakes import FakeAllocator
 with _backend.use(FakeAllocator()):
@@ -269,8 +271,8 @@ def test_two_span_modules_in_one_process_each_keep_their_own_core(
 
 
 def test_a_state_outlives_its_owner_and_is_collected_in_a_cycle() -> None:
-    """The functions span.py installs hold their state; a state that only a cycle keeps (it
-    holds a container of its table that holds it) is collected."""
+    """The functions the span machinery installs hold their state; a state that only a cycle
+    keeps (it holds a container of its table that holds it) is collected."""
     module = compiled_span_core()
     core = _span._core_check(module)
     assert not isinstance(core, str)

@@ -29,12 +29,11 @@ import sysconfig
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, cast
 
-from .native.cache import SOURCE_ROOT, cache_base, load_library, sources, sources_digest
-from .native.states import (
+from .cache import SOURCE_ROOT, cache_base, load_library, sources, sources_digest
+from .states import (
     ACTIVE,
     BUILDING,
     DISABLED,
@@ -44,24 +43,13 @@ from .native.states import (
     IDLE,
     READY,
     UNSUPPORTED,
+    ExtensionStatus,
     switched_off,
 )
 
-__all__ = ["Extension", "ExtensionStatus"]
+__all__ = ["FINAL", "Extension", "ExtensionStatus", "compiler"]
 
 BUILD_TIMEOUT_S = 120.0
-
-
-@dataclass(frozen=True, slots=True)
-class ExtensionStatus:
-    """Whether a compiled extension serves now, and why (or why not)."""
-
-    #: What it does, as ``cudamem status`` names it: "span core", "heap pass".
-    name: str
-    active: bool
-    state: str
-    reason: str
-    path: str | None = None
 
 
 def compiler() -> str | None:

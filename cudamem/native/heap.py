@@ -29,7 +29,7 @@ from itertools import compress, repeat
 from operator import is_, not_
 from typing import Any
 
-from . import _heapscan
+from . import heapscan as _heapscan
 
 __all__ = [
     "CHUNK",
@@ -174,7 +174,7 @@ def chunked_pass(
     is tested, so that it can add them to ``wanted`` (returning whether it did).
 
     ``added``: a list the caller appends each id it adds to ``wanted`` to. Given it, the
-    compiled pass (``cudamem._heapscan``), once active, runs the same pass in C: it reads
+    compiled pass (``cudamem.native.heapscan``), once active, runs the same pass in C: it reads
     the new ids from ``added`` after each callback instead of testing ``wanted`` itself.
 
     Returns ``(finished, last, whole)``: ``finished`` is ``False`` when ``deadline`` stopped

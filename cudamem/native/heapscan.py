@@ -1,7 +1,7 @@
 """The optional compiled heap pass (``native/src/heapscan/``): one walk of a heap snapshot finds the
 referrers of any number of objects, ~10x faster than ``_heap.chunked_pass`` in Python.
 
-Built, cached, loaded and switched like the span core (``cudamem._cext``: nothing at import,
+Built, cached, loaded and switched like the span core (``cudamem.native.cext``: nothing at import,
 a background build at the first heap pass while the Python pass serves, ``CUDAMEM_FAST_HEAP=0``
 turns it off, ``status()`` says which pass serves and why); ``validate`` is its check: on a
 small heap whose referrers are known (what ``gc.get_referrers`` says), the compiled pass
@@ -23,7 +23,7 @@ import gc
 from contextlib import AbstractContextManager
 from typing import Any
 
-from ._cext import Extension, ExtensionStatus
+from .cext import Extension, ExtensionStatus
 
 __all__ = ["EXTENSION", "SWITCH_ENV", "native", "python_pass", "status", "validate", "wait"]
 

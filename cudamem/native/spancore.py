@@ -2,18 +2,18 @@
 case almost every span is in (one device, no synchronize), a few times cheaper than the
 Python path; everything else is handed to the Python functions it replaces.
 
-Built, cached and loaded like the heap pass (``cudamem._cext``): nothing at import, a
-background build at the first span, ``CUDAMEM_FAST_SPAN=0`` turns it off. This module owns
-the build; ``span.py`` owns the switch: ``init`` gives it a state of its own (from the one
-table ``span._core_table`` hands it: its types, its ``SpanState``, its helpers and
-containers; another copy of ``span.py`` in the process gets another), it
+Built, cached and loaded like the heap pass (``cext``): nothing at import, a background
+build at the first span, ``CUDAMEM_FAST_SPAN=0`` turns it off. This module owns the build;
+``cudamem.spans.span`` owns the switch: ``init`` gives it a state of its own (from the one
+table ``spans.core.core_table`` makes: its types, its ``SpanState``, its helpers and
+containers; another copy of ``cudamem.spans`` in the process gets another), it
 checks a span through each path field by field, and only then replaces its
 ``_open``/``_close`` with the state's.
 """
 
 from __future__ import annotations
 
-from ._cext import Extension, ExtensionStatus
+from .cext import Extension, ExtensionStatus
 
 __all__ = ["EXTENSION", "SWITCH_ENV", "status"]
 
