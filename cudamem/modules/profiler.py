@@ -662,7 +662,7 @@ class ModuleProfiler(PresentedHtml):
         end there; else they are dropped unrecorded, as spans a failed backward left open
         are."""
         try:
-            _, lost = native.api.log_replay(
+            lost = native.api.log_replay(
                 native.owner, native.base_old, self._active, close, bool(self._stack)
             )
         except Exception as exc:

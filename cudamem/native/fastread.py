@@ -145,17 +145,12 @@ class GateLog(Protocol):
         """End log ``owner``: its gates do nothing from here."""
         ...
 
-    def log_drain(self, owner: int, /) -> tuple[tuple[int, ...], int]:
-        """The events so far, flat (tag, allocated, peak, ns) quadruples, and how many were
-        dropped past the log's bound; both emptied."""
-        ...
-
     def log_replay(
         self, owner: int, first: int, active: bool, close: bool, forwards: bool, /
-    ) -> tuple[int, int]:
+    ) -> int:
         """The events since the last replay as each module call's figures, added up per
-        module slot (``log_figures``): how many calls ended, and how many events were
-        dropped (see ``native/src/fastread/replay.cpp``)."""
+        module slot (``log_figures``): how many events were dropped (see
+        ``native/src/fastread/replay.cpp``)."""
         ...
 
     def log_figures(self, owner: int, /) -> tuple[int, ...]:

@@ -20,11 +20,10 @@ PyMethodDef methods[] = {
     {"codes", codes, METH_VARARGS, "codes(grad_fn, owner) -> the codes of the node's gate"},
     {"log_start", log_start, METH_NOARGS, "log_start() -> owner: a new gate log"},
     {"log_stop", log_stop, METH_O, "log_stop(owner): the gate log ends"},
-    {"log_drain", log_drain, METH_O, "log_drain(owner) -> (flat events, dropped)"},
     {"log_replay",
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(log_replay)),
      METH_FASTCALL,
-     "log_replay(owner, first, active, close, forwards) -> (calls ended, dropped)"},
+     "log_replay(owner, first, active, close, forwards) -> events dropped"},
     {"log_figures",
      log_figures,
      METH_O,
@@ -39,6 +38,7 @@ PyMethodDef methods[] = {
      "mark(owner, device, tag[, meta, parent]): a gate event now"},
 #ifdef CUDAMEM_STUB_ALLOCATOR
     {"stub_set", stub_set, METH_VARARGS, "stub_set(allocated, peak)"},
+    {"log_drain", log_drain, METH_O, "log_drain(owner) -> (flat events, dropped)"},
 #endif
     {nullptr, nullptr, 0, nullptr}};
 

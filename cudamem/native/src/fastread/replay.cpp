@@ -103,10 +103,9 @@ void close_open(size_t k, int64_t allocated, int64_t ns) {
   }
 }
 
-// log_replay(owner, first, active, close, forwards) -> (ended, dropped): the log's events
-// since the last replay, as spans would have measured each module call, added to the
-// figures of its module's slot (``log_figures`` takes them); how many calls ended, and how
-// many events the log dropped.
+// log_replay(owner, first, active, close, forwards) -> dropped: the log's events since the
+// last replay, as spans would have measured each module call, added to the figures of its
+// module's slot (``log_figures`` takes them); how many events the log dropped.
 //
 // An event's peak is the highest allocated since the event before it: it goes to the
 // innermost open call, and a closing call hands its peak to the call below, so each call's
@@ -137,9 +136,8 @@ PyObject* log_replay(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nar
   std::vector<Event> taken;
   int64_t lost = 0;
   if (!take_events(owner, taken, lost)) {
-    return Py_BuildValue("(LL)", 0LL, 0LL);
+    return PyLong_FromLong(0);
   }
-  int64_t ended = 0;
   try {
     for (const Event& e : taken) {
       if (!open_calls.empty()) {
@@ -172,15 +170,13 @@ PyObject* log_replay(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nar
         }
       } else if (k > 0) {
         close_open(k - 1, e.allocated, e.ns);
-        ++ended;
       }
     }
     if (close != 0 && !taken.empty()) {
       for (size_t k = open_calls.size(); k > 0; --k) {
         if (!open_calls[k - 1].forward) {
           close_open(k - 1, taken.back().allocated, taken.back().ns);
-          ++ended;
-        }
+          }
       }
     }
     // Backward calls left open are dropped; so are the forwards Python dropped (all of
@@ -201,7 +197,7 @@ PyObject* log_replay(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nar
     std::lock_guard<std::mutex> lock(mutex);
     armed = true;
   }
-  return Py_BuildValue("(LL)", static_cast<long long>(ended), static_cast<long long>(lost));
+  return PyLong_FromLongLong(static_cast<long long>(lost));
 }
 
 // log_figures(owner) -> figures: what the replays added up since the last call, as one flat
