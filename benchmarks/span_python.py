@@ -66,7 +66,6 @@ def _cases() -> tuple[dict[str, Callable[[], object]], dict[str, Callable[[int],
     """(loop cases: one call = one unit; direct cases: ``f(n)`` -> µs per unit)."""
     import cudamem
     from cudamem.spans import history as _history
-    from cudamem.spans import span as _span
     from cudamem.spans import state as _spans_state
 
     leaks = importlib.import_module(
@@ -129,9 +128,8 @@ def _cases() -> tuple[dict[str, Callable[[], object]], dict[str, Callable[[int],
     }
 
     errors_only = set(_spans_state._errors_only)
-    # The history's queue (absent before; a module global before the span state).
-    state = getattr(_span, "STATE", _span)
-    saved_sink = getattr(state, "finished_sink", getattr(_span, "_finished_sink", None))
+    # The history's queue.
+    saved_sink = _spans_state.STATE.finished_sink
 
     def without_hooks(n: int) -> float:
         for hook, _ in saved_hooks:
@@ -224,10 +222,7 @@ def _cases() -> tuple[dict[str, Callable[[], object]], dict[str, Callable[[int],
         "phase: enter (track() + __enter__)": enter,
         "phase: exit (__exit__)": exit_,
         "hook: growth detection": hook(leaks._on_span_exit),
-        # A checkout from before the spans' queue had the history as an exit hook.
-        "history (append + fold every 256)": (
-            history_queue if hasattr(_span, "finished") else hook(_history._on_span_exit)
-        ),
+        "history (append + fold every 256)": history_queue,
         "hook: OOM": hook(oom._on_span_exit),  # called alone: spans that did not raise skip it
         "history fold, per span (drain of 256)": fold,
     }

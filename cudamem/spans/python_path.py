@@ -12,23 +12,24 @@ from typing import Any
 
 from ..allocator import backend as _backend
 from ..base.warn import warn_once
+from . import state as _state
 from .raw import _NOTHING, RawSpan
 from .raw import now_ns as _now_ns
 from .record import ExceptionInfo
-from .state import (
-    STATE,
-    EntryHook,
-    _exit_hook_failed,
-    _lock,
-    _open_peak,
-    _peak_inbox,
-    _process_peak,
-    _tls,
-    _top,
-    finished,
-)
+from .state import STATE, EntryHook, _exit_hook_failed
 
 __all__: list[str] = []
+
+# The shared containers, bound here by assignment, not imported by name: CPython 3.11 compiles
+# a method call on a name an import bound (``_open_peak.pop(...)``) without its method-call
+# fast path, which costs the hot path about a tenth.
+_lock = _state._lock
+_open_peak = _state._open_peak
+_peak_inbox = _state._peak_inbox
+_process_peak = _state._process_peak
+_tls = _state._tls
+_top = _state._top
+finished = _state.finished
 
 _get_ident = threading.get_ident
 _new_raw = object.__new__

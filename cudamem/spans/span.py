@@ -19,11 +19,12 @@ from ..base.data import to_data
 from ..base.present import PresentedHtml
 from ..native import spancore as _spancore
 from ..native.states import ExtensionStatus
+from . import state as _state
 from .core import _Core, core_check, core_table
 from .python_path import _merge_peaks, _py_close, _py_open
 from .raw import RawSpan
 from .record import DeviceSpan, ExceptionInfo, SpanRecord
-from .state import STATE, _CloseFn, _lock, _OpenFn, _process_peak, _top
+from .state import STATE, _CloseFn, _OpenFn
 
 if TYPE_CHECKING:
     from .leftovers import LeakReport
@@ -37,6 +38,11 @@ __all__ = [
     "span_core_status",
     "track",
 ]
+
+# Bound by assignment, not imported by name: see python_path (method calls on them).
+_lock = _state._lock
+_process_peak = _state._process_peak
+_top = _state._top
 
 P = ParamSpec("P")
 R = TypeVar("R")
