@@ -126,7 +126,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     names = config.stash.get(_UNMEASURED, [])
     if not names:
         return
-    from cudamem._format import plural  # torch is imported already: a check ran
+    from cudamem.base.format import plural  # torch is imported already: a check ran
 
     terminalreporter.write_line(
         f"cudamem: the GPU checks of {plural(len(dict.fromkeys(names)), 'test')} measured "

@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from cudamem import _backend
+from cudamem.allocator import backend as _backend
 from cudamem.render.text import render_table
 
 CUDA = torch.cuda.is_available()

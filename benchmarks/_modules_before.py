@@ -12,10 +12,11 @@ from typing import Any
 
 import torch
 
-from cudamem._module_bytes import StateBytes, state_bytes
-from cudamem._present import PresentedHtml
-from cudamem.module_profile import ModuleProfile, RawModule, build_profile
-from cudamem.span import RawSpan, close_quiet, open_quiet
+from cudamem.base.present import PresentedHtml
+from cudamem.modules._tree_bytes import StateBytes, state_bytes
+from cudamem.modules.profile import ModuleProfile, RawModule, build_profile
+from cudamem.spans.raw import RawSpan
+from cudamem.spans.span import close_quiet, open_quiet
 
 __all__ = ["ModuleProfiler", "track_modules"]
 

@@ -77,7 +77,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _common import CUDA, emit, write_json
 
 import cudamem
-from cudamem import _backend
+from cudamem.allocator import backend as _backend
 
 Step = Callable[[int], torch.Tensor]
 Loss = Callable[[int], torch.Tensor]

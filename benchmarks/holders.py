@@ -51,9 +51,9 @@ from _common import emit, fmt_seconds, median  # type: ignore[import-not-found]
 from _common import interleaved as _interleaved
 
 import cudamem
-from cudamem import census
-from cudamem._search import SearchLimits
-from cudamem.holders import find_holders
+from cudamem.holders import census
+from cudamem.holders._search import SearchLimits
+from cudamem.holders.finder import find_holders
 
 # A stand-in for the user's __main__: what is held hangs off its globals.
 app = types.ModuleType("bench_app")

@@ -45,7 +45,7 @@ from _common import (  # type: ignore[import-not-found]
 )
 
 import cudamem
-from cudamem import _heapscan
+from cudamem.native import heapscan as _heapscan
 
 ROOT = Path(__file__).resolve().parents[1]
 CUDA = torch.cuda.is_available()

@@ -1,5 +1,5 @@
 """What watching DataLoader workers costs: whole epochs with and without
-``cudamem.workers.watch_workers()`` (the defaults ``cudamem run`` uses), interleaved.
+``cudamem.host.workers.watch_workers()`` (the defaults ``cudamem run`` uses), interleaved.
 
 An epoch iterates a DataLoader (2 forked workers, batch 256, shuffled) over a dataset whose
 200,000 labels sit in a list of dicts: the copy-on-read case the watcher is for, so its
@@ -28,7 +28,7 @@ from typing import Any
 from _common import emit, median, spread
 from torch.utils.data import DataLoader, Dataset
 
-from cudamem import workers
+from cudamem.host import workers
 
 
 class Records(Dataset[int]):

@@ -52,9 +52,11 @@ import _modules_before as before  # noqa: E402
 from _common import ConstantReader, machine  # noqa: E402
 
 import cudamem  # noqa: E402
-from cudamem import _backend, span  # noqa: E402
-from cudamem import modules as after  # noqa: E402
+from cudamem.allocator import backend as _backend  # noqa: E402
+from cudamem.modules import profiler as after  # noqa: E402
 from cudamem.render.text import render_table  # noqa: E402
+from cudamem.spans import span  # noqa: E402
+from cudamem.spans import state as _spans_state  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -479,15 +481,15 @@ def breakdown(case: Case, impl: str, steps: int, calls: int, blocks: int) -> dic
     timers = Timers()
     samples: dict[str, list[float]] = {}
     py_opens = [0]
-    py_open = span._py_open
+    py_open = _spans_state.STATE.py_open
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         py_opens[0] += 1
         return py_open(*args, **kwargs)
 
     # The compiled span core hands a span it cannot serve (several devices visible and not
-    # all of them settled, a reader that is not the C++ one) to span._py_open: count them.
-    span._py_open = counted  # type: ignore[assignment]
+    # all of them settled, a reader that is not the C++ one) to the Python open: count them.
+    _spans_state.STATE.py_open = counted
     with instrumented(impl, timers):
         prof = profiled(IMPLS[impl], model, external).start()
         step()  # the first steps' state reads and first-use work, outside the figures
@@ -506,7 +508,7 @@ def breakdown(case: Case, impl: str, steps: int, calls: int, blocks: int) -> dic
                 py_opens[0] = 0
         finally:
             prof.stop()
-            span._py_open = py_open  # type: ignore[assignment]
+            _spans_state.STATE.py_open = py_open
     return {label: statistics.median(xs) for label, xs in samples.items()}
 
 

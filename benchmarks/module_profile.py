@@ -153,7 +153,8 @@ def ready_paths() -> dict[str, str]:
     """Build the C++ counter reader and the compiled span core now, as a run has them a
     minute in (both build in the background at first use; until then every read takes the
     dict path, 11-22 µs, and every span the Python open and close); what serves, in words."""
-    from cudamem import _backend, span
+    from cudamem.allocator import backend as _backend
+    from cudamem.spans import span
 
     out = {}
     if CUDA:

@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from module_profile import DEVICE, _sync, ready_paths
 
 import cudamem
-from cudamem import _backend
+from cudamem.allocator import backend as _backend
 
 CALLS_PER_READING = 20_000
 CHAIN_NODES = 400
@@ -56,9 +56,9 @@ def stub_reader() -> Any:
     """The C++ reader's source built against the stub allocator, as a backend (CPU)."""
     import torch.utils.cpp_extension as cpp_extension
 
-    source = os.path.join(os.path.dirname(cudamem.__file__), "_fastread.cpp")
-    with open(source, encoding="utf-8") as fh:
-        text = fh.read()
+    from cudamem.native import reader_build
+
+    text = reader_build.bundle()
     build = os.path.join(tempfile.gettempdir(), "cudamem-module-units-stub")
     os.makedirs(build, exist_ok=True)
     stub = cpp_extension.load_inline(  # type: ignore[no-untyped-call]

@@ -42,7 +42,7 @@ import torch
 from _common import cpu_and_gpu_ms, emit, matmul_step, median
 
 import cudamem
-from cudamem._data import to_data
+from cudamem.base.data import to_data
 
 CUDA = torch.cuda.is_available()
 #: Cycles of the spin kernel that holds the GPU back while the steps are queued.
@@ -378,7 +378,7 @@ def main() -> None:
 
 
 def cudamem_bytes(n: int, *, signed: bool = True) -> str:
-    from cudamem._format import format_bytes
+    from cudamem.base.format import format_bytes
 
     return format_bytes(n, signed=signed)
 

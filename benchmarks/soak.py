@@ -33,8 +33,8 @@ import torch
 from _common import ConstantReader, machine
 
 import cudamem
-from cudamem import _backend
-from cudamem._format import format_bytes
+from cudamem.allocator import backend as _backend
+from cudamem.base.format import format_bytes
 from cudamem.render.text import render_table
 
 CUDA = torch.cuda.is_available()

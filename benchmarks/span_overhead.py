@@ -49,9 +49,10 @@ import torch
 from _common import ConstantReader, cpu_and_gpu_ms, machine, matmul_step
 
 import cudamem
-from cudamem import _backend, _spancore
-from cudamem import span as _span
+from cudamem.allocator import backend as _backend
+from cudamem.native import spancore as _spancore
 from cudamem.render.text import render_table
+from cudamem.spans import span as _span
 
 CUDA = torch.cuda.is_available()
 #: Cycles of the spin kernel that holds the GPU back while the steps are queued.

@@ -46,7 +46,7 @@ ROOT = os.path.dirname(HERE)
 
 def _stub_backend() -> Any:
     """The real ``TorchBackend`` with one device that has a context and a stub C++ reader."""
-    from cudamem import _backend
+    from cudamem.allocator import backend as _backend
 
     backend = _backend.TorchBackend()
     counters = {0: (1 << 20, 2 << 20, 1 << 20)}.__getitem__
@@ -65,11 +65,13 @@ def _stub_backend() -> Any:
 def _cases() -> tuple[dict[str, Callable[[], object]], dict[str, Callable[[int], float]]]:
     """(loop cases: one call = one unit; direct cases: ``f(n)`` -> µs per unit)."""
     import cudamem
-    from cudamem import _history
-    from cudamem import span as _span
+    from cudamem.spans import history as _history
+    from cudamem.spans import state as _spans_state
 
-    leaks = importlib.import_module("cudamem.leaks")  # ``cudamem.leaks`` is also a function
-    oom = importlib.import_module("cudamem.oom")
+    leaks = importlib.import_module(
+        "cudamem.growth.detector"
+    )  # ``cudamem.leaks`` is also a function
+    oom = importlib.import_module("cudamem.ledger.oom")
 
     track, memory_span = cudamem.track, cudamem.MemorySpan
     counters = _backend_now().counters
@@ -112,7 +114,7 @@ def _cases() -> tuple[dict[str, Callable[[], object]], dict[str, Callable[[int],
         with track("outer"), track("inner"):
             pass
 
-    saved_hooks = list(_span._exit_hooks)
+    saved_hooks = list(_spans_state._exit_hooks)
 
     loop: dict[str, Callable[[], object]] = {
         "bare function call": bare,
@@ -125,14 +127,15 @@ def _cases() -> tuple[dict[str, Callable[[], object]], dict[str, Callable[[int],
         "nested pair (2 spans)": nested,
     }
 
-    errors_only = set(_span._errors_only)
-    saved_sink = getattr(_span, "_finished_sink", None)  # the history's queue (absent before)
+    errors_only = set(_spans_state._errors_only)
+    # The history's queue.
+    saved_sink = _spans_state.STATE.finished_sink
 
     def without_hooks(n: int) -> float:
         for hook, _ in saved_hooks:
-            _span.remove_exit_hook(hook)
+            _spans_state.remove_exit_hook(hook)
         if saved_sink is not None:
-            _span.set_finished_sink(None)
+            _spans_state.set_finished_sink(None)
         try:
             t0 = now()
             for _ in range(n):
@@ -141,9 +144,11 @@ def _cases() -> tuple[dict[str, Callable[[], object]], dict[str, Callable[[int],
             return (now() - t0) / n / 1e3
         finally:
             for hook, propagate in saved_hooks:
-                _span.add_exit_hook(hook, propagate=propagate, errors_only=hook in errors_only)
+                _spans_state.add_exit_hook(
+                    hook, propagate=propagate, errors_only=hook in errors_only
+                )
             if saved_sink is not None:
-                _span.set_finished_sink(saved_sink)
+                _spans_state.set_finished_sink(saved_sink)
 
     def clock_pair(n: int) -> float:
         total = 0
@@ -190,7 +195,7 @@ def _cases() -> tuple[dict[str, Callable[[], object]], dict[str, Callable[[int],
 
     def history_queue(n: int) -> float:
         """What a top-level span's exit does for the history (``span._close`` inline)."""
-        queue, at, sink = _span.finished, _span.FINISHED_AT, _span._finished_sink
+        queue, at, sink = _spans_state.finished, _spans_state.FINISHED_AT, saved_sink
         t0 = now()
         for _ in range(n):
             queue.append(raw)
@@ -217,10 +222,7 @@ def _cases() -> tuple[dict[str, Callable[[], object]], dict[str, Callable[[int],
         "phase: enter (track() + __enter__)": enter,
         "phase: exit (__exit__)": exit_,
         "hook: growth detection": hook(leaks._on_span_exit),
-        # A checkout from before the spans' queue had the history as an exit hook.
-        "history (append + fold every 256)": (
-            history_queue if hasattr(_span, "finished") else hook(_history._on_span_exit)
-        ),
+        "history (append + fold every 256)": history_queue,
         "hook: OOM": hook(oom._on_span_exit),  # called alone: spans that did not raise skip it
         "history fold, per span (drain of 256)": fold,
     }
@@ -232,7 +234,7 @@ _clock = [0.0]
 
 
 def _backend_now() -> Any:
-    from cudamem import _backend
+    from cudamem.allocator import backend as _backend
 
     return _backend.get()
 
@@ -240,7 +242,7 @@ def _backend_now() -> Any:
 def measure(rounds: int, per_round: int) -> dict[str, list[float]]:
     """µs per unit of every case, ``rounds`` interleaved rounds of ``per_round`` units."""
     import cudamem
-    from cudamem import _backend
+    from cudamem.allocator import backend as _backend
 
     with _backend.use(_stub_backend()):
         loop, direct = _cases()

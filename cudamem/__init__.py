@@ -5,8 +5,9 @@ Spans (``track``/``MemorySpan``) measure what code took and gave back per device
 graphs; ``explain``/``release`` reconcile nvidia-smi with PyTorch.
 
 This package exports what you call. The results those calls return are frozen values,
-importable from the modules that define them (``cudamem.span.SpanRecord``,
-``cudamem.census.Census``, ``cudamem.leaks.LeakReport``, ...): see the API reference.
+importable from the modules that define them (``cudamem.spans.record.SpanRecord``,
+``cudamem.holders.census.Census``, ``cudamem.spans.leftovers.LeakReport``, ...): see the API
+reference.
 """
 
 from __future__ import annotations
@@ -14,22 +15,22 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ._history import clear_history, history, set_history_size
-from .census import live_tensors, unaccounted
-from .diff import diff
-from .holders import find_graph_holders, who_holds
-from .host import to_host
-from .leaks import LeakWarning, configure_leaks, leak_settings, leaks
-from .ledger import explain, fragmentation, machine_status
-from .memviz import dump_snapshot
-from .modules import track_modules
-from .oom import on_oom, oom_report
-from .plan import plan
-from .release import release
-from .scalars import ScalarLogger, log_scalar
-from .snapshot import UnsafeSnapshotError, load_snapshot
-from .span import MemorySpan, StepSpan, max_allocated, track
-from .workers import HostMemoryWarning
+from .allocator.snapshot import UnsafeSnapshotError, load_snapshot
+from .fit.planner import plan
+from .growth.compare import diff
+from .growth.detector import LeakWarning, configure_leaks, leak_settings, leaks
+from .holders.census import live_tensors, unaccounted
+from .holders.finder import find_graph_holders, who_holds
+from .host.copy import to_host
+from .host.workers import HostMemoryWarning
+from .ledger.device import explain, fragmentation, machine_status
+from .ledger.memviz import dump_snapshot
+from .ledger.oom import on_oom, oom_report
+from .ledger.reclaim import release
+from .modules.profiler import track_modules
+from .scalars.logger import ScalarLogger, log_scalar
+from .spans.history import clear_history, history, set_history_size
+from .spans.span import MemorySpan, StepSpan, max_allocated, track
 
 if TYPE_CHECKING:
     from .render.plot import plot
@@ -74,7 +75,7 @@ __all__ = [
 
 
 #: Names imported on first use (PEP 562): the renderers load with the first result drawn
-#: (``cudamem._present``), not with ``import cudamem``.
+#: (``cudamem.base.present``), not with ``import cudamem``.
 _LAZY = {"plot": "cudamem.render.plot", "render": "cudamem.render"}
 
 

@@ -155,7 +155,7 @@ def _end(lines: list[str], name: str) -> None:
 
 _ENVIRONMENT = """
 import json, platform, torch
-from cudamem import _nvml
+from cudamem.ledger import nvml as _nvml
 print(json.dumps({
     "python": ".".join(platform.python_version_tuple()[:2]),
     "torch": ".".join(torch.__version__.split("+")[0].split(".")[:2]),

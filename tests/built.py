@@ -12,20 +12,20 @@ from typing import Any
 
 import pytest
 
-from cudamem._history import History, SpanStats
-from cudamem._nvml import DeviceMemory, GpuProcess, NvmlDevice, NvmlStatus
-from cudamem.census import Census, LiveStorage, Unaccounted
-from cudamem.culprits import Culprit
-from cudamem.holders import GraphHolder, GraphHolders, Holder, Holders
-from cudamem.leaks import Growth, LeakReport
-from cudamem.ledger import DeviceLedger, Explanation, LedgerLine, MachineStatus
-from cudamem.oom import OomReport, StrandedCache
-from cudamem.release import DeviceRelease, ReleaseResult
-from cudamem.runner import RunReport
-from cudamem.scalars import LoggerStats, SeriesSummary
-from cudamem.snapshot import CacheSplit, PrivatePool
-from cudamem.span import DeviceSpan, ExceptionInfo, SpanRecord
-from cudamem.stats import AllocatorStats
+from cudamem.allocator.snapshot import CacheSplit, PrivatePool
+from cudamem.allocator.stats import AllocatorStats
+from cudamem.growth.detector import Growth, LeakReport
+from cudamem.holders.census import Census, LiveStorage, Unaccounted
+from cudamem.holders.culprits import Culprit
+from cudamem.holders.finder import GraphHolder, GraphHolders, Holder, Holders
+from cudamem.ledger.device import DeviceLedger, Explanation, LedgerLine, MachineStatus
+from cudamem.ledger.nvml import DeviceMemory, GpuProcess, NvmlDevice, NvmlStatus
+from cudamem.ledger.oom import OomReport, StrandedCache
+from cudamem.ledger.reclaim import DeviceRelease, ReleaseResult
+from cudamem.run.runner import RunReport
+from cudamem.scalars.logger import LoggerStats, SeriesSummary
+from cudamem.spans.history import History, SpanStats
+from cudamem.spans.record import DeviceSpan, ExceptionInfo, SpanRecord
 
 from .routes import split
 

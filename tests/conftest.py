@@ -15,13 +15,17 @@ import torch
 from _pytest.pytester import SysModulesSnapshot
 
 import cudamem
-from cudamem import _cext, _history, _spancore, _warn
-from cudamem import span as _span
+from cudamem.base import warn as _warn
+from cudamem.native import cext as _cext
+from cudamem.native import spancore as _spancore
+from cudamem.spans import history as _history
+from cudamem.spans import span as _span
+from cudamem.spans import state as _spans_state
 
 from . import own_process
 
 #: The module (``cudamem.leaks`` is also the package's function of that name).
-_leaks = importlib.import_module("cudamem.leaks")
+_leaks = importlib.import_module("cudamem.growth.detector")
 
 
 def _has_cuda() -> bool:
@@ -205,7 +209,7 @@ def _clean_cudamem_state() -> Iterator[None]:
     growth detector that has seen no span (a test's rising spans arm it for their names;
     left armed, every later span of that name would be captured and judged)."""
     cudamem.clear_history()
-    _span._reset_state()
+    _spans_state._reset_state()
     _leaks._detector.reset()
     yield
     _leaks._detector.reset()
@@ -228,7 +232,7 @@ def compiled_span_core() -> Any:
 @pytest.fixture(params=["python", "compiled"])
 def span_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """Run the test once with spans opened and closed by the Python functions and once by
-    the compiled span core (``_spancore.c``), which must agree on everything.
+    the compiled span core (``native/src/spancore/``), which must agree on everything.
 
     Where a C compiler exists the compiled run must really use the core: a core that does
     not build or fails its check fails the test instead of skipping it. Each run warns
@@ -244,7 +248,8 @@ def python_edges() -> Iterator[list[str]]:
     """The calls of the Python open and close within the block, in order (``"open"``,
     ``"close"``): none for a span the compiled span core serves itself."""
     calls: list[str] = []
-    saved = _span._py_open, _span._py_close
+    state = _spans_state.STATE
+    saved = state.py_open, state.py_close
 
     def spy(edge: str, real: Any) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -253,8 +258,8 @@ def python_edges() -> Iterator[list[str]]:
 
         return call
 
-    _span._py_open, _span._py_close = spy("open", saved[0]), spy("close", saved[1])
+    state.py_open, state.py_close = spy("open", saved[0]), spy("close", saved[1])
     try:
         yield calls
     finally:
-        _span._py_open, _span._py_close = saved
+        state.py_open, state.py_close = saved

@@ -26,10 +26,11 @@ import torch.distributed as dist
 
 import cudamem
 import cudamem.distributed as cdist
-from cudamem import _backend, _history
-from cudamem._data import to_data
+from cudamem.allocator import backend as _backend
+from cudamem.base.data import to_data
 from cudamem.distributed import _transport
-from cudamem.leaks import LeakWarning
+from cudamem.growth.detector import LeakWarning
+from cudamem.spans import history as _history
 from tests.fakes import CpuStorageBackend
 
 STEPS = 8

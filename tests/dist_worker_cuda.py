@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 import cudamem
 import cudamem.distributed as cdist
-from cudamem._data import to_data
+from cudamem.base.data import to_data
 
 
 def main() -> int:

@@ -459,13 +459,13 @@ def _reset_cudamem() -> None:
     import importlib
 
     import cudamem
-    from cudamem import _history
-    from cudamem import span as _span
+    from cudamem.spans import history as _history
+    from cudamem.spans import state as _spans_state
 
-    leaks: Any = importlib.import_module("cudamem.leaks")
+    leaks: Any = importlib.import_module("cudamem.growth.detector")
     cudamem.configure_leaks()
     leaks._detector.reset()
-    _span._reset_state()
+    _spans_state._reset_state()
     cudamem.set_history_size(_history.DEFAULT_SIZE)
     cudamem.clear_history()
 

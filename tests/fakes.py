@@ -16,10 +16,10 @@ from collections.abc import Iterator
 from typing import Any, TypeVar
 
 import cudamem
-from cudamem import _backend
-from cudamem._backend import Backend
-from cudamem.leaks import LeakWarning
-from cudamem.stats import AllocatorStats
+from cudamem.allocator import backend as _backend
+from cudamem.allocator.backend import Backend
+from cudamem.allocator.stats import AllocatorStats
+from cudamem.growth.detector import LeakWarning
 
 _B = TypeVar("_B", bound=Backend)
 
@@ -134,7 +134,7 @@ class CpuStorageBackend(FakeAllocator):
         return "cpu"
 
     def read(self, device: int) -> AllocatorStats:
-        from cudamem.census import live_storage_keys
+        from cudamem.holders.census import live_storage_keys
 
         total = sum(live_storage_keys("cpu").values())
         with self.lock:

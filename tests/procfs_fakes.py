@@ -3,7 +3,7 @@ raises (``PermissionError``, ``FileNotFoundError``)."""
 
 from __future__ import annotations
 
-from cudamem._procfs import ProcFS
+from cudamem.host.procfs import ProcFS
 
 MiB = 1024**2
 

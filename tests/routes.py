@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from cudamem.holder_path import HolderPath, Step
+from cudamem.holders.holder_path import HolderPath, Step
 
 _INT = re.compile(r"-?\d+")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from .._format import plural
+from ..base.format import plural
 from ..render.text import render_table
 
 if TYPE_CHECKING:

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 import cudamem
-from cudamem._data import to_data
+from cudamem.base.data import to_data
 
 from .seeds import NaiveN
 
@@ -144,7 +144,7 @@ def run_case(case: str, index: int) -> dict[str, Any]:
             after = span.device(index).after
             levels.append({"allocated": after.allocated, "reserved": after.reserved})
     leak_texts = [str(w.message) for w in caught if isinstance(w.message, cudamem.LeakWarning)]
-    contexts = list(cudamem._backend.get().initialized_devices())
+    contexts = list(cudamem.allocator.backend.get().initialized_devices())
     ledgers = _ledgers()
     on_gpus = _process_on_gpus()
     released = cudamem.release(index, clear_cublas=True)

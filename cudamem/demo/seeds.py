@@ -23,15 +23,15 @@ from typing import Any
 
 import torch
 
-from .. import _backend
-from .._format import format_bytes, plural
-from ..census import live_storage_keys, live_tensors
-from ..holders import who_holds
-from ..host import to_host
-from ..modules import track_modules
-from ..release import release
-from ..scalars import ScalarLogger
-from ..span import MemorySpan, track
+from ..allocator import backend as _backend
+from ..base.format import format_bytes, plural
+from ..holders.census import live_storage_keys, live_tensors
+from ..holders.finder import who_holds
+from ..host.copy import to_host
+from ..ledger.reclaim import release
+from ..modules.profiler import track_modules
+from ..scalars.logger import ScalarLogger
+from ..spans.span import MemorySpan, track
 
 __all__ = ["Check", "Experiment", "experiments", "run_demo"]
 
@@ -450,8 +450,8 @@ def seed000_modules(device: int | None) -> Experiment:
 
 _SEED001_SCRIPT = r"""
 import gc, json, sys, torch, cudamem
-from cudamem.ledger import machine_status
-from cudamem._data import to_data
+from cudamem.ledger.device import machine_status
+from cudamem.base.data import to_data
 dev = int(sys.argv[1])
 def used():
     for d in machine_status().devices:

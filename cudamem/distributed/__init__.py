@@ -31,13 +31,14 @@ import os
 import time
 from typing import Any
 
-from .._args import check_bool
-from .._data import to_data
-from . import _results, _transport
+from ..base.args import check_bool
+from ..base.data import to_data
+from . import _transport
+from . import results as _results
 from ._analysis import build_report
 from ._collect import collect_rank
-from ._results import *  # noqa: F403  (re-exports the results: ``_results.__all__``)
-from ._results import DistributedReport, RankReport, absent_row, describe, failure
+from .results import *  # noqa: F403  (re-exports the results: ``_results.__all__``)
+from .results import DistributedReport, RankReport, absent_row, describe, failure
 
 __all__ = [*_results.__all__, "build_report", "collect_rank", "gather_report"]
 

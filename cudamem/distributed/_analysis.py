@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
-from .._format import format_bytes, plural
-from ..leaks import leak_settings
-from ..stats import device_name
-from ._results import (
+from ..allocator.stats import device_name
+from ..base.format import format_bytes, plural
+from ..growth.detector import leak_settings
+from .results import (
     DistributedReport,
     GpuHolding,
     HostGpu,

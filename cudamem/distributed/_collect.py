@@ -7,13 +7,15 @@ import socket
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .. import _backend, _history, _nvml
-from ..leaks import _detector as detector
-from ..leaks import theil_sen
-from ..ledger import LedgerLine, explain
-from ..span import max_allocated
-from ..stats import device_name
-from ._results import (
+from ..allocator import backend as _backend
+from ..allocator.stats import device_name
+from ..growth.detector import _detector as detector
+from ..growth.detector import theil_sen
+from ..ledger import nvml as _nvml
+from ..ledger.device import LedgerLine, explain
+from ..spans import history as _history
+from ..spans.span import max_allocated
+from .results import (
     CONTEXT_ESTIMATE,
     CONTEXT_ESTIMATE_EAGER,
     HostGpu,

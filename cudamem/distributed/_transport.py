@@ -22,8 +22,8 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
-from .._format import plural
-from ._results import describe
+from ..base.format import plural
+from .results import describe
 
 __all__ = ["Exchanged", "exchange"]
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import time
 
-from .._backend import Backend, Counters
-from ..census import live_storage_keys
-from ..stats import AllocatorStats
+from ..allocator.backend import Backend, Counters
+from ..allocator.stats import AllocatorStats
+from ..holders.census import live_storage_keys
 
 __all__ = ["CpuStorageBackend"]
 

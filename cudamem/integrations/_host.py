@@ -13,8 +13,9 @@ core), and a step copies its latest figures. The pinned pool is one counter read
 
 from __future__ import annotations
 
-from .. import _backend, workers
-from ..host_ledger import build_pinned
+from ..allocator import backend as _backend
+from ..host import workers
+from ..host.ledger import build_pinned
 
 __all__ = ["HOST_METRICS", "HostMeter"]
 

@@ -35,17 +35,17 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .. import _backend
-from .._args import check_bool, check_int
-from ..leaks import add_growth_hook, leak_settings, remove_growth_hook
-from ..modules import ModuleProfiler, track_modules
-from ..span import MemorySpan, StepSpan
+from ..allocator import backend as _backend
+from ..base.args import check_bool, check_int
+from ..growth.detector import add_growth_hook, leak_settings, remove_growth_hook
+from ..modules.profiler import ModuleProfiler, track_modules
+from ..spans.span import MemorySpan, StepSpan
 from ._cpu import CpuStorageBackend
 from ._host import HOST_METRICS, HostMeter
 
 if TYPE_CHECKING:
-    from ..leaks import Growth
-    from ..module_profile import ModuleProfile
+    from ..growth.detector import Growth
+    from ..modules.profile import ModuleProfile
 
 __all__ = ["METRICS", "MODES", "Meters", "ModuleMeter", "StepMeter"]
 

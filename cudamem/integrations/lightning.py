@@ -43,9 +43,10 @@ import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from .. import _backend, oom
-from ..leaks import leak_settings
-from ..plan import plan
+from ..allocator import backend as _backend
+from ..fit.planner import plan
+from ..growth.detector import leak_settings
+from ..ledger import oom
 from ._steps import Meters
 
 try:
@@ -70,8 +71,8 @@ except ImportError:  # pragma: no cover - the older package name
         ) from None
 
 if TYPE_CHECKING:
-    from ..memory_plan import MemoryPlan
-    from ..oom import OomReport
+    from ..fit.memory_plan import MemoryPlan
+    from ..ledger.oom import OomReport
 
 __all__ = ["CudamemCallback", "fit_batch_size", "plan_batch_size"]
 
@@ -380,7 +381,7 @@ def fit_batch_size(
 
     Raises:
         ValueError: as ``plan_batch_size``; or not even one sample fits.
-        cudamem.memory_plan.NotLinearError: the step's peak is not linear in the batch size.
+        cudamem.fit.memory_plan.NotLinearError: the step's peak is not linear in the batch size.
     """
     measured = plan_batch_size(
         trainer, module, sizes=sizes, batch_arg_name=batch_arg_name, restore=True

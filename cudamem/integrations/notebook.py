@@ -27,14 +27,14 @@ import shlex
 import sys
 from typing import TYPE_CHECKING, Any
 
-from .._present import present
-from ..holder_path import Step
-from ..holders import Holder, Holders, who_holds
-from ..span import track
+from ..base.present import present
+from ..holders.finder import Holder, Holders, who_holds
+from ..holders.holder_path import Step
+from ..spans.span import track
 from .results import IPythonHold, NotebookHolders
 
 if TYPE_CHECKING:
-    from ..span import MemorySpan
+    from ..spans.span import MemorySpan
 
 __all__ = [
     "IPythonHold",

@@ -29,9 +29,9 @@ from typing import Any
 
 import pytest
 
-from .. import _backend
-from ..census import LiveStorage, StorageSnapshot, live_refs
-from ..span import StepSpan
+from ..allocator import backend as _backend
+from ..holders.census import LiveStorage, StorageSnapshot, live_refs
+from ..spans.span import StepSpan
 from .results import MemoryCheck
 
 __all__ = [

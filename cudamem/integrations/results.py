@@ -11,13 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from .._present import Presented, PresentedHtml
+from ..base.present import Presented, PresentedHtml
 
 if TYPE_CHECKING:
-    from ..census import LiveStorage
-    from ..culprits import Culprit
-    from ..holders import Holders
-    from ..release import ReleaseResult
+    from ..holders.census import LiveStorage
+    from ..holders.culprits import Culprit
+    from ..holders.finder import Holders
+    from ..ledger.reclaim import ReleaseResult
 
 __all__ = ["IPythonHold", "MemoryCheck", "NotebookHolders", "TrainerRelease"]
 

@@ -47,16 +47,16 @@ except ImportError:
         name="transformers",
     ) from None
 
-from .. import _backend
-from ..census import StorageSnapshot
-from ..culprits import Culprit, group_by_owner
-from ..release import release
+from ..allocator import backend as _backend
+from ..holders.census import StorageSnapshot
+from ..holders.culprits import Culprit, group_by_owner
+from ..ledger.reclaim import release
 from ._steps import Meters
 from .results import TrainerRelease
 
 if TYPE_CHECKING:
-    from ..culprits import Culprit
-    from ..release import ReleaseResult
+    from ..holders.culprits import Culprit
+    from ..ledger.reclaim import ReleaseResult
 
 __all__ = ["CudamemTrainerCallback", "TrainerRelease", "attach", "release_trainer"]
 

@@ -1,8 +1,8 @@
 """Renderers: results in, strings out. Nothing here collects data or prints.
 
 Each module registers its renderers for the result types it draws
-(``cudamem._present.renders``); importing this package registers them all. ``import cudamem``
-does not: the first ``cudamem._present.present`` of a process (the first ``str()`` of a
+(``cudamem.base.present.renders``); importing this package registers them all. ``import cudamem``
+does not: the first ``cudamem.base.present.present`` of a process (the first ``str()`` of a
 result) imports this package. Results reach their renderers only through ``present`` and
 never import one.
 """

@@ -1,10 +1,10 @@
-"""Text rendering of ``cudamem.diff.MemoryDiff``."""
+"""Text rendering of ``cudamem.growth.compare.MemoryDiff``."""
 
 from __future__ import annotations
 
-from .._format import format_bytes, plural
-from .._present import renders
-from ..diff import MemoryDiff
+from ..base.format import format_bytes, plural
+from ..base.present import renders
+from ..growth.compare import MemoryDiff
 from .text import render_table
 
 __all__ = ["render_diff"]

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from .._format import format_bytes, plural
-from .._present import renders
-from ..distributed._results import (
+from ..allocator.stats import device_name
+from ..base.format import format_bytes, plural
+from ..base.present import renders
+from ..distributed.results import (
     CONTEXT_ESTIMATE,
     CONTEXT_ESTIMATE_EAGER,
     DistributedReport,
@@ -14,7 +15,6 @@ from ..distributed._results import (
     RankReport,
     StrayMemory,
 )
-from ..stats import device_name
 from .text import render_table
 
 __all__ = ["render_distributed", "render_outlier", "render_rank", "render_stray"]

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from .._format import escape_html, format_bytes, plural
-from .._present import renders
-from ..fragmentation import (
+from ..base.format import escape_html, format_bytes, plural
+from ..base.present import renders
+from ..ledger.free_space import (
     CERTAIN,
     FITS_NOW,
     FRAGMENTATION,

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from .._format import format_bytes, plural
-from .._present import renders
-from ..census import Census, LiveStorage, Unaccounted
-from ..holders import GraphHolder, GraphHolders, Holder, Holders
+from ..base.format import format_bytes, plural
+from ..base.present import renders
+from ..holders.census import Census, LiveStorage, Unaccounted
+from ..holders.finder import GraphHolder, GraphHolders, Holder, Holders
 from .text import render_table
 
 __all__ = [

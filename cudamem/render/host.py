@@ -1,14 +1,14 @@
 """Text of the host half: a process's RSS/PSS/USS, the pinned pool, CPU tensors, the
-DataLoader workers and their growth warning (``cudamem.workers``, ``cudamem.host_ledger``)."""
+DataLoader workers and their growth warning (``cudamem.host.workers``, ``cudamem.host.ledger``)."""
 
 from __future__ import annotations
 
-from .._dataset_walk import ContainerAttr
-from .._format import format_bytes, plural
-from .._present import renders
-from .._procfs import ProcessMemory
-from ..host_ledger import HostLedger, HostRelease, HostRun, PinnedPool, ProcessTree
-from ..workers import LoaderReport, WatchSettings
+from ..base.format import format_bytes, plural
+from ..base.present import renders
+from ..host._dataset_walk import ContainerAttr
+from ..host.ledger import HostLedger, HostRelease, HostRun, PinnedPool, ProcessTree
+from ..host.procfs import ProcessMemory
+from ..host.workers import LoaderReport, WatchSettings
 from .text import render_table
 
 __all__ = [
@@ -78,7 +78,8 @@ def render_loader(report: LoaderReport) -> str:
     if not report.watched:
         lines = [
             f"{head}: USS {format_bytes(report.uss)}, PSS {format_bytes(report.pss)} in all "
-            "(one reading: cudamem.workers.watch_workers() or cudamem run follows their growth)"
+            "(one reading: cudamem.host.workers.watch_workers() or cudamem run follows their "
+            "growth)"
         ]
     else:
         lines = [

@@ -11,15 +11,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .._format import escape_html, format_bytes, format_duration, plural
-from ..culprits import direct_first
+from ..base.format import escape_html, format_bytes, format_duration, plural
+from ..holders.culprits import direct_first
 from .modules import render_profile_html
 from .report import command_line, leak_line, steps_line, unmeasured
 from .series import nothing_to_plot, points
 from .svg import memory_chart
 
 if TYPE_CHECKING:
-    from ..runner import RunReport
+    from ..run.runner import RunReport
 
 __all__ = ["render_html"]
 

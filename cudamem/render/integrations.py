@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from .._format import format_bytes, plural
-from .._present import renders
+from ..base.format import format_bytes, plural
+from ..base.present import renders
 from ..integrations.results import MemoryCheck, TrainerRelease
 from .leaks import render_culprit
 

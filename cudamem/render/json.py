@@ -1,4 +1,4 @@
-"""JSON documents of cudamem results: the plain data of ``cudamem._data.to_data``, with a
+"""JSON documents of cudamem results: the plain data of ``cudamem.base.data.to_data``, with a
 ``kind`` and a ``schema`` version in front.
 
 Every document ``to_json`` writes carries ``"schema"``, the version of its layout, raised
@@ -18,7 +18,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from .._data import to_data
+from ..base.data import to_data
 
 __all__ = ["SCHEMA", "schema_of", "to_data", "to_json"]
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from .._format import format_bytes, plural
-from .._present import renders
-from ..culprits import Culprit
-from ..leaks import Growth, LeakReport, LeakSettings
+from ..base.format import format_bytes, plural
+from ..base.present import renders
+from ..growth.detector import Growth, LeakReport, LeakSettings
+from ..holders.culprits import Culprit
 from .text import render_table
 
 __all__ = ["render_culprit", "render_growth", "render_leak_report", "render_leak_settings"]

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from .._format import format_bytes, plural
-from .._nvml import NvmlStatus
-from .._present import renders
-from ..ledger import DeviceLedger, Explanation, LedgerLine, MachineStatus
-from ..release import DeviceRelease, ReleaseResult
-from ..snapshot import CacheSplit
+from ..allocator.snapshot import CacheSplit
+from ..base.format import format_bytes, plural
+from ..base.present import renders
+from ..ledger.device import DeviceLedger, Explanation, LedgerLine, MachineStatus
+from ..ledger.nvml import NvmlStatus
+from ..ledger.reclaim import DeviceRelease, ReleaseResult
 from .fragmentation import fragmentation_lines, verdict_lines
 from .host import render_host_ledger, render_host_release, render_process_trees
 from .text import render_table

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from .._format import format_bytes, plural
-from .._present import renders
-from ..memviz import SnapshotDump
+from ..base.format import format_bytes, plural
+from ..base.present import renders
+from ..ledger.memviz import SnapshotDump
 
 __all__ = ["render_dump"]
 

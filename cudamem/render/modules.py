@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from .._format import escape_html, escape_invisible, format_bytes, format_duration, plural
-from .._present import renders
-from ..module_profile import ModuleProfile, ModuleStats, Spread
-from ..modules import ModuleProfiler
+from ..base.format import escape_html, escape_invisible, format_bytes, format_duration, plural
+from ..base.present import renders
+from ..modules.profile import ModuleProfile, ModuleStats, Spread
+from ..modules.profiler import ModuleProfiler
 from .text import render_table
 
 __all__ = [

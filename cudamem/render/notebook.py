@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .._format import escape_html, format_bytes, format_duration, plural
-from .._present import renders
-from ..holders import Holders
+from ..base.format import escape_html, format_bytes, format_duration, plural
+from ..base.present import renders
+from ..holders.finder import Holders
 from ..integrations.results import NotebookHolders
-from ..leak_report import LeakReport
-from ..ledger import DeviceLedger, Explanation
-from ..span import MemorySpan, SpanRecord
+from ..ledger.device import DeviceLedger, Explanation
+from ..spans.leftovers import LeakReport
+from ..spans.record import SpanRecord
+from ..spans.span import MemorySpan
 from .fragmentation import fragmentation_html
 from .holders import render_holder
 from .host import render_host_ledger

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import datetime
 
-from .._format import format_bytes, plural
-from .._present import renders
-from ..oom import OomReport
+from ..base.format import format_bytes, plural
+from ..base.present import renders
+from ..ledger.oom import OomReport
 from .leaks import render_culprit
 from .text import render_table
 

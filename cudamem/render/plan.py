@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from .._fit import HEADROOM, Line
-from .._format import escape_html, format_bytes, format_duration, plural
-from .._present import renders
-from ..memory_plan import CheckpointAdvice, LargestBatch, MemoryPlan, Prediction, Probe
+from ..base.format import escape_html, format_bytes, format_duration, plural
+from ..base.present import renders
+from ..fit._terms import HEADROOM, Line
+from ..fit.memory_plan import CheckpointAdvice, LargestBatch, MemoryPlan, Prediction, Probe
 from .text import render_table
 
 __all__ = [

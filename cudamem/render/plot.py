@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from .._format import plural
-from .._history import History, history
+from ..base.format import plural
+from ..spans.history import History, history
 from .series import nothing_to_plot, points
 
 __all__ = ["plot"]
@@ -28,7 +28,7 @@ def plot(
     axes say there is nothing to plot and why.
 
     Args:
-        hist: a [History][cudamem._history.History] (default: ``cudamem.history()``).
+        hist: a [History][cudamem.spans.history.History] (default: ``cudamem.history()``).
         leaks: span names, or ``LeakWarning``/``Growth`` objects, whose points are marked red.
         ax: a matplotlib ``Axes`` to draw into (default: a new figure).
         title: the axes' title.

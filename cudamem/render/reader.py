@@ -3,9 +3,8 @@
 
 from __future__ import annotations
 
-from .._cext import ExtensionStatus
-from .._fastread import ReaderStatus
-from .._present import renders
+from ..base.present import renders
+from ..native.states import ExtensionStatus, ReaderStatus
 
 __all__ = ["render_extension_status", "render_reader_status"]
 

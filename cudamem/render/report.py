@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .._format import escape_invisible, format_bytes, format_duration, plural
-from .._present import renders
-from ..runner import STEP_SPAN, RunReport
+from ..base.format import escape_invisible, format_bytes, format_duration, plural
+from ..base.present import renders
+from ..run.runner import STEP_SPAN, RunReport
 from .modules import render_top_table
 from .text import render_table
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .._format import format_bytes, plural
-from .._present import renders
-from ..scalars import LoggerStats, ScalarLogger, SeriesSummary
+from ..base.format import format_bytes, plural
+from ..base.present import renders
+from ..scalars.logger import LoggerStats, ScalarLogger, SeriesSummary
 from .text import render_table
 
 __all__ = ["render_logger", "render_logger_stats", "render_scalar_logger", "render_series_summary"]

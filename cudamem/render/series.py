@@ -12,10 +12,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .._format import plural
+from ..base.format import plural
 
 if TYPE_CHECKING:
-    from ..span import SpanRecord
+    from ..spans.record import SpanRecord
 
 __all__ = ["Point", "nothing_to_plot", "points"]
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from .._format import format_bytes, format_duration
-from .._present import renders
-from ..span import DeviceSpan, ExceptionInfo, SpanRecord
-from ..stats import AllocatorStats, device_name
+from ..allocator.stats import AllocatorStats, device_name
+from ..base.format import format_bytes, format_duration
+from ..base.present import renders
+from ..spans.record import DeviceSpan, ExceptionInfo, SpanRecord
 
 __all__ = [
     "render_allocator_stats",

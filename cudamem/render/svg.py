@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .._format import escape_html, format_bytes
+from ..base.format import escape_html, format_bytes
 from .series import Point
 
 __all__ = ["memory_chart"]

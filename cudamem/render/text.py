@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .._format import plural
+from ..base.format import plural
 
 __all__ = ["render_table"]
 

@@ -22,9 +22,9 @@ import torch.distributed as dist
 
 import cudamem
 import cudamem.distributed
-from cudamem import _backend
-from cudamem.census import live_storage_keys
-from cudamem.stats import AllocatorStats
+from cudamem.allocator import backend as _backend
+from cudamem.allocator.stats import AllocatorStats
+from cudamem.holders.census import live_storage_keys
 
 warnings.simplefilter("ignore", cudamem.LeakWarning)  # the report carries the finding
 

@@ -19,7 +19,7 @@ except ImportError:
     sys.exit("fit.py: this example needs transformers: pip install 'cudamem[transformers]'")
 
 import cudamem
-from cudamem.memory_plan import NotLinearError
+from cudamem.fit.memory_plan import NotLinearError
 
 transformers.logging.set_verbosity_error()
 warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' renames

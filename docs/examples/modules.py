@@ -18,7 +18,7 @@ except ImportError:
     sys.exit("modules.py: this example needs transformers: pip install 'cudamem[transformers]'")
 
 import cudamem
-from cudamem import _backend
+from cudamem.allocator import backend as _backend
 from cudamem.integrations._cpu import CpuStorageBackend
 
 transformers.logging.set_verbosity_error()

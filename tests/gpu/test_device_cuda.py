@@ -33,7 +33,7 @@ PRELUDE = textwrap.dedent(
     import cudamem
 
     from cudamem.demo import NaiveN  # seed 001's model, bug included
-    from cudamem._data import to_data
+    from cudamem.base.data import to_data
 
     def line(ledger, key):
         got = ledger.line(key)

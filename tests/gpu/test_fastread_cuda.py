@@ -18,8 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from cudamem import _backend, _fastread
-from cudamem._fastread import FastReader, Reader
+from cudamem.allocator import backend as _backend
+from cudamem.native import cache as _native_cache
+from cudamem.native import fastread as _fastread
+from cudamem.native.fastread import FastReader, Reader
 
 pytestmark = pytest.mark.cuda
 ROOT = Path(__file__).resolve().parents[2]
@@ -115,7 +117,7 @@ def test_backend_validates_then_serves_from_the_reader(
 
 
 def _run(code: str, cache: Path, **env: str) -> subprocess.CompletedProcess[str]:
-    full = {**os.environ, "PYTHONPATH": str(ROOT), _fastread.CACHE_ENV: str(cache), **env}
+    full = {**os.environ, "PYTHONPATH": str(ROOT), _native_cache.CACHE_ENV: str(cache), **env}
     if _fastread.SWITCH_ENV not in env:
         full.pop(_fastread.SWITCH_ENV, None)
     if "CXX" not in env:
@@ -133,7 +135,7 @@ def _run(code: str, cache: Path, **env: str) -> subprocess.CompletedProcess[str]
 
 _BACKGROUND = """
     import torch, cudamem
-    from cudamem import _backend
+    from cudamem.allocator import backend as _backend
     x = torch.ones(1 << 20, device="cuda:0")
     b = _backend.get()
     first = b.counters(0)

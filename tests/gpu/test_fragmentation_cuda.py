@@ -20,9 +20,9 @@ import pytest
 import torch
 
 import cudamem
-from cudamem import _backend
-from cudamem import oom as _oom
-from cudamem.fragmentation import FRAGMENTATION
+from cudamem.allocator import backend as _backend
+from cudamem.ledger import oom as _oom
+from cudamem.ledger.free_space import FRAGMENTATION
 
 from . import fragment_pattern as pattern
 

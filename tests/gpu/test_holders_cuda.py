@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import cudamem
-from cudamem import census
+from cudamem.holders import census
 
 pytestmark = pytest.mark.cuda
 

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 import cudamem
-from cudamem import _backend, _procfs, host_ledger
+from cudamem.allocator import backend as _backend
+from cudamem.host import ledger as host_ledger
+from cudamem.host import procfs as _procfs
 
 pytestmark = pytest.mark.cuda
 

@@ -23,7 +23,8 @@ import pytest
 import torch
 
 import cudamem
-from cudamem import LeakWarning, _backend
+from cudamem import LeakWarning
+from cudamem.allocator import backend as _backend
 
 pytestmark = pytest.mark.cuda
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import cudamem
-from cudamem.modules import COMPILED_NOTE
+from cudamem.modules.profiler import COMPILED_NOTE
 
 from .. import extras
 from ..memtracker import compare, memtracker_kept
@@ -129,7 +129,7 @@ def test_cpp_gates_agree_with_python_gates(monkeypatch: pytest.MonkeyPatch) -> N
     """The figures through the C++ log (the forward's edges marked, the gates in C++, no
     Python in the backward, one replay) are those of a span per call and Python gates,
     module by module, forward and backward."""
-    from cudamem import _backend
+    from cudamem.allocator import backend as _backend
 
     model = _gpt2()
     opt = torch.optim.AdamW(model.parameters())

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import cudamem
-from cudamem import oom as _oom
-from cudamem.memviz import auto_dump
+from cudamem.ledger import oom as _oom
+from cudamem.ledger.memviz import auto_dump
 
 pytestmark = pytest.mark.cuda
 

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import cudamem
-from cudamem.memory_plan import MemoryPlan
+from cudamem.fit.memory_plan import MemoryPlan
 
 pytestmark = pytest.mark.cuda
 

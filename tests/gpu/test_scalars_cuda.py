@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import cudamem
-from cudamem import _backend
+from cudamem.allocator import backend as _backend
 
 pytestmark = pytest.mark.cuda
 MiB = 1024**2

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import cudamem
-from cudamem import _backend
+from cudamem.allocator import backend as _backend
 from cudamem.demo import seed000_lifecycle
 
 from ..conftest import python_edges
@@ -63,7 +63,7 @@ def test_4mib_tensor_reserves_20mib_segment() -> None:
     code = textwrap.dedent(
         """
         import gc, torch, cudamem
-        from cudamem import _backend
+        from cudamem.allocator import backend as _backend
         torch.cuda.init()
         with cudamem.track("4 MiB") as span:
             x = torch.zeros(1024, 1024, device="cuda:0")

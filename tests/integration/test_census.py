@@ -9,11 +9,12 @@ import pytest
 import torch
 
 import cudamem
-from cudamem import _backend, census
-from cudamem._storages import ref_of
-from cudamem.census import Census, LiveStorage, _classify_blocks
+from cudamem.allocator import backend as _backend
+from cudamem.allocator.snapshot import Block, Frame, allocated_blocks
+from cudamem.holders import census
+from cudamem.holders._storages import ref_of
+from cudamem.holders.census import Census, LiveStorage, _classify_blocks
 from cudamem.render.json import to_json
-from cudamem.snapshot import Block, Frame, allocated_blocks
 from tests.fakes import FakeAllocator
 
 M = __name__
@@ -279,7 +280,7 @@ def test_no_cyclic_collection_runs_during_a_census_and_gc_is_left_as_found(
     collection it triggers: gc is off while it gathers and as it was afterwards."""
     import gc
 
-    from cudamem import census
+    from cudamem.holders import census
 
     seen: list[bool] = []
     gather_from = census._gather_from

@@ -123,7 +123,7 @@ def test_run_script_that_raises(tmp_path: Path) -> None:
     assert "Traceback (most recent call last)" in out.stderr
     assert 'boom.py", line 3, in inner' in out.stderr
     assert "ValueError: bad batch 7" in out.stderr
-    assert "cudamem/runner.py" not in out.stderr  # cudamem's own frames are cut
+    assert "cudamem/run/runner.py" not in out.stderr  # cudamem's own frames are cut
     assert "raised ValueError (bad batch 7)" in out.stderr
 
 

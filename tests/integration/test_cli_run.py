@@ -319,7 +319,7 @@ def test_html_escapes_bidi_and_invisible_characters(tmp_path: Path) -> None:
 
 
 def test_escape_invisible_writes_python_escapes() -> None:
-    from cudamem._format import escape_invisible
+    from cudamem.base.format import escape_invisible
 
     assert escape_invisible("plain ascii") == "plain ascii"
     assert escape_invisible("café 日本 ü") == "café 日本 ü"  # visible letters stay

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 import cudamem
-from cudamem import census
-from cudamem._data import to_data
-from cudamem._storages import StorageRef, ref_of
-from cudamem.census import LiveStorage
-from cudamem.culprits import NO_HOLDER, Culprit, group_by_owner, group_culprits, held_shapes
-from cudamem.holder_path import HolderPath, Step
-from cudamem.holders import Holder, Holders
+from cudamem.base.data import to_data
+from cudamem.holders import census
+from cudamem.holders._storages import StorageRef, ref_of
+from cudamem.holders.census import LiveStorage
+from cudamem.holders.culprits import NO_HOLDER, Culprit, group_by_owner, group_culprits, held_shapes
+from cudamem.holders.finder import Holder, Holders
+from cudamem.holders.holder_path import HolderPath, Step
 from cudamem.render.leaks import render_culprit
 
 from ..routes import route, split, step
@@ -359,7 +359,7 @@ def test_graph_holders_and_leaks_agree_on_containers() -> None:
 
 
 def test_culprit_cap_never_hides_a_container_behind_its_items() -> None:
-    from cudamem import _backend
+    from cudamem.allocator import backend as _backend
 
     from .test_leaks import CpuFake
 

@@ -1,6 +1,6 @@
 """A deep structure never crashes a search: a path 100,000 steps long is read without
-recursion (``cudamem._paths``), and every search answers with the path or says which limit
-stopped it (real CPU tensors; ``max_depth`` above the interpreter's recursion limit).
+recursion (``cudamem.holders._graph_paths``), and every search answers with the path or says
+which limit stopped it (real CPU tensors; ``max_depth`` above the interpreter's recursion limit).
 
 The census and a span's leak capture search with the default limits (``max_depth`` 40);
 ``deep_census`` raises them for a test, as a caller of the search with a larger bound would.
@@ -18,10 +18,11 @@ import pytest
 import torch
 
 import cudamem
-from cudamem import _backend, census
-from cudamem._search import SearchLimits
-from cudamem.culprits import group_culprits
-from cudamem.holders import Holders
+from cudamem.allocator import backend as _backend
+from cudamem.holders import census
+from cudamem.holders._search import SearchLimits
+from cudamem.holders.culprits import group_culprits
+from cudamem.holders.finder import Holders
 from cudamem.render.json import to_json
 
 from ..fakes import FakeAllocator

@@ -13,12 +13,13 @@ import pytest
 import torch
 
 import cudamem
-from cudamem import _backend, _nvml
-from cudamem.ledger import AllocatedSplit, DeviceLedger, Explanation, build_ledger
-from cudamem.release import largest_storages
+from cudamem.allocator import backend as _backend
+from cudamem.allocator.snapshot import split_cache
+from cudamem.allocator.stats import AllocatorStats
+from cudamem.ledger import nvml as _nvml
+from cudamem.ledger.device import AllocatedSplit, DeviceLedger, Explanation, build_ledger
+from cudamem.ledger.reclaim import largest_storages
 from cudamem.render.json import to_json
-from cudamem.snapshot import split_cache
-from cudamem.stats import AllocatorStats
 
 from ..fakes import FakeAllocator
 from ..nvml_fakes import NO_PERMISSION, NOT_SUPPORTED, FakeGpu, GiB, MiB, make_nvml

@@ -25,11 +25,9 @@ import pytest
 import torch
 
 import cudamem
-from cudamem import _backend, _nvml
-from cudamem._backend import PoolOwners, instances_of
-from cudamem.ledger import AllocatedSplit, DeviceLedger, build_ledger
-from cudamem.render.json import to_json
-from cudamem.snapshot import (
+from cudamem.allocator import backend as _backend
+from cudamem.allocator.backend import PoolOwners, instances_of
+from cudamem.allocator.snapshot import (
     LARGE_PAGE,
     SMALL_PAGE,
     graph_pool_blocks,
@@ -39,7 +37,10 @@ from cudamem.snapshot import (
     split_cache,
     workspace_streams,
 )
-from cudamem.stats import AllocatorStats
+from cudamem.allocator.stats import AllocatorStats
+from cudamem.ledger import nvml as _nvml
+from cudamem.ledger.device import AllocatedSplit, DeviceLedger, build_ledger
+from cudamem.render.json import to_json
 
 from .. import snapshot_data as sd
 from ..fakes import FakeAllocator
@@ -210,7 +211,7 @@ def test_expandable_without_snapshot_is_one_unsplit_line() -> None:
 
 
 def test_expandable_segments_configured(monkeypatch: pytest.MonkeyPatch) -> None:
-    from cudamem.ledger import expandable_segments_configured
+    from cudamem.ledger.device import expandable_segments_configured
 
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128, expandable_segments:True")
@@ -687,7 +688,7 @@ def test_cache_split_is_json_ready() -> None:
 
 
 def recorded(name: str) -> dict[str, Any]:
-    from cudamem.snapshot import loads_snapshot
+    from cudamem.allocator.snapshot import loads_snapshot
 
     data = loads_snapshot((DATA / f"h200_{name}.pkl").read_bytes())
     assert isinstance(data, dict)
@@ -813,8 +814,8 @@ def test_h200_record_stream_pending() -> None:
 
 
 def test_remaining_storage_in_a_held_pool_is_named_so() -> None:
-    from cudamem.release import largest_storages
-    from cudamem.snapshot import PoolBlock, PoolBlocks, PrivatePool
+    from cudamem.allocator.snapshot import PoolBlock, PoolBlocks, PrivatePool
+    from cudamem.ledger.reclaim import largest_storages
 
     big = torch.ones(3 * 1024 * 1024, dtype=torch.uint8)  # the largest CPU storage here
     ptr = big.untyped_storage().data_ptr()

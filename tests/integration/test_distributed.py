@@ -22,8 +22,7 @@ import torch
 
 import cudamem
 import cudamem.distributed as cdist
-from cudamem import _history, _nvml
-from cudamem._data import to_data
+from cudamem.base.data import to_data
 from cudamem.distributed import (
     HostGpu,
     RankDevice,
@@ -36,10 +35,12 @@ from cudamem.distributed import (
     collect_rank,
     gather_report,
 )
-from cudamem.distributed._results import absent_row
-from cudamem.ledger import LedgerLine
+from cudamem.distributed.results import absent_row
+from cudamem.ledger import nvml as _nvml
+from cudamem.ledger.device import LedgerLine
 from cudamem.render.distributed import render_distributed
 from cudamem.render.json import to_json
+from cudamem.spans import history as _history
 
 MiB = 1024**2
 ROOT = Path(__file__).resolve().parents[2]
@@ -206,7 +207,7 @@ def test_without_torch_distributed_the_report_is_this_process() -> None:
 def test_cpu_spans_are_not_measured_not_zero() -> None:
     """Spans that measured no CUDA device have no delta, level or growth: the report shows
     n/a for them (never +0 B) and says growth was not measured (never "no rank grows")."""
-    from cudamem.distributed._results import RankSpan
+    from cudamem.distributed.results import RankSpan
 
     for _ in range(4):
         with cudamem.track("cpu_step"):

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from cudamem import _backend
+from cudamem.allocator import backend as _backend
 from cudamem.demo import render_experiment
 from cudamem.demo import seed001_runs as _seed001_runs
 from cudamem.demo import seeds as demo

@@ -23,22 +23,22 @@ from typing import Any
 import pytest
 import torch
 
-from cudamem import _backend, _fastread
-from cudamem.__main__ import main
-from cudamem._data import to_data
-from cudamem._fastread import (
-    BuildSpec,
-    FastReader,
-    ReaderStatus,
-    ReaderUnavailable,
-    cache_key,
-)
-from cudamem._present import present
+from cudamem.allocator import backend as _backend
+from cudamem.base.data import to_data
+from cudamem.base.present import present
+from cudamem.cli.commands import main
+from cudamem.native import cache as _native_cache
+from cudamem.native import fastread as _fastread
+from cudamem.native import reader_build
+from cudamem.native import reader_toolchain as _native_reader_toolchain
+from cudamem.native.fastread import FastReader
+from cudamem.native.reader_toolchain import BuildSpec, cache_key
+from cudamem.native.states import ReaderStatus, ReaderUnavailable
 
 from ..fakes import FakeAllocator
 
 ROOT = Path(__file__).resolve().parents[2]
-SOURCE = Path(_fastread.SOURCE_PATH).read_text()
+SOURCE = reader_build.bundle()
 
 
 def _spec(**changes: Any) -> BuildSpec:
@@ -120,7 +120,7 @@ def _manager(
 @pytest.fixture(autouse=True)
 def _switch_on(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv(_fastread.SWITCH_ENV, raising=False)
-    monkeypatch.setenv(_fastread.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(_native_cache.CACHE_ENV, str(tmp_path / "cache"))
 
 
 # --------------------------------------------------------------------------- cache key
@@ -163,14 +163,16 @@ def test_cache_key_is_one_safe_path_component() -> None:
 def test_cache_root_follows_the_environment(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    monkeypatch.setenv(_fastread.CACHE_ENV, str(tmp_path / "mine"))
-    assert _fastread.cache_root() == str(tmp_path / "mine" / "reader")
-    monkeypatch.delenv(_fastread.CACHE_ENV)
+    monkeypatch.setenv(_native_cache.CACHE_ENV, str(tmp_path / "mine"))
+    assert _native_reader_toolchain.cache_root() == str(tmp_path / "mine" / "reader")
+    monkeypatch.delenv(_native_cache.CACHE_ENV)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert _fastread.cache_root() == str(tmp_path / "xdg" / "cudamem" / "reader")
+    assert _native_reader_toolchain.cache_root() == str(tmp_path / "xdg" / "cudamem" / "reader")
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert _fastread.cache_root() == str(tmp_path / "home" / ".cache" / "cudamem" / "reader")
+    assert _native_reader_toolchain.cache_root() == str(
+        tmp_path / "home" / ".cache" / "cudamem" / "reader"
+    )
 
 
 def test_spec_from_this_torch() -> None:
@@ -566,11 +568,13 @@ def test_toolchain_problems_are_named(monkeypatch: pytest.MonkeyPatch, tmp_path:
     cxx = shutil.which("c++") or shutil.which("g++")
     if cxx is not None:
         monkeypatch.setenv("CXX", cxx)
-        monkeypatch.setattr(_fastread, "_tool_path", lambda: str(tmp_path))  # no ninja
+        monkeypatch.setattr(
+            _native_reader_toolchain, "_tool_path", lambda: str(tmp_path)
+        )  # no ninja
         assert "ninja" in (_fastread._toolchain_problem() or "")
         (tmp_path / "ninja").write_text("#!/bin/sh\n")
         (tmp_path / "ninja").chmod(0o755)
-        monkeypatch.setattr(_fastread, "_cuda_home", lambda: None)
+        monkeypatch.setattr(_native_reader_toolchain, "_cuda_home", lambda: None)
         assert "no CUDA headers" in (_fastread._toolchain_problem() or "")
     spec = _spec()
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
@@ -589,7 +593,7 @@ def test_toolchain_problems_are_named(monkeypatch: pytest.MonkeyPatch, tmp_path:
 
 def test_tool_path_puts_this_pythons_bin_first(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", "/nowhere")
-    first, rest = _fastread._tool_path().split(os.pathsep)
+    first, rest = _native_reader_toolchain._tool_path().split(os.pathsep)
     assert first == os.path.dirname(os.path.abspath(sys.executable)) and rest == "/nowhere"
 
 
@@ -602,7 +606,7 @@ def test_cuda_home_skips_directories_without_headers(
     empty.mkdir()
     monkeypatch.setenv("CUDA_HOME", str(empty))
     monkeypatch.setenv("CUDA_PATH", str(good))
-    assert _fastread._cuda_home() == str(good)
+    assert _native_reader_toolchain._cuda_home() == str(good)
 
 
 def test_error_tail_keeps_the_error_lines() -> None:
@@ -613,10 +617,10 @@ def test_error_tail_keeps_the_error_lines() -> None:
             "ninja: build stopped: subcommand failed.",
         ]
     )
-    tail = _fastread._error_tail(output)
+    tail = _native_reader_toolchain._error_tail(output)
     assert "fatal error: c10/cuda/x.h" in tail and "[1/2]" not in tail
-    assert len(_fastread._error_tail("error " * 500)) <= 400
-    assert _fastread._error_tail("") == "no output"
+    assert len(_native_reader_toolchain._error_tail("error " * 500)) <= 400
+    assert _native_reader_toolchain._error_tail("") == "no output"
 
 
 def test_status_values_and_json() -> None:
@@ -643,8 +647,10 @@ def test_status_values_and_json() -> None:
 
 
 def test_status_command_names_the_reader(capsys: pytest.CaptureFixture[str]) -> None:
-    from cudamem import _cext, _heapscan, _nvml
-    from cudamem.span import span_core_status
+    from cudamem.ledger import nvml as _nvml
+    from cudamem.native import cext as _cext
+    from cudamem.native import heapscan as _heapscan
+    from cudamem.spans.span import span_core_status
 
     from ..nvml_fakes import FakeGpu, make_nvml
 
@@ -701,7 +707,7 @@ def test_import_cudamem_compiles_nothing_and_starts_no_thread() -> None:
         import torch
         before = {t.ident for t in threading.enumerate()}
         import cudamem
-        from cudamem import _backend
+        from cudamem.allocator import backend as _backend
         with cudamem.track("step"):
             x = torch.ones(4)
         assert _backend.get().counters(0) == (0, 0, 0) or torch.cuda.is_initialized()

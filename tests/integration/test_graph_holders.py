@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import cudamem
-from cudamem import holders as _holders
-from cudamem._data import to_data
-from cudamem.scalars import ScalarLogger
+from cudamem.base.data import to_data
+from cudamem.holders import finder as _holders
+from cudamem.scalars.logger import ScalarLogger
 
 graph_history: list[torch.Tensor] = []
 
@@ -82,7 +82,7 @@ def test_bad_arguments_name_the_argument(
 def test_a_graph_is_named_through_its_outermost_owner(inner_first: bool) -> None:
     """An intermediate tensor inside a loss's graph is an owner too; what the two share is
     named through the loss, whichever of them the walk is handed first."""
-    from cudamem import _autograd
+    from cudamem.holders import _autograd
 
     w = torch.randn(8, 8, requires_grad=True)
     hidden = (torch.randn(8, 8) @ w).relu()

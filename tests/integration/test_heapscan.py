@@ -1,5 +1,5 @@
-"""The compiled heap pass (``cudamem/_heapscan.c``): built, validated, switched off, and the
-same answers as the Python pass, on hostile and mutating heaps too.
+"""The compiled heap pass (``cudamem/native/src/heapscan/``): built, validated, switched off,
+and the same answers as the Python pass, on hostile and mutating heaps too.
 
 Where no C compiler exists these tests skip the compiled half; the Python pass is what the
 rest of the suite runs on then.
@@ -22,7 +22,8 @@ import pytest
 import torch
 
 import cudamem
-from cudamem import _heap, _heapscan
+from cudamem.native import heap as _heap
+from cudamem.native import heapscan as _heapscan
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -149,7 +150,7 @@ def test_module_dicts_names_each_module_dict_once(compiled: Any) -> None:
     assert compiled.module_dicts(modules) == {id(vars(plain)): "cm_plain", id(vars(sub)): "cm_sub"}
     with pytest.raises(TypeError, match="must be a dict"):
         compiled.module_dicts([plain])
-    search = cudamem._search.Search.__new__(cudamem._search.Search)
+    search = cudamem.holders._search.Search.__new__(cudamem.holders._search.Search)
     fast = search._module_dicts()
     with _heapscan.python_pass():
         assert search._module_dicts() == fast
@@ -323,7 +324,7 @@ def test_switched_off_by_the_environment_and_import_compiles_nothing(tmp_path: P
     out = _fresh(
         """
         import cudamem, torch
-        from cudamem import _heapscan
+        from cudamem.native import heapscan as _heapscan
         print("import", _heapscan.status().state)
         t = torch.ones(2); keep = [t]
         assert "keep[0]" in str(cudamem.who_holds(t))
@@ -340,7 +341,7 @@ def test_no_compiler_leaves_the_python_pass(tmp_path: Path) -> None:
     out = _fresh(
         """
         import cudamem, torch
-        from cudamem import _heapscan
+        from cudamem.native import heapscan as _heapscan
         t = torch.ones(2); keep = [t]
         assert "keep[0]" in str(cudamem.who_holds(t))
         s = _heapscan.wait(30)
@@ -354,7 +355,7 @@ def test_no_compiler_leaves_the_python_pass(tmp_path: Path) -> None:
 
 
 def test_all_tensors_are_the_same_objects_in_the_same_order(compiled: Any) -> None:
-    from cudamem import _autograd
+    from cudamem.holders import _autograd
 
     keep = [torch.ones(i + 1) for i in range(50)] + [torch.nn.Parameter(torch.ones(2))]
     gc.collect()
@@ -505,7 +506,7 @@ def test_gc_order_lists_the_snapshot_as_gc_get_objects_does(compiled: Any) -> No
     ranges: list[tuple[int, int]] = []
     heap = _heap.snapshot(ranges)
     assert sum(end - start for start, end in ranges) == len(heap)
-    from cudamem import _autograd
+    from cudamem.holders import _autograd
 
     assert [id(t) for t in _autograd.all_tensors(heap, ranges)] == [
         id(t) for t in _autograd.all_tensors()

@@ -19,7 +19,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import cudamem
-from cudamem.holders import Holder
+from cudamem.holders.finder import Holder
 from cudamem.render.json import to_json
 
 M = __name__  # module globals are named from this module
@@ -588,7 +588,7 @@ def test_no_cyclic_collection_runs_inside_a_search_and_gc_is_back_on_after(
 ) -> None:
     # With a threshold of one allocation, any moment of the search with gc enabled collects:
     # a full collection of a large heap there would eat the search's timeout.
-    from cudamem import holders as holders_module
+    from cudamem.holders import finder as holders_module
 
     t = torch.zeros(8)
     held = {"t": t}

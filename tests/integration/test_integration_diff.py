@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import cudamem
-from cudamem import _backend
-from cudamem.census import Census
-from cudamem.diff import DiffEntry, MemoryDiff
-from cudamem.memviz import CONTAINER_KEY
+from cudamem.allocator import backend as _backend
+from cudamem.growth.compare import DiffEntry, MemoryDiff
+from cudamem.holders.census import Census
+from cudamem.ledger.memviz import CONTAINER_KEY
 from cudamem.render.json import to_json
 
 from ..fakes import FakeAllocator

@@ -18,8 +18,8 @@ import torch
 from torch.cuda import _memory_viz
 
 import cudamem
-from cudamem import _backend
-from cudamem.memviz import CONTAINER_KEY, HOLDER_FILENAME, annotate_snapshot, auto_dump
+from cudamem.allocator import backend as _backend
+from cudamem.ledger.memviz import CONTAINER_KEY, HOLDER_FILENAME, annotate_snapshot, auto_dump
 
 from ..fakes import FakeAllocator
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import cudamem
-from cudamem.census import StorageSnapshot
+from cudamem.holders.census import StorageSnapshot
 from cudamem.integrations.pytest_plugin import MemoryCheck, TestMemory, parse_size
 
 from ..fakes import FakeAllocator
@@ -123,7 +123,7 @@ def test_gpu_checks_without_a_gpu_pass_and_say_they_measured_nothing(
     """No CUDA device: the GPU limits and the fixture pass (nothing to fail on) and the
     terminal summary says, once, that they measured nothing; CPU checks are measured and
     not counted in it."""
-    from cudamem import _backend
+    from cudamem.allocator import backend as _backend
 
     inner.makepyfile(
         test_gpu="""
@@ -448,7 +448,7 @@ def test_cuda_peak_is_folded_through_the_tests_own_spans() -> None:
     """The fake GPU: a span inside the test resets PyTorch's peak counter; the check still
     sees the test's peak, and its own measurement joins neither the history nor growth
     detection."""
-    from cudamem import _backend
+    from cudamem.allocator import backend as _backend
 
     fake = FakeAllocator()
     MiB = 1024**2
@@ -496,7 +496,7 @@ def test_the_last_look_serves_as_the_next_baseline_only_when_nothing_was_allocat
     """A clean test costs one census: its last look is the next test's baseline, unless the
     allocator counted an allocation since (a fixture's tensor, a warm-up call), the test
     failed, or the counts cannot tell (CPU mode, an allocator without counts)."""
-    from cudamem import _backend
+    from cudamem.allocator import backend as _backend
     from cudamem.integrations import pytest_plugin as pp
 
     censuses: list[str] = []
@@ -540,7 +540,7 @@ def test_a_clean_test_skips_the_census_only_while_every_baseline_storage_lives(
 ) -> None:
     """No census after a test that left the allocated bytes as they were, unless a storage
     of the baseline died: its block may then hold a new storage of the same size."""
-    from cudamem import _backend
+    from cudamem.allocator import backend as _backend
     from cudamem.integrations import pytest_plugin as pp
 
     MiB = 1024**2
@@ -589,7 +589,7 @@ def test_before_cuda_starts_no_census_runs_and_a_cuda_leak_after_it_is_still_fou
     """A CUDA storage needs a context: while no device has one, the baseline is empty and
     the look after the test is skipped (a CPU-only machine pays no census); a test that
     starts CUDA gets the census after it, and its storage is new against that baseline."""
-    from cudamem import _backend
+    from cudamem.allocator import backend as _backend
     from cudamem.integrations import pytest_plugin as pp
 
     censuses: list[str] = []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from cudamem.census import live_storage_keys
+from cudamem.holders.census import live_storage_keys
 from cudamem.integrations._cpu import CpuStorageBackend
 
 

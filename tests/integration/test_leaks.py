@@ -24,20 +24,15 @@ import pytest
 import torch
 
 import cudamem
-from cudamem import _backend, census
-from cudamem import span as _span
-from cudamem._data import to_data
-from cudamem.census import LiveStorage
-from cudamem.culprits import NO_HOLDER, Culprit, group_culprits
-from cudamem.holders import Holder, Holders
-from cudamem.leaks import (
-    _WATCH,
-    LeakSettings,
-    LeakWarning,
-    _detector,
-    theil_sen,
-)
+from cudamem.allocator import backend as _backend
+from cudamem.base.data import to_data
+from cudamem.growth.detector import _WATCH, LeakSettings, LeakWarning, _detector, theil_sen
+from cudamem.holders import census
+from cudamem.holders.census import LiveStorage
+from cudamem.holders.culprits import NO_HOLDER, Culprit, group_culprits
+from cudamem.holders.finder import Holder, Holders
 from cudamem.render.json import to_json
+from cudamem.spans import state as _spans_state
 
 from ..fakes import FakeAllocator, leak_detection, leak_warnings
 from ..routes import split
@@ -617,12 +612,12 @@ def test_decorated_function_passes_leaks(fake: CpuFake) -> None:
     def fn() -> None:
         outputs.append(torch.zeros(256))
 
-    _span.add_exit_hook(grab)
+    _spans_state.add_exit_hook(grab)
     try:
         fn()
         fn()
     finally:
-        _span.remove_exit_hook(grab)
+        _spans_state.remove_exit_hook(grab)
     assert len(outputs) == 2 and len(reports) == 2
     for report in reports:
         assert report is not None, "the decorated call's span took no leak capture"
@@ -721,7 +716,7 @@ def test_leak_capture_releases_its_references(fake: CpuFake) -> None:
     assert len(found) == 1
     series = _detector.series["step"]
     assert series.pending is None and series.captured is None
-    detector_module = sys.modules["cudamem.leaks"]  # cudamem.leaks is the function
+    detector_module = sys.modules["cudamem.growth.detector"]  # cudamem.leaks is the function
     assert "step" not in detector_module._armed
     span = cudamem.track("step", sync=False)
     with span:
@@ -754,7 +749,7 @@ def test_cpu_training_with_set_to_none_never_warns(fake: CpuFake) -> None:
 
 
 def _live_refs() -> int:
-    from cudamem._storages import StorageRef
+    from cudamem.holders._storages import StorageRef
 
     gc.collect()
     return sum(type(o) is StorageRef for o in gc.get_objects())
@@ -779,7 +774,7 @@ def test_growth_no_storage_explains_names_piling_cublas_workspaces(
     # A new torch.cuda.Stream per call: +65 MiB of workspaces each call, no tensor at all.
     gpu = FakeAllocator(devices=1, contexts=(0,))  # its storages are CUDA ones: none here
     piles = [(0, 325 * MiB, 10)]
-    monkeypatch.setattr(sys.modules["cudamem.leaks"], "_cublas_workspaces", lambda: piles)
+    monkeypatch.setattr(sys.modules["cudamem.growth.detector"], "_cublas_workspaces", lambda: piles)
     cudamem.configure_leaks()
     with _backend.use(gpu), warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")

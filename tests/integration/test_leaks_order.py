@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import cudamem
-from cudamem.leaks import Growth, LeakWarning
+from cudamem.growth.detector import Growth, LeakWarning
 
 from ..fakes import FakeAllocator, leak_detection, leak_warnings
 

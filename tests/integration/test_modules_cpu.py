@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import cudamem
-from cudamem import _backend
+from cudamem.allocator import backend as _backend
 from cudamem.integrations._cpu import CpuStorageBackend
 from cudamem.render.json import to_json
 
@@ -106,7 +106,7 @@ def test_autocast_on_cpu_is_profiled() -> None:
 
 def test_cudamem_run_modules_names_the_top_modules(tmp_path: Any) -> None:
     from cudamem.render.html import render_html
-    from cudamem.runner import run_script
+    from cudamem.run.runner import run_script
 
     script = tmp_path / "train_mlp.py"
     script.write_text(

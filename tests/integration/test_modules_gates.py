@@ -1,5 +1,6 @@
-"""The per-module profile's C++ gates (``_fastread.cpp``), built here against a stub allocator
-(``CUDAMEM_STUB_ALLOCATOR``: counters set by hand, no CUDA headers) and run on CPU tensors.
+"""The per-module profile's C++ gates (``native/src/fastread/``), built here against a stub
+allocator (``CUDAMEM_STUB_ALLOCATOR``: counters set by hand, no CUDA headers) and run on CPU
+tensors.
 
 The same models are profiled twice through one fake device whose counters live in the stub:
 once with Python gates (spans opened and closed in the hooks) and once with C++ gates (a log
@@ -21,8 +22,9 @@ import torch
 from torch import nn
 
 import cudamem
-from cudamem import _backend
-from cudamem import span as _span
+from cudamem.allocator import backend as _backend
+from cudamem.native import reader_build
+from cudamem.spans import state as _spans_state
 
 from ..benchmark_import import benchmark
 from ..fakes import FakeAllocator
@@ -40,9 +42,7 @@ def _build_stub(tmp_path_factory: pytest.TempPathFactory, name: str, *flags: str
         pytest.skip("needs a C++ compiler and ninja to build the C++ gates")
     import torch.utils.cpp_extension as cpp_extension
 
-    source = os.path.join(os.path.dirname(cudamem.__file__), "_fastread.cpp")
-    with open(source, encoding="utf-8") as fh:
-        text = fh.read()
+    text = reader_build.bundle()
     try:
         return cpp_extension.load_inline(  # type: ignore[no-untyped-call]
             name=name,
@@ -321,8 +321,7 @@ def test_the_replay_adds_figures_up_per_module_slot(stub: Any) -> None:
         mark(1 * 4 + 2)  # call 1's backward starts
         stub.stub_set(1100, 1500)
         mark(1 * 4 + 3)  # and ends: -100 bytes, a peak 300 above its start
-        ended, lost = stub.log_replay(owner, 0, True, False, False)
-        assert (ended, lost) == (4, 0)
+        assert stub.log_replay(owner, 0, True, False, False) == 0  # nothing dropped
         flat = stub.log_figures(owner)
         by_slot = {flat[i]: flat[i + 1 : i + 12] for i in range(0, len(flat), 12)}
         assert list(by_slot) == [7, 5]  # in the order they first ended a call
@@ -358,7 +357,7 @@ def test_a_failed_backward_drops_the_open_calls_and_leaves_no_span_open(stub: An
             with pytest.raises(RuntimeError, match="backward failed"):
                 model(x).sum().backward()
             model(x)  # the next forward replays what the failed pass logged
-        assert _span._open_peak == {}
+        assert _spans_state._open_peak == {}
     p = prof.profile
     assert p.module("Failing.second").backward_calls.max == 1  # finished before the failure
     assert p.module("Failing").backward_calls.max == 0  # never finished: not recorded
@@ -414,7 +413,7 @@ def test_one_cpp_gate_per_node_and_nothing_python_on_the_nodes(stub: Any) -> Non
         model(x).sum().backward()
     p = prof.profile
     assert p.steps == 2  # the dropped forward and the one after it: one step
-    assert p.module("Sequential.0").calls == cudamem.module_profile.Spread(1.5, 2)
+    assert p.module("Sequential.0").calls == cudamem.modules.profile.Spread(1.5, 2)
     assert [p.module(f"Sequential.{i}").backward_calls.max for i in range(4)] == [1] * 4
     assert p.module("Sequential").backward_calls.max == 1
 
@@ -603,7 +602,7 @@ def test_a_full_log_drops_events_says_so_and_leaves_nothing_open(small_stub: Any
             assert prof._native is not None
             owner = prof._native.owner
             # The next replay finds no forward open (none is running): nothing kept.
-            assert small_stub.log_replay(owner, 0, True, False, False) == (0, 0)
+            assert small_stub.log_replay(owner, 0, True, False, False) == 0
     p = prof.profile
     (note,) = [n for n in p.notes if "C++ log was full" in n]
     lost = int(note.split("(")[1].split()[0])
@@ -613,7 +612,7 @@ def test_a_full_log_drops_events_says_so_and_leaves_nothing_open(small_stub: Any
         small_stub.log_replay(owner, 0, True, False)
 
 
-# -- the forward hooks' fast path in C (``Forward`` in ``_fastread.cpp``) ---------------------
+# -- the forward hooks' fast path in C (``Forward`` in ``native/src/fastread/forward.cpp``) --
 
 
 def test_inner_calls_take_the_c_hooks_and_only_top_level_calls_reach_python(
@@ -622,7 +621,7 @@ def test_inner_calls_take_the_c_hooks_and_only_top_level_calls_reach_python(
     """With the C++ log, a call inside another one is entered and left in C: Python's
     ``_pre`` and ``_post`` see the top-level call of each step (where steps begin and
     end), no other; the figures are the span path's (``test_cpp_gates_give_...``)."""
-    from cudamem.modules import ModuleProfiler as profiler
+    from cudamem.modules.profiler import ModuleProfiler as profiler
 
     seen: dict[str, list[str]] = {"pre": [], "post": []}
     real_pre, real_post = profiler._pre, profiler._post
@@ -753,7 +752,7 @@ def test_a_hostile_argument_raises_from_the_forward_on_both_paths_alike(stub: An
 
 
 def test_the_c_hooks_check_their_arguments(stub: Any) -> None:
-    from cudamem.modules import _grad_tensor
+    from cudamem.modules.profiler import _grad_tensor
 
     stack: list[Any] = []
     with pytest.raises(TypeError):
@@ -789,7 +788,7 @@ def test_a_node_held_from_c_takes_a_gate_as_a_grad_fn_does(stub: Any) -> None:
         class Node:
             slot = 0
 
-        from cudamem.modules import _grad_tensor
+        from cudamem.modules.profiler import _grad_tensor
 
         fwd = stub.Forward(stack, print, print, _grad_tensor, owner, 0)
         fwd.next = 1
@@ -899,7 +898,7 @@ def test_a_profile_stopped_by_the_argument_search_drops_the_call(
 ) -> None:
     """The search runs Python; should that stop the profile, the call is dropped on both
     paths: no read past an emptied stack in C, no span left open in Python."""
-    from cudamem import modules
+    from cudamem.modules import profiler as modules
 
     class Inner(nn.Module):
         def __init__(self) -> None:

@@ -14,9 +14,10 @@ import pytest
 import torch
 
 import cudamem
-from cudamem import _backend, on_oom, oom_report
-from cudamem._data import to_data
-from cudamem.oom import _advice, parse_oom_message
+from cudamem import on_oom, oom_report
+from cudamem.allocator import backend as _backend
+from cudamem.base.data import to_data
+from cudamem.ledger.oom import _advice, parse_oom_message
 
 from ..fakes import FakeAllocator
 
@@ -107,7 +108,7 @@ def segment(stream: int, blocks: list[tuple[str, int]]) -> dict[str, Any]:
 
 @pytest.fixture
 def fake() -> Iterator[OomFake]:
-    from cudamem import oom
+    from cudamem.ledger import oom
 
     alloc = OomFake()
     big_holder.clear()
@@ -286,7 +287,7 @@ def test_report_uses_observer_facts(fake: OomFake) -> None:
     observer(0, 3 * GiB, 80 * GiB, 1 * GiB)  # what malloc reports before raising
     report = oom_report(make_oom("CUDA out of memory (no details)"))
     assert (report.requested, report.total, report.free) == (3 * GiB, 80 * GiB, GiB)
-    assert cudamem.oom._guard is not None  # type: ignore[attr-defined]
+    assert cudamem.ledger.oom._guard is not None  # type: ignore[attr-defined]
 
 
 def test_oom_report_refuses_other_errors(fake: OomFake) -> None:
@@ -295,7 +296,7 @@ def test_oom_report_refuses_other_errors(fake: OomFake) -> None:
 
 
 def test_report_without_census(fake: OomFake, monkeypatch: pytest.MonkeyPatch) -> None:
-    from cudamem import census
+    from cudamem.holders import census
 
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("census exploded")
@@ -395,7 +396,7 @@ def test_excepthook_ignores_other_errors(fake: OomFake, capsys: pytest.CaptureFi
         sys.excepthook(ValueError, ValueError("x"), None)
         assert capsys.readouterr().err == ""
     finally:
-        cudamem.oom._guard.uninstall()  # type: ignore[attr-defined]
+        cudamem.ledger.oom._guard.uninstall()  # type: ignore[attr-defined]
         sys.excepthook = previous
 
 
@@ -526,11 +527,11 @@ def test_each_backend_gets_the_observer_once(fake: OomFake) -> None:
     earlier guard) attached one to another backend first."""
     on_oom(stderr=False)
     assert len(fake.observers) == 1
-    cudamem.oom._guard.uninstall()  # type: ignore[attr-defined]
+    cudamem.ledger.oom._guard.uninstall()  # type: ignore[attr-defined]
     on_oom(stderr=False)  # installed again on the same backend: no second observer
     assert len(fake.observers) == 1
     other = OomFake()
     with _backend.use(other):
-        cudamem.oom._guard.uninstall()  # type: ignore[attr-defined]
+        cudamem.ledger.oom._guard.uninstall()  # type: ignore[attr-defined]
         on_oom(stderr=False)
         assert len(other.observers) == 1  # a backend of its own gets its own

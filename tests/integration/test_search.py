@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import cudamem
-from cudamem.holders import Holder, Holders
+from cudamem.holders.finder import Holder, Holders
 from cudamem.render.json import to_json
 
 from ..module_globals import Globals, added_globals
@@ -395,7 +395,7 @@ def _closure_paths(monkeypatch: pytest.MonkeyPatch, guess: bool) -> tuple[list[s
     """Holders of a parameter that a chain of closures in this running frame reaches, and
     how many levels read the last ``gc.get_referrers`` scan's answer instead of scanning;
     ``guess=False`` turns off asking about a closure's likely holders ahead of time."""
-    from cudamem import _search
+    from cudamem.holders import _search
 
     model = torch.nn.Linear(3, 5)
 

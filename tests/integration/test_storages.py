@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from cudamem import census
-from cudamem._storages import StorageRef, matches_type, ref_of
+from cudamem.holders import census
+from cudamem.holders._storages import StorageRef, matches_type, ref_of
 
 BUFFER = bytearray(64 * 1024)
 

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 from torch.utils.data import DataLoader, Dataset
 
-from cudamem import _procfs, workers
-from cudamem.workers import HostMemoryWarning, LoaderReport
+from cudamem.host import procfs as _procfs
+from cudamem.host import workers
+from cudamem.host.workers import HostMemoryWarning, LoaderReport
 
 N = 200_000
 MiB = 1024**2

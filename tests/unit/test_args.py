@@ -7,7 +7,7 @@ from fractions import Fraction
 
 import pytest
 
-from cudamem._args import check_bool, check_int, check_seconds
+from cudamem.base.args import check_bool, check_int, check_seconds
 
 
 def test_check_bool_accepts_only_bools() -> None:

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from cudamem import _backend
+from cudamem.allocator import backend as _backend
 
 
 class Probe:

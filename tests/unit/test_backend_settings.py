@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cudamem import _backend
+from cudamem.allocator import backend as _backend
 
 MiB = 1024**2
 

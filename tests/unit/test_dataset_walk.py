@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch.utils.data import ConcatDataset, Subset
 
-from cudamem import _dataset_walk
-from cudamem._dataset_walk import large_containers
+from cudamem.host import _dataset_walk
+from cudamem.host._dataset_walk import large_containers
 
 
 class Items:

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from cudamem._fit import (
+from cudamem.fit._terms import (
     ModuleCost,
     Point,
     checkpoint_per_sample,

@@ -14,10 +14,14 @@ import pytest
 import torch
 
 import cudamem
-from cudamem import _backend, _nvml
-from cudamem import oom as _oom
-from cudamem._backend import PoolOwners
-from cudamem.fragmentation import (
+from cudamem.allocator import backend as _backend
+from cudamem.allocator.backend import PoolOwners
+from cudamem.allocator.snapshot import loads_snapshot
+from cudamem.allocator.stats import AllocatorStats
+from cudamem.ledger import nvml as _nvml
+from cudamem.ledger import oom as _oom
+from cudamem.ledger.device import build_ledger
+from cudamem.ledger.free_space import (
     CERTAIN,
     FITS_NOW,
     FRAGMENTATION,
@@ -33,10 +37,7 @@ from cudamem.fragmentation import (
     judge_oom,
     oom_verdict,
 )
-from cudamem.ledger import build_ledger
 from cudamem.render.json import to_json
-from cudamem.snapshot import loads_snapshot
-from cudamem.stats import AllocatorStats
 
 from .. import snapshot_data as sd
 from ..fakes import FakeAllocator
@@ -555,7 +556,7 @@ def test_the_guide_shows_the_verdict_its_code_prints() -> None:
     block (4.1 GiB stranded, a largest free block of 500 MiB, one OOM counted)."""
     page = (DATA.parents[1] / "docs" / "guide" / "nvidia-smi.md").read_text(encoding="utf-8")
     section = page[page.index("### After an OOM nothing recorded") :]
-    start = section.index("```python\nfrom cudamem.fragmentation import oom_verdict") + 10
+    start = section.index("```python\nfrom cudamem.ledger.free_space import oom_verdict") + 10
     code = section[start : section.index("```", start)]
     start = section.index("```text\n", start) + 8
     shown = section[start : section.index("```", start)].rstrip("\n")

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import cudamem
-from cudamem import host as _host
-from cudamem import host_ledger
-from cudamem.host import HostCopy, to_host
+from cudamem.host import copy as _host
+from cudamem.host import ledger as host_ledger
+from cudamem.host.copy import HostCopy, to_host
 
 
 def test_to_host_cpu_tensor_is_detached() -> None:
@@ -248,7 +248,7 @@ def test_pinned_sizes_never_touch_an_objects_class() -> None:
     """The pinned-storage listing reads ``type(o)``: a dead ``weakref.proxy`` (whose
     ``__class__`` raises ``ReferenceError``) and an object whose ``__class__`` warns (as
     ``torch.distributed.reduce_op`` does) are passed over with no error and no warning."""
-    from cudamem._backend import pinned_storage_sizes
+    from cudamem.allocator.backend import pinned_storage_sizes
 
     class Target:
         pass
@@ -275,7 +275,7 @@ def test_a_host_memory_warning_from_the_watchers_thread_is_located_at_the_users_
     threading.py or cudamem, in this file's registry and with this file's source line."""
     import threading
 
-    from cudamem import workers
+    from cudamem.host import workers
 
     site = workers._user_site()  # what register() records, from the user's frame
     line = sys._getframe().f_lineno - 1

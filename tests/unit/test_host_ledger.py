@@ -8,9 +8,11 @@ from typing import Any
 import pytest
 
 import cudamem
-from cudamem import _backend, _procfs, host_ledger
-from cudamem.host_ledger import HostLedger, build_pinned, round_pinned
-from cudamem.workers import LoaderReport, WorkerMemory
+from cudamem.allocator import backend as _backend
+from cudamem.host import ledger as host_ledger
+from cudamem.host import procfs as _procfs
+from cudamem.host.ledger import HostLedger, build_pinned, round_pinned
+from cudamem.host.workers import LoaderReport, WorkerMemory
 from tests.fakes import FakeAllocator
 from tests.procfs_fakes import FakeProc, rollup
 

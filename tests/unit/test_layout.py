@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import cudamem
-from cudamem import _present
+from cudamem.base import present as _present
 
 PACKAGE = Path(cudamem.__file__).resolve().parent
 
@@ -103,9 +103,11 @@ def test_the_circle_finder_finds_a_circle() -> None:
 
 
 def test_imports_are_read_at_module_level_in_functions_and_for_types() -> None:
-    assert "cudamem.span" in _imports("cudamem.leaks", MODULES["cudamem.leaks"])  # top level
-    assert "cudamem.leak_report" in _imports("cudamem.span", MODULES["cudamem.span"])  # types
-    assert "cudamem._data" in _imports("cudamem.span", MODULES["cudamem.span"])  # in a function
+    detector = "cudamem.growth.detector"
+    assert "cudamem.spans.span" in _imports(detector, MODULES[detector])  # top level
+    span = MODULES["cudamem.spans.span"]
+    assert "cudamem.spans.leftovers" in _imports("cudamem.spans.span", span)  # types
+    assert "cudamem.base.data" in _imports("cudamem.spans.span", span)  # in a function
 
 
 def test_no_import_circle_not_even_lazy_or_type_only() -> None:
@@ -113,26 +115,27 @@ def test_no_import_circle_not_even_lazy_or_type_only() -> None:
     assert _circles(graph) == []
 
 
-def test_fastread_imports_no_cudamem_module_anywhere() -> None:
-    # The reader's build subprocess loads _fastread.py by path, where no package exists: any
-    # cudamem import in it, even in a function, fails there (the H200 run of 7e81094).
-    source = MODULES["cudamem._fastread"].read_text(encoding="utf-8")
+def test_the_reader_build_imports_no_cudamem_module_anywhere() -> None:
+    # The reader's build subprocess loads native/reader_build.py by path, where no package
+    # exists: any cudamem import in it, even in a function, fails there (the H200 run of
+    # 7e81094, when the build loaded _fastread.py).
+    source = MODULES["cudamem.native.reader_build"].read_text(encoding="utf-8")
     relative = [
         node.lineno
         for node in ast.walk(ast.parse(source))
         if isinstance(node, ast.ImportFrom) and node.level
     ]
     assert relative == []
-    assert _imports("cudamem._fastread", MODULES["cudamem._fastread"]) == set()
+    assert _imports("cudamem.native.reader_build", MODULES["cudamem.native.reader_build"]) == set()
 
 
 def test_the_layout_reader_sees_the_import_that_broke_the_build() -> None:
     # The rule above can fail: the line that broke the build, in a function too.
-    path = MODULES["cudamem._fastread"]
-    line = "from ._present import present\n"
-    assert _imports("cudamem._fastread", path, line) == {"cudamem._present"}
-    lazy = "def f():\n    import cudamem.span\n"
-    assert _imports("cudamem._fastread", path, lazy) == {"cudamem.span"}
+    path = MODULES["cudamem.native.reader_build"]
+    line = "from ..base.present import present\n"
+    assert _imports("cudamem.native.reader_build", path, line) == {"cudamem.base.present"}
+    lazy = "def f():\n    import cudamem.spans.span\n"
+    assert _imports("cudamem.native.reader_build", path, lazy) == {"cudamem.spans.span"}
 
 
 def test_results_never_import_a_renderer() -> None:
@@ -176,15 +179,16 @@ def test_renders_names_a_bad_argument() -> None:
         _present.renders(int, "markdown")  # type: ignore[arg-type]
 
 
-def test_nothing_outside_span_py_uses_a_spans_private_names() -> None:
+def test_nothing_outside_the_span_machinery_uses_a_spans_private_names() -> None:
     """Detached steps go through the public ``StepSpan`` (``cudamem run``, the trainer
-    callbacks, the pytest plugin), not through ``span.py``'s private functions."""
+    callbacks, the pytest plugin), not through the span machinery's private functions
+    (``cudamem.spans``: its modules share them)."""
     import ast
 
     private = {"_open", "_close", "_detach", "_detached", "_raw", "_new_span", "_new_raw"}
     offenders = []
     for name, path in _modules().items():
-        if name == "cudamem.span":
+        if name.startswith("cudamem.spans."):
             continue
         tree = ast.parse(path.read_text(encoding="utf-8"))
         for node in ast.walk(tree):
@@ -194,7 +198,8 @@ def test_nothing_outside_span_py_uses_a_spans_private_names() -> None:
                 isinstance(node, ast.Attribute)
                 and node.attr in private
                 and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
-                and not (node.attr == "_detached" and name == "cudamem._storages")  # its own
+                # _storages' own _detached
+                and not (node.attr == "_detached" and name == "cudamem.holders._storages")
             ):
                 offenders.append(f"{name}:{node.lineno}: .{node.attr}")
     assert offenders == []

@@ -1,6 +1,6 @@
 """Messages name only what exists, and say counts as a reader would.
 
-Every call a message suggests (``cudamem.workers.watch_workers()``), every command line
+Every call a message suggests (``cudamem.host.workers.watch_workers()``), every command line
 (``python -m cudamem status``) and every extra (``pip install 'cudamem[lightning]'``) must
 resolve: the call's target by ``getattr`` from ``import cudamem`` as a user's code would
 reach it (after importing the submodules the name passes through), the subcommand among the
@@ -23,12 +23,13 @@ import pytest
 import tomllib
 
 import cudamem
-from cudamem import _backend, _nvml
-from cudamem._procfs import ProcessMemory
+from cudamem.allocator import backend as _backend
 from cudamem.demo.render import render_summary
 from cudamem.demo.seeds import Experiment
-from cudamem.ledger import explain
-from cudamem.workers import LoaderReport, WorkerMemory
+from cudamem.host.procfs import ProcessMemory
+from cudamem.host.workers import LoaderReport, WorkerMemory
+from cudamem.ledger import nvml as _nvml
+from cudamem.ledger.device import explain
 
 from ..built import census, culprit, growth, live_storage
 from ..fakes import FakeAllocator
@@ -100,7 +101,7 @@ def test_the_checker_catches_a_wrong_suggestion() -> None:
     ]
     assert (
         wrong_names(
-            "cudamem.workers.watch_workers(), cudamem.render.json.to_json(x), "
+            "cudamem.host.workers.watch_workers(), cudamem.render.json.to_json(x), "
             "python -m cudamem status, pip install 'cudamem[lightning]'"
         )
         == []
@@ -142,7 +143,7 @@ def test_the_host_report_of_an_unwatched_loader_names_the_watcher_that_exists() 
         watched=False,  # read once by explain(): its text says what follows the growth
     )
     text = str(report)
-    assert "cudamem.workers.watch_workers()" in text
+    assert "cudamem.host.workers.watch_workers()" in text
     assert wrong_names(text) == []
 
 
@@ -219,7 +220,7 @@ def test_an_integration_without_its_framework_names_the_extra(
 # -- counts agree with their nouns ---------------------------------------------------------
 
 #: A count directly followed by a plural noun in an f-string: ``f"{n} storages"`` says
-#: "1 storages". Counts go through ``cudamem._format.plural``.
+#: "1 storages". Counts go through ``cudamem.base.format.plural``.
 _NOUN = re.compile(
     r"^ (?:[a-z]+ )?(storages|tensors|calls|values|objects|holders|items|events|rows|spans|"
     r"processes|bytes|steps|workers|modules|graphs|pools|references|ranks|devices|segments|"
@@ -252,7 +253,7 @@ def test_counts_agree_with_their_nouns() -> None:
                     continue
                 if _NOUN.match(str(b.value)) and (rel, expr) not in _NOT_A_COUNT:
                     found.append(f"{rel}:{node.lineno}: {{{expr}}}{b.value[:30]}")
-    assert not found, "use cudamem._format.plural:\n" + "\n".join(found)
+    assert not found, "use cudamem.base.format.plural:\n" + "\n".join(found)
 
 
 def test_a_census_of_one_storage_says_storage() -> None:

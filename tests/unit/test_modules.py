@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 import cudamem
-from cudamem import _backend
-from cudamem._format import format_bytes
-from cudamem.module_profile import RawModule, Spread, build_profile
+from cudamem.allocator import backend as _backend
+from cudamem.base.format import format_bytes
+from cudamem.modules.profile import RawModule, Spread, build_profile
 from cudamem.render.json import to_json
 
 from ..fakes import FakeAllocator
@@ -488,7 +488,7 @@ class FailInBackward(torch.autograd.Function):
 
 
 def test_a_failed_backward_leaves_no_span_open(fake: FakeAllocator) -> None:
-    from cudamem import span as _span
+    from cudamem.spans import state as _spans_state
 
     class Net(nn.Module):
         def __init__(self) -> None:
@@ -507,7 +507,7 @@ def test_a_failed_backward_leaves_no_span_open(fake: FakeAllocator) -> None:
         assert len(prof._open_backward) == 1  # the root's: its end never came
         model(x)  # the next forward closes what the failed backward left open
         assert prof._open_backward == {}
-        assert _span._open_peak == {}
+        assert _spans_state._open_peak == {}
     p = prof.profile
     assert p.module("Net.second").backward_calls.max == 1  # it finished before the failure
     assert p.module("Net").backward_calls.max == 0  # never finished: not recorded

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cudamem import _nvml
+from cudamem.ledger import nvml as _nvml
 
 from ..nvml_fakes import (
     DRIVER_NOT_LOADED,

@@ -1,5 +1,5 @@
-"""Reading paths off a recorded search graph (``cudamem._paths.PathReader``), on graphs
-built by hand: the shared walk below a funnel gives exactly the paths one long walk gives."""
+"""Reading paths off a recorded search graph (``cudamem.holders._graph_paths.PathReader``), on
+graphs built by hand: the shared walk below a funnel gives exactly the paths one long walk gives."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from cudamem._naming import Ref, Seg
-from cudamem._paths import Path, PathReader
+from cudamem.holders._graph_paths import Path, PathReader
+from cudamem.holders._naming import Ref, Seg
 
 Edges = dict[int, dict[int, Ref]]
 

@@ -17,8 +17,10 @@ import torch
 from torch import nn
 
 import cudamem
-from cudamem import _backend
-from cudamem._fit import (
+from cudamem.allocator import backend as _backend
+from cudamem.allocator.stats import AllocatorStats
+from cudamem.base.format import format_bytes
+from cudamem.fit._terms import (
     ALLOWANCE,
     HEADROOM,
     UNCONFIRMED,
@@ -27,11 +29,9 @@ from cudamem._fit import (
     largest_under,
     required,
 )
-from cudamem._format import format_bytes
-from cudamem.memory_plan import MemoryPlan, NotLinearError, Probe
-from cudamem.plan import SHAPES_CAUSE
+from cudamem.fit.memory_plan import MemoryPlan, NotLinearError, Probe
+from cudamem.fit.planner import SHAPES_CAUSE
 from cudamem.render.json import to_json
-from cudamem.stats import AllocatorStats
 
 from ..fakes import FakeAllocator
 

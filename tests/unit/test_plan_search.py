@@ -1,12 +1,11 @@
-"""The rules of ``cudamem._plan_search`` in plain numbers: a ``run`` that returns the peaks
+"""The rules of ``cudamem.fit._steps`` in plain numbers: a ``run`` that returns the peaks
 of a made-up step and runs out of memory past a made-up card, no torch, no allocator."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from cudamem._fit import ALLOWANCE, required, terms_for
-from cudamem._plan_search import (
+from cudamem.fit._steps import (
     GROWTH,
     MAX_STEPS,
     RESOLVED_SHARE,
@@ -15,7 +14,8 @@ from cudamem._plan_search import (
     search,
     variable_share,
 )
-from cudamem.memory_plan import Probe
+from cudamem.fit._terms import ALLOWANCE, required, terms_for
+from cudamem.fit.memory_plan import Probe
 
 MiB = 1 << 20
 GiB = 1 << 30

@@ -3,7 +3,7 @@ for every way it can fail."""
 
 from __future__ import annotations
 
-from cudamem import _procfs
+from cudamem.host import procfs as _procfs
 from tests.procfs_fakes import FakeProc, MiB, rollup, stat
 
 SMAPS_TWO_MAPPINGS = """\

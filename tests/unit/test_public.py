@@ -13,40 +13,41 @@ DOCUMENTED = set(re.findall(r"^::: (cudamem[\w.]*)$", API, flags=re.M))
 
 #: Result types, each in the module that defines it (imported there, documented there).
 RESULTS = {
-    "span": ("SpanRecord", "DeviceSpan", "ExceptionInfo"),
-    "_history": ("History", "SpanStats"),
-    "stats": ("AllocatorStats", "DeviceCounters"),
-    "holders": ("Holders", "Holder", "GraphHolders", "GraphHolder"),
-    "census": ("Census", "LiveStorage", "Unaccounted"),
-    "culprits": ("Culprit",),
-    "leak_report": ("LeakReport", "Growth"),
-    "leaks": ("LeakSettings",),
-    "oom": ("OomReport", "OomEvent", "OomGuard"),
-    "ledger": ("Explanation", "DeviceLedger", "LedgerLine", "MachineStatus", "StatusLine"),
-    "fragmentation": (
+    "spans.record": ("SpanRecord", "DeviceSpan", "ExceptionInfo"),
+    "spans.history": ("History", "SpanStats"),
+    "allocator.stats": ("AllocatorStats", "DeviceCounters"),
+    "holders.finder": ("Holders", "Holder", "GraphHolders", "GraphHolder"),
+    "holders.census": ("Census", "LiveStorage", "Unaccounted"),
+    "holders.culprits": ("Culprit",),
+    "spans.leftovers": ("LeakReport",),
+    "growth.report": ("Growth",),
+    "growth.detector": ("LeakSettings",),
+    "ledger.oom": ("OomReport", "OomEvent", "OomGuard"),
+    "ledger.device": ("Explanation", "DeviceLedger", "LedgerLine", "MachineStatus", "StatusLine"),
+    "ledger.free_space": (
         "Fragmentation",
         "PoolFragmentation",
         "OomJudgement",
         "OomFacts",
         "OomVerdict",
     ),
-    "release": ("ReleaseResult", "DeviceRelease"),
-    "scalars": ("Series", "SeriesSummary", "LoggerStats"),
-    "host": ("HostCopy",),
-    "workers": ("LoaderReport", "WorkerMemory", "WatchSettings"),
-    "host_ledger": ("HostLedger", "PinnedPool", "HostRelease"),
-    "runner": ("RunReport",),
-    "diff": ("MemoryDiff", "DiffEntry"),
-    "memviz": ("SnapshotDump", "AutoDump"),
-    "module_profile": ("ModuleProfile", "ModuleStats", "Spread"),
-    "modules": ("ModuleProfiler",),
-    "memory_plan": ("MemoryPlan", "Prediction", "CheckpointAdvice", "NotLinearError"),
+    "ledger.reclaim": ("ReleaseResult", "DeviceRelease"),
+    "scalars.logger": ("Series", "SeriesSummary", "LoggerStats"),
+    "host.copy": ("HostCopy",),
+    "host.workers": ("LoaderReport", "WorkerMemory", "WatchSettings"),
+    "host.ledger": ("HostLedger", "PinnedPool", "HostRelease"),
+    "run.runner": ("RunReport",),
+    "growth.compare": ("MemoryDiff", "DiffEntry"),
+    "ledger.memviz": ("SnapshotDump", "AutoDump"),
+    "modules.profile": ("ModuleProfile", "ModuleStats", "Spread"),
+    "modules.profiler": ("ModuleProfiler",),
+    "fit.memory_plan": ("MemoryPlan", "Prediction", "CheckpointAdvice", "NotLinearError"),
 }
 
 
 def test_at_most_thirty_three_names_and_each_resolves() -> None:
     # 33: fragmentation and plan (issue 34), HostMemoryWarning (issue 35); watch_workers
-    # stays in cudamem.workers.
+    # stays in cudamem.host.workers.
     assert len(cudamem.__all__) <= 33, cudamem.__all__
     for name in cudamem.__all__:
         assert hasattr(cudamem, name), name
@@ -107,9 +108,9 @@ def test_result_types_live_in_their_modules() -> None:
 def test_the_old_remaining_storage_name_is_live_storage() -> None:
     import pytest
 
-    from cudamem.census import LiveStorage
+    from cudamem.holders.census import LiveStorage
 
-    release = importlib.import_module("cudamem.release")  # cudamem.release is the function
+    release = importlib.import_module("cudamem.ledger.reclaim")  # cudamem.release is the function
 
     with pytest.warns(DeprecationWarning, match="LiveStorage"):
         assert release.RemainingStorage is LiveStorage

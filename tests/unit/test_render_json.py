@@ -9,7 +9,7 @@ from typing import ClassVar
 
 import pytest
 
-from cudamem._data import to_data
+from cudamem.base.data import to_data
 from cudamem.integrations.results import TrainerRelease
 from cudamem.render.json import SCHEMA, to_json
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cudamem._nvml import DeviceMemory
+from cudamem.ledger.nvml import DeviceMemory
 from cudamem.render.ledger import (
     render_explanation,
     render_kept,

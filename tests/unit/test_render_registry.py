@@ -1,5 +1,5 @@
 """One home for rendering: every result's text comes from ``cudamem/render/``, through
-``cudamem._present``, and the renderers load with the first result drawn, not with
+``cudamem.base.present``, and the renderers load with the first result drawn, not with
 ``import cudamem``.
 
 Each subprocess test starts a fresh interpreter: in this one the renderers are loaded
@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 
 import cudamem
-from cudamem import _present
-from cudamem.leaks import LeakSettings
-from cudamem.scalars import SeriesSummary
-from cudamem.stats import AllocatorStats
+from cudamem.allocator.stats import AllocatorStats
+from cudamem.base import present as _present
+from cudamem.growth.detector import LeakSettings
+from cudamem.scalars.logger import SeriesSummary
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = Path(cudamem.__file__).resolve().parent
@@ -32,9 +32,9 @@ PACKAGE = Path(cudamem.__file__).resolve().parent
 OWN_TEXT = {
     # A live span, not a result: "open" or "not entered" (its private state), else its
     # record's text, which is present()'s.
-    "cudamem.span.MemorySpan.__str__",
+    "cudamem.spans.span.MemorySpan.__str__",
     # A path's text is the path itself (holder_path.py's structure), not a rendering.
-    "cudamem.holder_path.HolderPath.__str__",
+    "cudamem.holders.holder_path.HolderPath.__str__",
 }
 
 
@@ -61,13 +61,13 @@ _WALK = """
 import importlib, inspect, json, pkgutil, textwrap
 from pathlib import Path
 import cudamem
-from cudamem import _present
+from cudamem.base import present as _present
 
 PACKAGE = Path(cudamem.__file__).resolve().parent
 methods = {}
 presented = []
 for info in pkgutil.walk_packages(cudamem.__path__, "cudamem."):
-    if info.name.startswith(("cudamem.render", "cudamem.demo", "cudamem._present")):
+    if info.name.startswith(("cudamem.render", "cudamem.demo", "cudamem.base.present")):
         continue  # the renderers, the seeds' front end, the bases that call present()
     try:
         module = importlib.import_module(info.name)
@@ -128,10 +128,10 @@ def test_import_cudamem_loads_no_renderer() -> None:
         """
     )
     loaded = json.loads(out)
-    assert "cudamem" in loaded and "cudamem.span" in loaded
+    assert "cudamem" in loaded and "cudamem.spans.span" in loaded
     assert [m for m in loaded if m.startswith("cudamem.render")] == []
     # The front ends the renderers import come with them, not with cudamem.
-    assert "cudamem.runner" not in loaded
+    assert "cudamem.run.runner" not in loaded
     assert not [m for m in loaded if m.startswith("cudamem.distributed")]
 
 
@@ -142,9 +142,9 @@ def test_the_first_str_of_a_result_loads_the_renderers_and_gives_the_same_text()
         """
         import json, sys
         import cudamem
-        from cudamem.leaks import LeakSettings
-        from cudamem.scalars import SeriesSummary
-        from cudamem.stats import AllocatorStats
+        from cudamem.growth.detector import LeakSettings
+        from cudamem.scalars.logger import SeriesSummary
+        from cudamem.allocator.stats import AllocatorStats
 
         before = "cudamem.render" in sys.modules
         texts = [
@@ -186,7 +186,7 @@ def test_threads_drawing_their_first_results_at_once_all_get_the_full_text() -> 
         """
         import threading
         import cudamem
-        from cudamem.leaks import LeakSettings
+        from cudamem.growth.detector import LeakSettings
 
         start = threading.Barrier(8)
         texts = []
@@ -210,13 +210,13 @@ def test_present_never_raises_when_the_renderers_cannot_be_imported() -> None:
     out = _run(
         """
         import cudamem
-        from cudamem import _present
-        from cudamem.leaks import LeakSettings
+        from cudamem.base import present as _present
+        from cudamem.growth.detector import LeakSettings
 
         _present._RENDERERS = "cudamem.no_such_package"
         text = str(LeakSettings())
-        assert text.startswith("<cudamem.leaks.LeakSettings object at "), text
-        assert _present.present(LeakSettings(), "html").startswith("<cudamem.leaks.")
+        assert text.startswith("<cudamem.growth.detector.LeakSettings object at "), text
+        assert _present.present(LeakSettings(), "html").startswith("<cudamem.growth.detector.")
         print("ok")
         """
     )
@@ -270,11 +270,11 @@ def test_every_presented_result_has_a_renderer_once_render_is_imported() -> None
 
 
 def test_only_present_and_the_package_face_import_render_by_name() -> None:
-    # _present imports cudamem.render by name (the one arrow up, at run time, that the
+    # base/present.py imports cudamem.render by name (the one arrow up, at run time, that the
     # layout test cannot see); no other module below render/ may do the same.
     import ast
 
-    allowed = {PACKAGE / "_present.py", PACKAGE / "__init__.py"}
+    allowed = {PACKAGE / "base" / "present.py", PACKAGE / "__init__.py"}
     found = set()
     for path in PACKAGE.rglob("*.py"):
         if path.is_relative_to(PACKAGE / "render") or path in allowed:

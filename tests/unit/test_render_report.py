@@ -7,10 +7,10 @@ from html.parser import HTMLParser
 
 import pytest
 
-from cudamem._format import escape_html
+from cudamem.base.format import escape_html
 from cudamem.render.html import render_html
 from cudamem.render.report import render_report
-from cudamem.runner import RunReport, Unlisted
+from cudamem.run.runner import RunReport, Unlisted
 
 from ..built import (
     T0,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cudamem._format import format_bytes, format_duration
+from cudamem.base.format import format_bytes, format_duration
 from cudamem.render.text import render_table
 
 MiB = 1024**2

@@ -18,11 +18,12 @@ import pytest
 import torch
 
 import cudamem
-from cudamem import _backend, _warn
-from cudamem import scalars as _scalars
-from cudamem._data import to_data
+from cudamem.allocator import backend as _backend
+from cudamem.base import warn as _warn
+from cudamem.base.data import to_data
 from cudamem.render.json import to_json
-from cudamem.scalars import ScalarLogger, log_scalar
+from cudamem.scalars import logger as _scalars
+from cudamem.scalars.logger import ScalarLogger, log_scalar
 
 # --------------------------------------------------------------------------- log_scalar
 

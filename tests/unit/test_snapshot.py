@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 import cudamem
-from cudamem.snapshot import (
+from cudamem.allocator.snapshot import (
     UnsafeSnapshotError,
     load_snapshot,
     loads_snapshot,

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import cudamem
-from cudamem import _backend
+from cudamem.allocator import backend as _backend
+from cudamem.allocator.stats import AllocatorStats
 from cudamem.render.json import to_json
-from cudamem.stats import AllocatorStats
 
 from ..fakes import FakeAllocator
 
@@ -365,7 +365,7 @@ def test_history_table_says_n_a_for_spans_that_measured_no_device(count: int) ->
 
 
 def test_history_name_cap(fake: FakeAllocator) -> None:
-    from cudamem import _history
+    from cudamem.spans import history as _history
 
     for i in range(_history.MAX_NAMES + 5):
         with cudamem.track(f"n{i}", sync=False, peak=False):
@@ -409,7 +409,8 @@ def test_bookkeeping_failure_never_reaches_user(fake: FakeAllocator) -> None:
 
 
 def test_exit_hook_sees_every_span(fake: FakeAllocator) -> None:
-    from cudamem.span import RawSpan, add_exit_hook, remove_exit_hook
+    from cudamem.spans.raw import RawSpan
+    from cudamem.spans.state import add_exit_hook, remove_exit_hook
 
     seen: list[tuple[str, bool]] = []
 
@@ -426,7 +427,7 @@ def test_exit_hook_sees_every_span(fake: FakeAllocator) -> None:
 
 
 def test_children_are_bounded(fake: FakeAllocator) -> None:
-    from cudamem.span import MAX_CHILDREN
+    from cudamem.spans.state import MAX_CHILDREN
 
     with cudamem.track("outer") as outer:
         for _ in range(MAX_CHILDREN + 7):

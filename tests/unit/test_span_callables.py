@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 import cudamem
-from cudamem import _backend
+from cudamem.allocator import backend as _backend
 
 from ..fakes import FakeAllocator
 

@@ -13,19 +13,14 @@ import pytest
 import torch
 
 import cudamem
-from cudamem import _backend, _warn
-from cudamem import span as _span
-from cudamem._data import to_data
-from cudamem.span import (
-    DeviceSpan,
-    RawSpan,
-    SpanRecord,
-    add_entry_hook,
-    add_exit_hook,
-    remove_entry_hook,
-    remove_exit_hook,
-)
-from cudamem.stats import DeviceCounters
+from cudamem.allocator import backend as _backend
+from cudamem.allocator.stats import DeviceCounters
+from cudamem.base import warn as _warn
+from cudamem.base.data import to_data
+from cudamem.spans import state as _spans_state
+from cudamem.spans.raw import RawSpan
+from cudamem.spans.record import DeviceSpan, SpanRecord
+from cudamem.spans.state import add_entry_hook, add_exit_hook, remove_entry_hook, remove_exit_hook
 
 from ..fakes import FakeAllocator
 
@@ -33,8 +28,8 @@ from ..fakes import FakeAllocator
 pytestmark = pytest.mark.usefixtures("span_path")
 
 MiB = 1024**2
-_history = sys.modules["cudamem._history"]
-_leaks = sys.modules["cudamem.leaks"]
+_history = sys.modules["cudamem.spans.history"]
+_leaks = sys.modules["cudamem.growth.detector"]
 
 
 @pytest.fixture
@@ -125,18 +120,18 @@ def test_hooks_fire_in_order_with_entry_counters_and_totals(fake: FakeAllocator)
 
 
 def test_features_attach_as_hooks_in_import_order() -> None:
-    oom = sys.modules["cudamem.oom"]
-    exits = [hook for hook, _ in _span._exit_hooks]
+    oom = sys.modules["cudamem.ledger.oom"]
+    exits = [hook for hook, _ in _spans_state._exit_hooks]
     assert exits[:2] == [_leaks._on_span_exit, oom._on_span_exit]
     # The history takes top-level spans from the spans' own queue, not through a hook.
-    assert _span._finished_sink is _history._drain_soon
-    assert _history._ring.inbox is _span.finished
+    assert _spans_state.STATE.finished_sink is _history._drain_soon
+    assert _history._ring.inbox is _spans_state.finished
     # Growth detection's entry hook runs for leaks=True spans alone while nothing is armed.
-    assert _span._entry_registry[:1] == ((_leaks._on_span_enter, True),)
-    assert _leaks._on_span_enter not in _span._entry_hooks
-    assert _span._entry_hooks_leaks[:1] == (_leaks._on_span_enter,)
+    assert _spans_state._entry_registry[:1] == ((_leaks._on_span_enter, True),)
+    assert _leaks._on_span_enter not in _spans_state.STATE.entry_hooks
+    assert _spans_state.STATE.entry_hooks_leaks[:1] == (_leaks._on_span_enter,)
     # Only growth detection's own warning may leave a span's exit.
-    assert dict(_span._exit_hooks)[_leaks._on_span_exit] == (cudamem.LeakWarning,)
+    assert dict(_spans_state._exit_hooks)[_leaks._on_span_exit] == (cudamem.LeakWarning,)
 
 
 def test_hook_totals_equal_the_record(fake: FakeAllocator) -> None:
@@ -424,13 +419,13 @@ def test_bookkeeping_stays_bounded(fake: FakeAllocator) -> None:
         step()
         with cudamem.track(f"name{i % 7}"), cudamem.track("inner"):
             pass
-    assert _span._open_peak == {}
-    assert len(_span._peak_inbox) <= _span._PEAK_INBOX + 1
+    assert _spans_state._open_peak == {}
+    assert len(_spans_state._peak_inbox) <= _spans_state._PEAK_INBOX + 1
     assert len(_history._ring.inbox) < _history.DRAIN_AT
     hist = cudamem.history()
     assert len(hist.spans) == 1000 and hist.dropped == 6000 - 1000
     assert sum(s.calls for s in hist.stats) == 6000
-    assert _span._top.get() is None
+    assert _spans_state._top.get() is None
 
 
 def test_span_objects_are_not_kept(fake: FakeAllocator) -> None:
@@ -449,7 +444,7 @@ def test_max_allocated_sees_every_folded_peak(fake: FakeAllocator) -> None:
         with cudamem.track("s"):
             fake.alloc(size * MiB)
             fake.free(size * MiB)
-    for _ in range(_span._PEAK_INBOX * 2):  # enough resets to merge the inbox on the way
+    for _ in range(_spans_state._PEAK_INBOX * 2):  # enough resets to merge the inbox on the way
         with cudamem.track("t"):
             pass
     assert cudamem.max_allocated(0) == 70 * MiB
@@ -477,13 +472,17 @@ def test_arming_a_name_widens_the_leak_entry_hook_to_every_span_and_disarming_na
     series = _leaks._Series(4)
     try:
         detector._arm("step", series)
-        assert _leaks._on_span_enter in _span._entry_hooks  # a leaks=False span asks too
+        assert (
+            _leaks._on_span_enter in _spans_state.STATE.entry_hooks
+        )  # a leaks=False span asks too
         detector._arm("eval", _leaks._Series(4))
         detector._disarm("step", series)
-        assert _leaks._on_span_enter in _span._entry_hooks  # "eval" is still armed
+        assert _leaks._on_span_enter in _spans_state.STATE.entry_hooks  # "eval" is still armed
         detector._disarm("eval", series)
-        assert _leaks._on_span_enter not in _span._entry_hooks
-        assert _span._entry_hooks_leaks[:1] == (_leaks._on_span_enter,)
+        assert _leaks._on_span_enter not in _spans_state.STATE.entry_hooks
+        assert _spans_state.STATE.entry_hooks_leaks[:1] == (_leaks._on_span_enter,)
     finally:
         detector.reset()
-    assert _leaks._armed == frozenset() and _leaks._on_span_enter not in _span._entry_hooks
+    assert (
+        _leaks._armed == frozenset() and _leaks._on_span_enter not in _spans_state.STATE.entry_hooks
+    )

@@ -12,9 +12,11 @@ from collections.abc import Iterator
 import pytest
 
 import cudamem
-from cudamem import _backend, _history
-from cudamem import span as _span
-from cudamem.span import RawSpan, add_exit_hook, remove_exit_hook
+from cudamem.allocator import backend as _backend
+from cudamem.spans import history as _history
+from cudamem.spans import state as _spans_state
+from cudamem.spans.raw import RawSpan
+from cudamem.spans.state import add_exit_hook, remove_exit_hook
 
 from ..fakes import FakeAllocator
 from .test_backend_contexts import Probe, backend_with
@@ -207,14 +209,15 @@ def test_errors_only_exit_hooks_run_for_spans_that_raised(fake: FakeAllocator) -
         ("first", "bad again"),
         ("last", "bad again"),
     ]
-    assert on_error not in _span._errors_only
+    assert on_error not in _spans_state._errors_only
 
 
 def test_the_oom_hook_is_skipped_only_for_spans_that_did_not_raise() -> None:
-    oom = sys.modules["cudamem.oom"]
-    assert oom._on_span_exit in _span._exit_calls
-    assert oom._on_span_exit not in _span._exit_calls_ok
-    assert _span._exit_calls_ok == tuple(h for h in _span._exit_calls if h is not oom._on_span_exit)
+    oom = sys.modules["cudamem.ledger.oom"]
+    assert oom._on_span_exit in _spans_state.STATE.exit_calls
+    assert oom._on_span_exit not in _spans_state.STATE.exit_calls_ok
+    calls = _spans_state.STATE.exit_calls
+    assert _spans_state.STATE.exit_calls_ok == tuple(h for h in calls if h is not oom._on_span_exit)
 
 
 class SettledFake(FakeAllocator):

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import pytest
 
 import cudamem
-from cudamem import _backend
-from cudamem import span as _span
+from cudamem.allocator import backend as _backend
+from cudamem.spans import state as _spans_state
 
 from ..fakes import FakeAllocator
 
@@ -68,8 +68,8 @@ def test_span_exited_on_another_thread_leaves_no_trace_on_the_first(fake: Atomic
     assert [r.name for r in hist.spans] == ["a", "b"]
     assert s.record.children == ()  # b did not become a's child
     assert s.record.thread == t.name and b.record.thread == threading.current_thread().name
-    assert _span._top.get() is None
-    assert _span._open_peak == {}
+    assert _spans_state._top.get() is None
+    assert _spans_state._open_peak == {}
 
 
 def test_child_of_a_span_closed_elsewhere_goes_to_the_grandparent(fake: AtomicFake) -> None:
@@ -194,7 +194,7 @@ def test_eight_threads_ten_thousand_spans_each_lose_nothing(fake: AtomicFake) ->
         closer_names = {th.name for th in closers}
         assert {s.record.thread for s in handed} <= closer_names
         # No span was left open or on a stack; the open-peak registry is empty.
-        assert _span._open_peak == {}
+        assert _spans_state._open_peak == {}
         for r in hist.spans:
             for d in r.devices:
                 assert d.peak is not None

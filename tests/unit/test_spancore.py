@@ -1,4 +1,4 @@
-"""The compiled span core (``_spancore.c``): its build entry, its switch, and that a span
+"""The compiled span core (``native/src/spancore/``): its build entry, its switch, and that a span
 through it is the span the Python path makes, field by field, in the common case and in
 every case it hands back to Python."""
 
@@ -14,15 +14,21 @@ import sysconfig
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from types import ModuleType
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 import cudamem
-from cudamem import _backend, _cext, _fastread, _spancore
-from cudamem import span as _span
-from cudamem._data import to_data
+from cudamem.allocator import backend as _backend
+from cudamem.base.data import to_data
+from cudamem.native import cext as _cext
+from cudamem.native import fastread as _fastread
+from cudamem.native import spancore as _spancore
+from cudamem.spans import python_path as _spans_python_path
+from cudamem.spans import raw as _spans_raw
+from cudamem.spans import span as _span
+from cudamem.spans import state as _spans_state
 
 from ..conftest import compiled_span_core, python_edges
 from ..fakes import FakeAllocator
@@ -74,12 +80,14 @@ def test_a_module_without_the_calls_is_refused() -> None:
     assert _spancore.EXTENSION.check(Empty()) == "the compiled span core lacks init"
 
 
-def test_each_extension_builds_its_own_c_file_and_names_what_it_lacks() -> None:
-    from cudamem import _heapscan
+def test_each_extension_builds_its_own_c_files_and_names_what_it_lacks() -> None:
+    from cudamem.native import heapscan as _heapscan
 
-    assert _spancore.EXTENSION.source == os.path.join(ROOT, "cudamem", "_spancore.c")
-    assert _heapscan.EXTENSION.source == os.path.join(ROOT, "cudamem", "_heapscan.c")
-    assert all(os.path.exists(e.source) for e in (_spancore.EXTENSION, _heapscan.EXTENSION))
+    src = os.path.join(ROOT, "cudamem", "native", "src")
+    assert _spancore.EXTENSION.source == os.path.join(src, "spancore")
+    assert _heapscan.EXTENSION.source == os.path.join(src, "heapscan")
+    for ext in (_spancore.EXTENSION, _heapscan.EXTENSION):
+        assert any(name.endswith(".c") for name in os.listdir(ext.source))
 
     class Partial:
         scan = edges = staticmethod(lambda *a: None)
@@ -108,8 +116,10 @@ def test_init_refuses_a_type_whose_fields_are_not_slots() -> None:
         pass
 
     module = compiled_span_core()
+    table = list(_span._core_table())
+    table[0] = NoSlots
     with pytest.raises(TypeError, match=r"NoSlots\.name is not a slot"):
-        module.init(vars(_span), vars(_backend), NoSlots, _span.MemorySpan)
+        module.init(tuple(table))
     # The real types still pass (the refusal changed nothing).
     assert not isinstance(_span._core_check(module), str)
 
@@ -130,7 +140,9 @@ def _run(code: str, **env: str) -> str:
 
 SWITCH = """
 import cudamem
-from cudamem import _backend, _spancore, span
+from cudamem.allocator import backend as _backend
+from cudamem.native import spancore as _spancore
+from cudamem.spans import span
 from tests.fakes import FakeAllocator
 with _backend.use(FakeAllocator()):
     with cudamem.track("first"):
@@ -159,18 +171,37 @@ def test_the_spans_after_the_build_open_and_close_through_the_core() -> None:
 # -- one core state per span module ----------------------------------------------------
 
 
+def _machinery(package: str) -> SimpleNamespace:
+    """The span machinery of ``package`` (``cudamem.spans`` or a copy) as one namespace: its
+    span, state and raw modules' names."""
+    names = SimpleNamespace()
+    for leaf in ("raw", "state", "span"):
+        module = importlib.import_module(f"{package}.{leaf}")
+        names.__dict__.update({k: v for k, v in vars(module).items() if not k.startswith("__")})
+    return names
+
+
 @pytest.fixture
-def second_span(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    """A second ``cudamem.span`` in this process, as ``importlib.reload``, an autoreload or
-    an in-process pytester run makes one: span.py executed again into a module of its own
-    (registered under another name for the test, then forgotten)."""
-    name = "cudamem._span_second"
-    spec = importlib.util.spec_from_file_location(name, _span.__file__)
+def second_span() -> Iterator[SimpleNamespace]:
+    """A second span machinery in this process, as ``importlib.reload``, an autoreload or an
+    in-process pytester run makes one: the whole ``cudamem.spans`` package executed again
+    under another name (registered for the test, then forgotten)."""
+    name = "cudamem._spans_second"
+    folder = os.path.dirname(_span.__file__)
+    spec = importlib.util.spec_from_file_location(
+        name, os.path.join(folder, "__init__.py"), submodule_search_locations=[folder]
+    )
     assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, name, module)
-    spec.loader.exec_module(module)
-    return module
+    package = importlib.util.module_from_spec(spec)
+    sys.modules[name] = package
+    try:
+        spec.loader.exec_module(package)
+        machinery = _machinery(name)
+        assert machinery.MemorySpan is not _span.MemorySpan
+        yield machinery
+    finally:
+        for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
+            del sys.modules[key]
 
 
 def _spy(calls: list[str], edge: str, real: Callable[..., Any]) -> Callable[..., Any]:
@@ -182,17 +213,17 @@ def _spy(calls: list[str], edge: str, real: Callable[..., Any]) -> Callable[...,
 
 
 def test_two_span_modules_in_one_process_each_keep_their_own_core(
-    second_span: ModuleType, monkeypatch: pytest.MonkeyPatch
+    second_span: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Each span module's spans open and close in C with that module's types, stack, hooks
     and finished queue, and the first module's spans keep all of them after the core is
     initialised for the second."""
     module = compiled_span_core()
-    first = _span
+    first = _machinery("cudamem.spans")
     seen: dict[str, list[Any]] = {"first": [], "second": []}
     for span_module, key in ((first, "first"), (second_span, "second")):
-        monkeypatch.setattr(span_module, "_finished_sink", lambda: None)
-        monkeypatch.setattr(span_module, "FINISHED_AT", 10**6)
+        monkeypatch.setattr(span_module.STATE, "finished_sink", lambda: None)
+        monkeypatch.setattr(span_module.STATE, "finished_at", 10**6)
         span_module.add_exit_hook(seen[key].append)
     queued = len(first.finished)
     calls: list[str] = []
@@ -203,9 +234,10 @@ def test_two_span_modules_in_one_process_each_keep_their_own_core(
                 fake.alloc(MiB)
             with second_span._serving(module):
                 for span_module, key in ((first, "first"), (second_span, "second")):
-                    for edge in ("_py_open", "_py_close"):
-                        real = getattr(span_module, edge)
-                        monkeypatch.setattr(span_module, edge, _spy(calls, f"{key}{edge}", real))
+                    for edge in ("py_open", "py_close"):
+                        real = getattr(span_module.STATE, edge)
+                        spy = _spy(calls, f"{key}{edge}", real)
+                        monkeypatch.setattr(span_module.STATE, edge, spy)
                 with first.track("first") as a, second_span.track("second") as b:
                     fake.alloc(2 * MiB)
                 with second_span.MemorySpan("second-class") as c:
@@ -239,8 +271,8 @@ def test_two_span_modules_in_one_process_each_keep_their_own_core(
 
 
 def test_a_state_outlives_its_owner_and_is_collected_in_a_cycle() -> None:
-    """The functions span.py installs hold their state; a state that only a cycle keeps (it
-    holds the globals that hold it) is collected."""
+    """The functions the span machinery installs hold their state; a state that only a cycle
+    keeps (it holds a container of its table that holds it) is collected."""
     module = compiled_span_core()
     core = _span._core_check(module)
     assert not isinstance(core, str)
@@ -250,17 +282,19 @@ def test_a_state_outlives_its_owner_and_is_collected_in_a_cycle() -> None:
     with _backend.use(FakeAllocator()):
         raw = open_("kept", None, False, False, False, False, False, hooks=False)
         close(raw, None, hooks=False)
-    assert type(raw) is _span.RawSpan and raw.closed and raw.alloc_delta == 0
+    assert type(raw) is _spans_raw.RawSpan and raw.closed and raw.alloc_delta == 0
 
     class Marker:
         pass
 
-    span_globals = dict(vars(_span))
-    span_globals["marker"] = marker = Marker()
+    # A state kept only by a container of its own table, which holds the state.
+    table = list(_span._core_table())
+    open_peak: dict[Any, Any] = {}
+    table[next(i for i, x in enumerate(table) if x is _spans_state._open_peak)] = open_peak
+    open_peak["marker"] = marker = Marker()
     gone = weakref.ref(marker)
-    types = _span.RawSpan, _span.MemorySpan
-    span_globals["state"] = module.init(span_globals, vars(_backend), *types)
-    del span_globals, marker
+    open_peak["state"] = module.init(tuple(table))
+    del table, open_peak, marker
     gc.collect()
     assert gone() is None
 
@@ -297,7 +331,7 @@ def test_the_state_s_span_methods_hand_any_other_call_to_python(
             exit_(None)
         exit_(None, None, None)
     assert span.closed and span.allocated_delta == MiB
-    assert other.closed and _span._top.get() is None
+    assert other.closed and _spans_state._top.get() is None
 
 
 # -- the same spans ------------------------------------------------------------------
@@ -362,7 +396,7 @@ def _decorated(fake: FakeAllocator) -> list[Any]:
 
 def _many_children(fake: FakeAllocator) -> list[Any]:
     with cudamem.track("parent") as parent:
-        for _ in range(_span.MAX_CHILDREN + 3):
+        for _ in range(_spans_state.MAX_CHILDREN + 3):
             with cudamem.track("child"):
                 fake.alloc(1)
     return [parent]
@@ -377,7 +411,7 @@ def _named_device(fake: FakeAllocator) -> list[Any]:
 
 
 def _history(fake: FakeAllocator) -> list[Any]:
-    for i in range(_span.FINISHED_AT + 5):
+    for i in range(_spans_state.FINISHED_AT + 5):
         with cudamem.track("loop"):
             fake.alloc(i % 3)
     return [cudamem.history()]
@@ -394,7 +428,7 @@ def test_the_core_makes_the_spans_python_makes(
     for compiled in (False, True):
         paths(compiled)
         cudamem.clear_history()
-        _span._reset_state()
+        _spans_state._reset_state()
         fake = FakeAllocator(devices=1)
         with _backend.use(fake):
             results = scenario(fake)
@@ -468,7 +502,7 @@ def test_a_hook_that_interrupts_propagates_and_the_next_span_is_clean(
         if raw.name == "stop":
             raise KeyboardInterrupt
 
-    _span.add_exit_hook(interrupt)
+    _spans_state.add_exit_hook(interrupt)
     try:
         with _backend.use(FakeAllocator()):
             with pytest.raises(KeyboardInterrupt), cudamem.track("stop"):
@@ -476,9 +510,9 @@ def test_a_hook_that_interrupts_propagates_and_the_next_span_is_clean(
             with cudamem.track("after") as after:
                 pass
     finally:
-        _span.remove_exit_hook(interrupt)
+        _spans_state.remove_exit_hook(interrupt)
     assert after.closed and after.allocated_delta == 0
-    assert _span._top.get() is None
+    assert _spans_state._top.get() is None
 
 
 def test_threads_open_and_close_through_the_core_without_losing_a_peak(
@@ -506,7 +540,7 @@ def test_threads_open_and_close_through_the_core_without_losing_a_peak(
         for t in threads:
             t.join()
     assert peaks == [5 * MiB] * 800
-    assert _span._open_peak == {}
+    assert _spans_state._open_peak == {}
 
 
 def test_the_history_folds_a_batch_in_c_to_pythons_figures(
@@ -514,7 +548,7 @@ def test_the_history_folds_a_batch_in_c_to_pythons_figures(
 ) -> None:
     """A batch of the same name with errors, unmeasured spans, spans without a peak and
     large values: the compiled fold and the Python fold give the same aggregates."""
-    from cudamem import _history
+    from cudamem.spans import history as _history
 
     paths(True)
     fake = FakeAllocator(devices=1)
@@ -530,8 +564,8 @@ def test_the_history_folds_a_batch_in_c_to_pythons_figures(
             except ValueError:
                 pass
             spans.append(span._raw)
-    spans.append(_span._py_open("unmeasured", None, False, False, False, False, False))
-    _span._py_close(spans[-1], None)  # settled devices, so measured; drop its after:
+    spans.append(_spans_python_path._py_open("unmeasured", None, False, False, False, False, False))
+    _spans_python_path._py_close(spans[-1], None)  # settled devices, so measured; drop its after:
     spans[-1].after = ()
     compiled, python = _history._Aggregate(), _history._Aggregate()
     assert core.columns(spans) is not None
@@ -546,10 +580,10 @@ def test_the_compiled_fold_refuses_what_it_does_not_read(core: Any) -> None:
     assert core.columns([]) is None
     assert core.columns([object()]) is None
     assert core.columns(("not", "a list")) is None
-    raw = _span._py_open("x", None, False, False, False, False, False, hooks=False)
+    raw = _spans_python_path._py_open("x", None, False, False, False, False, False, hooks=False)
     # Open, never closed: its exit fields are unset.
     assert core.columns([raw]) is None
-    _span._py_close(raw, None, hooks=False)
+    _spans_python_path._py_close(raw, None, hooks=False)
     assert core.columns([raw]) is not None
     raw.alloc_delta = 2**70  # past 64 bits: Python's ints fold it
     assert core.columns([raw]) is None

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 import cudamem
-from cudamem import _procfs, workers
-from cudamem.workers import HostMemoryWarning, WatchSettings, WorkerWatcher
+from cudamem.host import procfs as _procfs
+from cudamem.host import workers
+from cudamem.host.workers import HostMemoryWarning, WatchSettings, WorkerWatcher
 from tests.procfs_fakes import FakeProc, MiB
 
 PAGE = workers.PAGE

@@ -18,8 +18,9 @@ import torch
 from torch import nn
 
 import cudamem
-from cudamem import _backend, census
-from cudamem.modules import COMPILED_NOTE
+from cudamem.allocator import backend as _backend
+from cudamem.holders import census
+from cudamem.modules.profiler import COMPILED_NOTE
 
 from ...fakes import FakeAllocator
 from ...module_globals import Globals, added_globals

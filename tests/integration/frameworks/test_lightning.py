@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import cudamem
-from cudamem import _backend
+from cudamem.allocator import backend as _backend
 
 from ... import extras
 
@@ -328,7 +328,7 @@ class _Sized(L.LightningModule):  # type: ignore[misc]
 def test_fit_batch_size_sets_the_largest_batch_from_five_steps() -> None:
     from types import SimpleNamespace
 
-    from cudamem._fit import UNCONFIRMED
+    from cudamem.fit._terms import UNCONFIRMED
     from cudamem.integrations.lightning import fit_batch_size, plan_batch_size
 
     fake = _SizedDevice()

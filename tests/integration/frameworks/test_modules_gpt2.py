@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 import cudamem
-from cudamem import _backend
+from cudamem.allocator import backend as _backend
 from cudamem.integrations._cpu import CpuStorageBackend
 
 from ... import extras

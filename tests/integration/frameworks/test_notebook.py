@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import cudamem
-from cudamem.holders import Holder, Holders
+from cudamem.holders.finder import Holder, Holders
 from cudamem.integrations.notebook import classify, explain_holders
 from cudamem.render.notebook import holders_html, record_html
 

@@ -6,10 +6,10 @@ import re
 import warnings
 
 import cudamem
-from cudamem import _backend
-from cudamem._history import History
+from cudamem.allocator import backend as _backend
 from cudamem.render.series import nothing_to_plot, points
 from cudamem.render.svg import memory_chart
+from cudamem.spans.history import History
 
 from ... import extras
 from ...fakes import FakeAllocator

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import cudamem
-from cudamem import _backend
+from cudamem.allocator import backend as _backend
 
 from ... import extras
 

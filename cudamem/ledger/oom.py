@@ -1,0 +1,839 @@
+"""Out-of-memory post-mortems: what was asked for, what was there, who held it, what to do.
+
+Where the report is made, and why there:
+
+* **Inside a span.** An OOM that leaves a ``track()`` span is reported from the span's exit,
+  while the exception is still propagating: the user's frames are alive, so holders include
+  their locals. (Turn off with ``cudamem.configure_leaks(span_oom_reports=False)``.)
+* **Anywhere, once** ``on_oom`` **is installed.** The allocator's OOM observer
+  (``torch._C._cuda_attach_out_of_memory_observer``) runs *inside* ``malloc``, on the failing
+  thread, half-way through raising: walking holders there could run for seconds while the
+  allocator is mid-error and would see cudamem's own frames. So the observer only records
+  four numbers (device, bytes requested, capacity, free); the full report comes later from
+  ``sys.excepthook`` (uncaught in the main thread; ``sys.last_traceback`` is set, so the
+  failing frames' locals are still named), ``threading.excepthook`` (other threads),
+  IPython's custom exception handler (notebooks, where ``sys.excepthook`` is not used), or
+  the guard used as a context manager (``with cudamem.on_oom(...):``). An OOM that user code
+  catches and handles is only recorded (``guard.events``), never printed.
+
+The exception is never changed, swallowed or re-raised differently: hooks report, then
+hand the exception to the previous hook. ``OomGuard.uninstall`` restores every hook
+cudamem replaced (and turns allocation-history recording off again if cudamem turned it on);
+the allocator has no way to detach an observer, so cudamem's stays attached but idle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import sys
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, TextIO
+
+from ..allocator import backend as _backend
+from ..allocator.snapshot import Frame, allocated_blocks, largest_free, segments_of, split_cache
+from ..base.format import format_bytes, plural
+from ..base.frames import is_library_file
+from ..base.present import Presented
+from ..growth.detector import leak_settings
+from ..holders import census
+from ..holders.census import LiveStorage
+from ..holders.culprits import NO_HOLDER, Culprit, group_culprits
+from ..spans.state import add_exit_hook
+from .free_space import FRAGMENTATION, headroom, judge_oom
+
+if TYPE_CHECKING:
+    from types import TracebackType
+
+    from ..spans.raw import RawSpan
+    from ..spans.record import SpanRecord
+
+__all__ = [
+    "OomEvent",
+    "OomGuard",
+    "OomReport",
+    "caught_oom",
+    "last_event",
+    "on_oom",
+    "oom_report",
+    "own_ooms",
+    "parse_oom_message",
+]
+
+#: Observer events kept (the allocator may OOM repeatedly in a retry loop).
+MAX_EVENTS = 32
+#: An observer event this recent (seconds) describes the exception being reported.
+EVENT_MAX_AGE = 60.0
+
+_SIZE = r"([\d.]+)\s*(bytes|B|KiB|MiB|GiB|TiB)"
+_UNITS = {"bytes": 1, "B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3, "TiB": 1024**4}
+
+
+def _size(number: str, unit: str) -> int:
+    return round(float(number) * _UNITS[unit])
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedOom:
+    """What PyTorch's OOM message states (sizes are rounded to two decimals there)."""
+
+    requested: int | None = None
+    device: int | None = None
+    total: int | None = None
+    free: int | None = None
+    allowed: int | None = None
+    process_in_use: int | None = None
+    allocated: int | None = None
+    reserved_unallocated: int | None = None
+    #: ``(pid, bytes)`` for every process the message lists.
+    processes: tuple[tuple[int, int], ...] = ()
+
+
+_PATTERNS: dict[str, re.Pattern[str]] = {
+    "requested": re.compile(r"Tried to allocate " + _SIZE),
+    "device_total": re.compile(r"GPU (\d+) has a total capacity of " + _SIZE),
+    "free": re.compile(r"of which " + _SIZE + r" is free"),
+    "allowed": re.compile(_SIZE + r" allowed;"),
+    "process": re.compile(r"this process has " + _SIZE + r" memory in use"),
+    "allocated": re.compile(r"Of the allocated memory " + _SIZE + r" is allocated by PyTorch"),
+    "unallocated": re.compile(_SIZE + r" is reserved by PyTorch but unallocated"),
+    # PyTorch < 2.1: "(GPU 0; 10.76 GiB total capacity; 9.50 GiB already allocated; ...)"
+    "old_device": re.compile(r"\(GPU (\d+); " + _SIZE + r" total capacity"),
+    "old_allocated": re.compile(_SIZE + r" already allocated"),
+    "old_free": re.compile(_SIZE + r" free;"),
+    "old_reserved": re.compile(_SIZE + r" reserved in total by PyTorch"),
+}
+_PROCESS_LINE = re.compile(r"Process (\d+) has " + _SIZE + r" memory in use")
+
+
+def parse_oom_message(message: str) -> ParsedOom:
+    """Read requested size, capacity, free, allocated and reserved from an OOM message.
+
+    Handles the current format (``Tried to allocate 200.00 GiB. GPU 0 has a total capacity
+    of 139.81 GiB of which 138.52 GiB is free. ...``) and the pre-2.1 one; fields the message
+    does not state are ``None``.
+    """
+
+    def find(key: str) -> re.Match[str] | None:
+        return _PATTERNS[key].search(message)
+
+    values: dict[str, Any] = {}
+    if m := find("requested"):
+        values["requested"] = _size(m.group(1), m.group(2))
+    if m := find("device_total") or find("old_device"):
+        values["device"] = int(m.group(1))
+        values["total"] = _size(m.group(2), m.group(3))
+    if m := find("free") or find("old_free"):
+        values["free"] = _size(m.group(1), m.group(2))
+    if m := find("allowed"):
+        values["allowed"] = _size(m.group(1), m.group(2))
+    if m := find("process"):
+        values["process_in_use"] = _size(m.group(1), m.group(2))
+    if m := find("allocated") or find("old_allocated"):
+        values["allocated"] = _size(m.group(1), m.group(2))
+    if m := find("unallocated"):
+        values["reserved_unallocated"] = _size(m.group(1), m.group(2))
+    elif (m := find("old_reserved")) and "allocated" in values:
+        values["reserved_unallocated"] = _size(m.group(1), m.group(2)) - values["allocated"]
+    processes = tuple(
+        (int(p.group(1)), _size(p.group(2), p.group(3))) for p in _PROCESS_LINE.finditer(message)
+    )
+    return ParsedOom(**values, processes=processes)
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass(frozen=True, slots=True)
+class OomEvent:
+    """What the allocator's OOM observer saw, recorded inside ``malloc`` (nothing else)."""
+
+    device: int
+    #: Bytes the allocator tried to get (after its rounding).
+    requested: int
+    #: Device capacity, or the allowed maximum under ``set_per_process_memory_fraction``.
+    total: int
+    free: int
+    time: float
+
+
+@dataclass(frozen=True, slots=True)
+class StrandedCache:
+    """Cache reserved on a stream that holds no live tensor."""
+
+    stream: int
+    reserved: int
+    segments: int
+
+
+@dataclass(frozen=True, slots=True)
+class OomReport(Presented):
+    """The post-mortem of one out-of-memory error. Bytes are ints; ``None`` is unknown."""
+
+    json_properties: ClassVar[tuple[str, ...]] = ("cache",)
+
+    created_at: float
+    #: Where it was made: ``"span 'train_step'"``, ``"sys.excepthook"``, ...
+    source: str
+    exception_type: str
+    message: str
+    device: int | None
+    requested: int | None
+    total: int | None
+    free: int | None
+    allocated: int | None
+    reserved: int | None
+    #: Free bytes inside segments that still hold live blocks (``empty_cache`` cannot return).
+    inactive_split: int | None
+    largest_free_block: int | None
+    #: ``1 - largest free block / free cache``: 0 is one contiguous block.
+    fragmentation: float | None
+    #: Memory of this process outside PyTorch's allocator (context, cuBLAS, NCCL), per message.
+    non_pytorch: int | None
+    #: Memory of other processes on the device, per message (``total - free - this process``).
+    other_processes: int | None
+    stranded: tuple[StrandedCache, ...]
+    #: The largest live storages on the device, with holders (``allocated_at`` with history).
+    storages: tuple[LiveStorage, ...]
+    advice: tuple[str, ...]
+    notes: tuple[str, ...] = ()
+    #: The file the report was written to, if any.
+    file: str | None = None
+    #: Those storages grouped by the container that holds them (``cudamem.holders.culprits``).
+    culprits: tuple[Culprit, ...] = ()
+
+    @property
+    def cache(self) -> int | None:
+        """Reserved but unallocated bytes after the failure."""
+        if self.reserved is None or self.allocated is None:
+            return None
+        return self.reserved - self.allocated
+
+
+# --------------------------------------------------------------------------- building
+
+
+def _exc_type_name(exc: BaseException) -> str:
+    tp = type(exc)
+    return f"{tp.__module__}.{tp.__qualname__}"
+
+
+def _exc_message(exc: BaseException) -> str:
+    try:
+        return str(exc)
+    except Exception:
+        return "<message unavailable>"
+
+
+def _stranded(backend: _backend.Backend, device: int, segments: Any) -> list[StrandedCache]:
+    """Streams whose cache holds no live tensor (the snapshot module's cache split)."""
+    current = backend.current_stream_handle(device)
+    split = split_cache(segments, current_streams=(0,) if current is None else (0, current))
+    return [
+        StrandedCache(s.stream, s.reserved, s.segments)
+        for s in split.streams
+        if s.stranded and s.reserved > 0
+    ]
+
+
+def _frame_text(frames: Sequence[Frame]) -> str | None:
+    """The first frame outside torch and cudamem, as ``file:line in function``."""
+    for fr in frames:
+        if not fr.filename or is_library_file(fr.filename):
+            continue
+        if fr.filename.startswith("<") and fr.filename != "<stdin>":
+            continue
+        return f"{fr.filename}:{fr.line or '?'} in {fr.name or '?'}"
+    return None
+
+
+def _allocation_sites(backend: _backend.Backend, device: int) -> dict[int, str]:
+    """Block address → where it was allocated, from the history snapshot (opt-in)."""
+    snap = backend.history_snapshot()
+    if not snap:
+        return {}
+    sites: dict[int, str] = {}
+    for block in allocated_blocks(segments_of(snap, device)):
+        text = _frame_text(block.frames)
+        if text is not None:
+            sites[block.address] = text
+    return sites
+
+
+def last_event(device: int | None = None) -> OomEvent | None:
+    """The last OOM the allocator's observer recorded (on ``device``), however old; ``None``
+    when none was (the observer records while ``on_oom()`` is installed)."""
+    for ev in reversed(_events):
+        if device is None or ev.device == device:
+            return ev
+    return None
+
+
+def _latest_event(device: int | None) -> OomEvent | None:
+    now = time.time()
+    for ev in reversed(_events):
+        if now - ev.time <= EVENT_MAX_AGE and (device is None or ev.device == device):
+            return ev
+    return None
+
+
+def _advice(
+    *,
+    requested: int | None,
+    total: int | None,
+    free: int | None,
+    cache: int | None,
+    largest_free: int | None,
+    stranded: Sequence[StrandedCache],
+    culprits: Sequence[Culprit],
+    others: int | None,
+    non_pytorch: int | None,
+    reserved: int | None = None,
+    expandable: bool = False,
+) -> list[str]:
+    """Concrete next steps, most specific first."""
+    out: list[str] = []
+    if requested is not None and total is not None and requested > total:
+        out.append(
+            f"The request alone ({format_bytes(requested)}) is more than the GPU has "
+            f"({format_bytes(total)}): "
+            "no allocator setting or cleanup helps. Make that tensor smaller (batch size, "
+            "sequence length, resolution), process it in chunks, or shard it across GPUs."
+        )
+        return out
+    if (
+        requested is not None
+        and cache is not None
+        and largest_free is not None
+        and judge_oom(
+            requested,
+            largest_free=largest_free,
+            cache_free=cache,
+            device_free=headroom(free, total, reserved) if reserved is not None else free,
+        )
+        == FRAGMENTATION
+    ):
+        head = (
+            f"Fragmentation: the cache holds {format_bytes(cache)} free but its largest free "
+            f"block is {format_bytes(largest_free)}. "
+        )
+        out.append(
+            head
+            + (
+                "Expandable segments are on already: the free bytes sit beside live blocks "
+                "(partial pages) or on other streams; free those blocks or use one stream."
+                if expandable
+                else "Start the process with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True."
+            )
+        )
+    if stranded:
+        amount = sum(s.reserved for s in stranded)
+        out.append(
+            f"{format_bytes(amount)} is cached on {plural(len(stranded), 'stream')} "
+            "with no live tensor: "
+            "reuse one torch.cuda.Stream instead of creating one per run, or call "
+            "torch.cuda.empty_cache() when a run ends."
+        )
+    named = [c for c in culprits if c.holder != NO_HOLDER]
+    graph = [c for c in named if c.autograd_bytes * 2 >= c.nbytes]
+    if graph:
+        out.append(
+            f"{graph[0].holder} keeps autograd graphs alive "
+            f"({format_bytes(graph[0].autograd_bytes)} among "
+            "the largest storages): store loss.item() or use cudamem.ScalarLogger instead of "
+            "the tensor, and run evaluation under torch.no_grad()."
+        )
+    held = [c for c in named if c not in graph]
+    if held:
+        top = held[0]
+        what = (
+            f"{plural(top.items, 'item')} of {top.holder} hold {format_bytes(top.nbytes)}"
+            if top.items > 1
+            else f"{top.holder} holds {format_bytes(top.nbytes)}"
+        )
+        out.append(
+            f"Among the largest live storages, {what}: del it (and every other holder) or "
+            "move it to the CPU (cudamem.to_host) if it is needed only later."
+        )
+    if others is not None and others >= 1024**3:
+        out.append(
+            f"Other processes use about {format_bytes(others)} of this GPU: see nvidia-smi or "
+            "cudamem.explain()."
+        )
+    if non_pytorch is not None and non_pytorch >= 2 * 1024**3:
+        out.append(
+            f"{format_bytes(non_pytorch)} of this process is outside PyTorch's allocator (CUDA "
+            "context, cuBLAS/cuDNN workspaces, NCCL buffers): cudamem.explain() splits it."
+        )
+    if requested is not None:
+        out.append(
+            "If the memory is the step's own working set: lower the batch size, use "
+            "torch.autocast (bf16/fp16), activation checkpointing (torch.utils.checkpoint), "
+            "and optimizer.zero_grad(set_to_none=True)."
+        )
+    return out
+
+
+def build_report(
+    exception_type: str,
+    message: str,
+    *,
+    source: str,
+    top: int = 10,
+    holders: bool = True,
+) -> OomReport:
+    """Assemble the post-mortem of one OOM (never raises: failures become notes)."""
+    notes: list[str] = []
+    backend = _backend.get()
+    parsed = parse_oom_message(message)
+    device = parsed.device
+    event = _latest_event(device)
+    if device is None and event is not None:
+        device = event.device
+    if device is None:
+        device = backend.current_device()
+        notes.append(f"the message names no device; reporting cuda:{device}")
+    requested = parsed.requested
+    if requested is None and event is not None:
+        requested = event.requested
+    total = parsed.allowed or parsed.total or (event.total if event else None)
+    free = parsed.free if parsed.free is not None else (event.free if event else None)
+
+    allocated = reserved = inactive = None
+    try:
+        if backend.has_context(device):
+            stats = backend.read(device)
+            allocated, reserved, inactive = stats.allocated, stats.reserved, stats.inactive_split
+    except Exception as exc:
+        notes.append(f"allocator counters unavailable: {exc!r}")
+    if allocated is None and parsed.allocated is not None:
+        allocated = parsed.allocated
+        if parsed.reserved_unallocated is not None:
+            reserved = parsed.allocated + parsed.reserved_unallocated
+
+    largest = fragmentation = None
+    expandable = False
+    stranded: list[StrandedCache] = []
+    try:
+        segments = backend.memory_segments(device)
+        if segments is not None:
+            expandable = any(s.get("is_expandable") is True for s in segments)
+            largest, free_cache = largest_free(segments)
+            fragmentation = 1.0 - largest / free_cache if free_cache else 0.0
+            stranded = _stranded(backend, device, segments)
+    except Exception as exc:
+        notes.append(f"segment analysis failed: {exc!r}")
+
+    storages: list[LiveStorage] = []
+    culprits: list[Culprit] = []
+    try:
+        sites = _allocation_sites(backend, device)
+        device_type = backend.storage_device_type()
+        # Holders only for the storages listed: the search is the expensive part.
+        listed = [
+            s.ref
+            for s in census.live_storages(device_type)
+            if s.ref is not None and (device_type != "cuda" or s.device == f"cuda:{device}")
+        ][:top]
+        found = census.live_storages(device_type, holders=holders, among=listed)
+        for s in sorted(found, key=census.listing_order):
+            # An address is the right key here: the blocks of this very instant.
+            storages.append(replace(s, allocated_at=sites.get(s.data_ptr)))
+        culprits = group_culprits(storages) if holders else []
+    except Exception as exc:
+        notes.append(f"listing live storages failed: {type(exc).__name__}: {exc}")
+
+    non_pytorch = others = None
+    if parsed.process_in_use is not None:
+        pt_reserved = (parsed.allocated or 0) + (parsed.reserved_unallocated or 0)
+        non_pytorch = max(parsed.process_in_use - pt_reserved, 0)
+        if parsed.total is not None and parsed.free is not None:
+            others = max(parsed.total - parsed.free - parsed.process_in_use, 0)
+    cache = None if reserved is None or allocated is None else reserved - allocated
+    advice = _advice(
+        requested=requested,
+        total=total,
+        free=free,
+        cache=cache,
+        largest_free=largest,
+        stranded=stranded,
+        culprits=culprits,
+        others=others,
+        non_pytorch=non_pytorch,
+        reserved=reserved,
+        expandable=expandable,
+    )
+    return OomReport(
+        created_at=time.time(),
+        source=source,
+        exception_type=exception_type,
+        message=message,
+        device=device,
+        requested=requested,
+        total=total,
+        free=free,
+        allocated=allocated,
+        reserved=reserved,
+        inactive_split=inactive,
+        largest_free_block=largest,
+        fragmentation=fragmentation,
+        non_pytorch=non_pytorch,
+        other_processes=others,
+        stranded=tuple(stranded),
+        storages=tuple(storages),
+        advice=tuple(advice),
+        notes=tuple(notes),
+        culprits=tuple(culprits),
+    )
+
+
+def oom_report(exc: BaseException, *, top: int = 10, holders: bool = True) -> OomReport:
+    """The post-mortem of ``exc`` as a result object, printed nowhere.
+
+    For code that catches its own OOMs (``except torch.OutOfMemoryError as e:``)::
+
+        report = cudamem.oom_report(e)
+        print(report)
+    """
+    if not _backend.get().is_oom(exc):
+        raise ValueError(f"not an out-of-memory error: {_exc_type_name(exc)}")
+    return build_report(
+        _exc_type_name(exc), _exc_message(exc), source="oom_report()", top=top, holders=holders
+    )
+
+
+# --------------------------------------------------------------------------- output
+
+
+_report_lock = threading.Lock()
+#: (type, message, per-device OOM counters) of the last report: the same failure seen by
+#: nested spans and then by the excepthook is reported once.
+_last_key: tuple[Hashable, ...] | None = None
+
+
+def _dedup_key(exception_type: str, message: str) -> tuple[Hashable, ...]:
+    backend = _backend.get()
+    try:
+        counters = tuple((d, backend.read(d).ooms) for d in backend.initialized_devices())
+    except Exception:
+        counters = ()
+    return (exception_type, message, counters)
+
+
+def _resolve_file(file: str | os.PathLike[str]) -> Path:
+    text = os.fspath(file)
+    text = text.replace("{pid}", str(os.getpid())).replace("{rank}", os.environ.get("RANK", "0"))
+    return Path(text).expanduser()
+
+
+def _write(report: OomReport, *, stderr: bool, file: str | os.PathLike[str] | None) -> OomReport:
+    path: Path | None = None
+    if file is not None:
+        path = _resolve_file(file)
+        report = replace(report, file=str(path))
+    text = str(report)
+    if stderr:
+        stream: TextIO | None = sys.stderr
+        if stream is not None:
+            with contextlib.suppress(Exception):
+                stream.write(text + "\n")
+                stream.flush()
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("a", encoding="utf-8") as fh:
+                fh.write(text + "\n\n")
+        except OSError as exc:
+            if sys.stderr is not None:
+                sys.stderr.write(f"cudamem: could not write the OOM report to {path}: {exc}\n")
+    return report
+
+
+def _produce(exception_type: str, message: str, source: str) -> OomReport | None:
+    """Build, dedupe and write one report with the installed guard's settings."""
+    global _last_key
+    try:
+        key = _dedup_key(exception_type, message)
+        with _report_lock:
+            if key == _last_key:
+                return None
+            _last_key = key
+        guard = _guard
+        top = guard.top if guard is not None else 10
+        report = build_report(exception_type, message, source=source, top=top)
+        report = _write(
+            report,
+            stderr=guard.stderr if guard is not None else True,
+            file=guard.file if guard is not None else None,
+        )
+        if guard is not None:
+            guard.last_report = report
+        return report
+    except Exception as exc:  # a post-mortem must never add a second failure
+        with contextlib.suppress(Exception):
+            sys.stderr.write(f"cudamem: OOM post-mortem failed: {exc!r}\n")
+        return None
+
+
+def _report_from_span(record: SpanRecord) -> None:
+    """Exit hook path: an OOM left span ``record``."""
+    info = record.exception
+    if info is None:
+        return
+    _produce(info.type_name, info.message, f"span {record.name!r}")
+
+
+def _on_span_exit(span: RawSpan) -> None:
+    """The span exit hook: an OOM left a span (reported while its frames are alive)."""
+    info = span.exception
+    if info is not None and info.is_oom and leak_settings().span_oom_reports:
+        _report_from_span(span.record())
+
+
+add_exit_hook(_on_span_exit, errors_only=True)
+
+
+def _report_exception(exc: BaseException | None, source: str) -> None:
+    if exc is None:
+        return
+    try:
+        if not _backend.get().is_oom(exc):
+            return
+    except Exception:
+        return
+    _produce(_exc_type_name(exc), _exc_message(exc), source)
+
+
+# --------------------------------------------------------------------------- observer
+
+
+_events: deque[OomEvent] = deque(maxlen=MAX_EVENTS)
+#: The backends the observer is attached to (the allocator cannot detach one): the real
+#: backend once per process; a fake one (tests) of its own.
+_observer_on: weakref.WeakSet[object] = weakref.WeakSet()
+_observer_active = False
+
+
+#: Out-of-memory errors cudamem caused and caught itself (``cudamem.plan``'s steps), per
+#: backend (the allocator counting them) and device: not the user's, so no verdict or note
+#: speaks of them.
+_caught: weakref.WeakKeyDictionary[object, dict[int, int]] = weakref.WeakKeyDictionary()
+
+
+def caught_oom(device: int, since: float) -> None:
+    """A step cudamem ran on ``device`` ran out of memory and cudamem caught it: count it
+    and drop what the observer recorded of it (at ``time.time()`` ``since`` or later), so
+    that ``explain()`` and ``fragmentation()`` judge the user's own OOMs only."""
+    counts = _caught.setdefault(_backend.get(), {})
+    counts[device] = counts.get(device, 0) + 1
+    kept = [ev for ev in _events if ev.device != device or ev.time < since]
+    if len(kept) != len(_events):
+        _events.clear()
+        _events.extend(kept)
+
+
+def own_ooms(device: int, counted: int) -> int:
+    """The allocator's OOM count on ``device`` less those cudamem caught itself."""
+    return max(0, counted - _caught.get(_backend.get(), {}).get(device, 0))
+
+
+def _observer(device: int, requested: int, total: int, free: int) -> None:
+    """Runs inside the allocator's ``malloc`` on OOM: record the facts, nothing more."""
+    if _observer_active:
+        _events.append(OomEvent(int(device), int(requested), int(total), int(free), time.time()))
+
+
+# --------------------------------------------------------------------------- the guard
+
+
+_guard: OomGuard | None = None
+_install_lock = threading.Lock()
+
+
+class OomGuard(_backend.InstalledHook):
+    """Installed OOM post-mortems: returned by ``on_oom``.
+
+    ``guard.uninstall()`` restores the previous hooks and turns history off if cudamem turned
+    it on; used as a context manager, the guard also reports an OOM that leaves the block and
+    uninstalls itself at the end. If other code replaced cudamem's hook after it was installed,
+    that hook is left in place (removing it would break its chain) and cudamem's stays as a
+    pass-through.
+    """
+
+    _install_lock = _install_lock
+
+    def __init__(
+        self,
+        file: str | os.PathLike[str] | None,
+        *,
+        stderr: bool,
+        top: int,
+        record_history: bool,
+        max_entries: int,
+    ) -> None:
+        super().__init__(record_history=record_history, max_entries=max_entries)
+        self.file = file
+        self.stderr = stderr
+        self.top = top
+        self.last_report: OomReport | None = None
+        self.notes: list[str] = []
+        self._prev_sys: Callable[..., Any] | None = None
+        self._prev_thread: Callable[..., Any] | None = None
+        self._sys_hook_ref = self._sys_hook
+        self._thread_hook_ref = self._thread_hook
+        self._ipython: Any = None
+        self._ipython_prev: tuple[Any, Any] | None = None
+
+    @property
+    def events(self) -> tuple[OomEvent, ...]:
+        """OOMs the allocator reported since install, caught by user code or not."""
+        return tuple(_events)
+
+    # -- hooks ----------------------------------------------------------------------
+
+    def _sys_hook(
+        self, etype: type[BaseException], value: BaseException, tb: TracebackType | None
+    ) -> None:
+        prev = self._prev_sys or sys.__excepthook__
+        try:
+            prev(etype, value, tb)
+        finally:
+            if self.installed:
+                _report_exception(value, "sys.excepthook")
+
+    def _thread_hook(self, args: Any) -> None:
+        prev = self._prev_thread or threading.__excepthook__
+        try:
+            prev(args)
+        finally:
+            if self.installed:
+                name = getattr(args.thread, "name", "?")
+                _report_exception(args.exc_value, f"threading.excepthook ({name})")
+
+    def _ipython_handler(
+        self, shell: Any, etype: Any, value: Any, tb: Any, tb_offset: Any = None
+    ) -> Any:
+        shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
+        if self.installed:
+            _report_exception(value, "IPython")
+        return None
+
+    def _install(self) -> None:
+        global _observer_active
+        backend = _backend.get()
+        self._prev_sys = sys.excepthook
+        sys.excepthook = self._sys_hook_ref
+        self._prev_thread = threading.excepthook
+        threading.excepthook = self._thread_hook_ref
+        self._install_ipython()
+        if backend not in _observer_on and backend.attach_oom_observer(_observer):
+            _observer_on.add(backend)
+        _observer_active = True
+        # Installed before asking for history: with CUDA already initialised the request
+        # runs at once and checks _wanted(), which reads this flag.
+        self.installed = True
+        if self._take_history():
+            self.notes.append("allocation history was already on: left as it is")
+
+    def _install_ipython(self) -> None:
+        ipython_mod = sys.modules.get("IPython")
+        get = getattr(ipython_mod, "get_ipython", None)
+        shell = get() if callable(get) else None
+        if shell is None or not hasattr(shell, "set_custom_exc"):
+            return
+        if getattr(shell, "custom_exceptions", ()):
+            self.notes.append("IPython already has a custom exception handler: left alone")
+            return
+        oom_types = tuple(
+            t
+            for t in (getattr(sys.modules.get("torch"), "OutOfMemoryError", None),)
+            if isinstance(t, type)
+        )
+        if not oom_types:
+            return
+        self._ipython = shell
+        self._ipython_prev = (shell.custom_exceptions, shell.CustomTB)
+        shell.set_custom_exc(oom_types, self._ipython_handler)
+
+    def _unhook(self) -> None:
+        """Restore the hooks that were there before, where they are still cudamem's."""
+        global _guard, _observer_active
+        if sys.excepthook is self._sys_hook_ref:
+            sys.excepthook = self._prev_sys or sys.__excepthook__
+        if threading.excepthook is self._thread_hook_ref:
+            threading.excepthook = self._prev_thread or threading.__excepthook__
+        if self._ipython is not None and self._ipython_prev is not None:
+            self._ipython.custom_exceptions, self._ipython.CustomTB = self._ipython_prev
+            self._ipython = self._ipython_prev = None
+        if _guard is self:
+            _guard = None
+            _observer_active = False
+
+    def _leaving(self, exc: BaseException | None) -> None:
+        """The ``with`` block's end: report an OOM that leaves it."""
+        if exc is not None and self.installed:
+            _report_exception(exc, "on_oom() block")
+
+    def __repr__(self) -> str:
+        where = f", file={os.fspath(self.file)!r}" if self.file is not None else ""
+        return f"<OomGuard {self._state()}{where}>"
+
+
+def on_oom(
+    file: str | os.PathLike[str] | None = None,
+    *,
+    stderr: bool = True,
+    top: int = 10,
+    record_history: bool = False,
+    max_entries: int = 100_000,
+) -> OomGuard:
+    """Print a post-mortem for every out-of-memory error that reaches the top of a thread.
+
+    Args:
+        file: also append each report to this file (``{pid}`` and ``{rank}`` are replaced,
+            for one file per process). Spans use it too.
+        stderr: write the report to ``sys.stderr``.
+        top: how many of the largest live storages to list, with their holders.
+        record_history: record allocation history (``_record_memory_history``, Python stacks
+            at allocation) so the report says where each large storage was allocated. It
+            costs time on every allocation; off again at ``OomGuard.uninstall``.
+        max_entries: bound of the history's ring buffer.
+
+    Installs ``sys.excepthook``, ``threading.excepthook`` and (in IPython) a custom exception
+    handler, each forwarding to what was there before; the exception is never changed.
+    Calling ``on_oom`` again replaces the previous guard. Returns the guard::
+
+        guard = cudamem.on_oom("oom-{pid}.txt")
+        ...
+        guard.uninstall()
+
+        with cudamem.on_oom("oom.txt"):   # also reports an OOM leaving the block
+            train()
+    """
+    global _guard
+    if isinstance(top, bool) or not isinstance(top, int) or top < 0:
+        raise ValueError(f"top must be an int >= 0, got {top!r}")
+    if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
+        raise ValueError(f"max_entries must be a positive int, got {max_entries!r}")
+    if file is not None and not isinstance(file, (str, os.PathLike)):
+        raise TypeError(f"file must be a path, not {type(file).__name__}")
+    previous = _guard
+    if previous is not None:
+        previous.uninstall()
+    guard = OomGuard(
+        file, stderr=stderr, top=top, record_history=record_history, max_entries=max_entries
+    )
+    with _install_lock:
+        guard._install()
+        _guard = guard
+    return guard

@@ -1,0 +1,5 @@
+"""Logging scalars without keeping graphs alive: ``log_scalar`` and ``ScalarLogger``
+(``logger``).
+
+May use ``base``, ``native``, ``allocator`` and ``holders``.
+"""
