@@ -54,6 +54,7 @@ from _common import ConstantReader, machine  # noqa: E402
 import cudamem  # noqa: E402
 from cudamem import span  # noqa: E402
 from cudamem.allocator import backend as _backend  # noqa: E402
+from cudamem.allocator import backend_base as _backend_base  # noqa: E402
 from cudamem.modules import profiler as after  # noqa: E402
 from cudamem.render.text import render_table  # noqa: E402
 
@@ -612,7 +613,7 @@ def backend_named(name: str) -> Iterator[None]:
         yield
         return
     if name == "constant":
-        chosen: _backend.Backend = ConstantReader()
+        chosen: _backend_base.Backend = ConstantReader()
     elif name == "stub":  # the C++ log and C hooks on the CPU: the reader's source, stubbed
         from module_units import stub_reader
 

@@ -46,9 +46,9 @@ ROOT = os.path.dirname(HERE)
 
 def _stub_backend() -> Any:
     """The real ``TorchBackend`` with one device that has a context and a stub C++ reader."""
-    from cudamem.allocator import backend as _backend
+    from cudamem.allocator import torch_backend as _torch_backend
 
-    backend = _backend.TorchBackend()
+    backend = _torch_backend.TorchBackend()
     counters = {0: (1 << 20, 2 << 20, 1 << 20)}.__getitem__
     backend._with_context = (0,)
     backend._all_contexts = True

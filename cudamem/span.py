@@ -41,7 +41,8 @@ from typing_extensions import ParamSpec
 from . import _spancore
 from ._cext import ExtensionStatus
 from .allocator import backend as _backend
-from .allocator.backend import Counters
+from .allocator import backend_base as _backend_base
+from .allocator.backend_base import Counters
 from .allocator.device_arg import DeviceLike, resolve_device
 from .allocator.stats import DeviceCounters, device_name
 from .base.data import to_data
@@ -565,7 +566,7 @@ def _only(me: int) -> bool:
     return owners.count(me) == len(owners)
 
 
-def _enter_peak(span: RawSpan, backend: _backend.Backend, devs: tuple[int, ...]) -> None:
+def _enter_peak(span: RawSpan, backend: _backend_base.Backend, devs: tuple[int, ...]) -> None:
     """Read and reset the peak counters, folding the discarded peaks into the open spans
     (the general case; ``_open`` handles a lone span on one device itself).
 
@@ -790,7 +791,7 @@ def _wait_folds() -> None:
         pass
 
 
-def _exception_info(exc: BaseException, backend: _backend.Backend) -> ExceptionInfo:
+def _exception_info(exc: BaseException, backend: _backend_base.Backend) -> ExceptionInfo:
     return ExceptionInfo.from_exception(exc, is_oom=backend.is_oom(exc))
 
 

@@ -43,7 +43,7 @@ from typing import Any, BinaryIO, ClassVar, NamedTuple
 from ..base.args import check_bool, check_int
 from ..base.format import plural
 from . import backend as _backend
-from .backend import PoolOwners
+from .backend_base import PoolOwners
 from .device_arg import DeviceLike, resolve_device
 
 __all__ = [

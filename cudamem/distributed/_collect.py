@@ -9,6 +9,7 @@ from typing import Any
 
 from .. import _history
 from ..allocator import backend as _backend
+from ..allocator import backend_base as _backend_base
 from ..allocator.stats import device_name
 from ..growth.detector import _detector as detector
 from ..growth.detector import theil_sen
@@ -107,7 +108,7 @@ def _collect_gpus() -> tuple[tuple[HostGpu, ...], list[str]]:
 
 
 def _own_device(
-    be: _backend.Backend, local_rank: int | None, used: Mapping[int, int], current: int | None
+    be: _backend_base.Backend, local_rank: int | None, used: Mapping[int, int], current: int | None
 ) -> tuple[int | None, str]:
     count = be.device_count()
     if count == 0:
@@ -132,7 +133,7 @@ def _context_estimate(given: int | None) -> int:
 
 
 def _device_row(
-    be: _backend.Backend,
+    be: _backend_base.Backend,
     device: int,
     *,
     ledgers: Mapping[int, Any],

@@ -701,7 +701,7 @@ def _classify_blocks(
     workspace when (1) the allocator recorded its allocation stack (memory history on) and a
     frame names the workspace functions, or (2) no storage lives in it and its requested size
     is exactly the workspace size PyTorch chooses for this GPU (see
-    ``cudamem.allocator.backend.TorchBackend.cublas_workspace_sizes``).
+    ``cudamem.allocator.torch_backend.TorchBackend.cublas_workspace_sizes``).
     """
     ordered = sorted(blocks, key=lambda b: b.address)
     starts = [b.address for b in ordered]

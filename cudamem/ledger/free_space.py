@@ -32,7 +32,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ..allocator.backend import PoolOwners
+from ..allocator.backend_base import PoolOwners
 from ..allocator.snapshot import (
     NO_POOL,
     POOL_KINDS,

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..allocator import backend as _backend
+from ..allocator import backend_base as _backend_base
 from ..base.args import check_bool
 from ..base.present import Presented
 from ..growth.detector import add_growth_hook, remove_growth_hook
@@ -320,7 +321,7 @@ def dump_snapshot(
 _lock = threading.Lock()
 _active: AutoDump | None = None
 #: Backends the observer is attached to (the allocator cannot detach one: it stays, idle).
-_observed: weakref.WeakSet[_backend.Backend] = weakref.WeakSet()
+_observed: weakref.WeakSet[_backend_base.Backend] = weakref.WeakSet()
 
 
 class AutoDump(_backend.InstalledHook):

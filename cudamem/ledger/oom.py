@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, TextIO
 
 from ..allocator import backend as _backend
+from ..allocator import backend_base as _backend_base
 from ..allocator.snapshot import Frame, allocated_blocks, largest_free, segments_of, split_cache
 from ..base.format import format_bytes, plural
 from ..base.frames import is_library_file
@@ -234,7 +235,7 @@ def _exc_message(exc: BaseException) -> str:
         return "<message unavailable>"
 
 
-def _stranded(backend: _backend.Backend, device: int, segments: Any) -> list[StrandedCache]:
+def _stranded(backend: _backend_base.Backend, device: int, segments: Any) -> list[StrandedCache]:
     """Streams whose cache holds no live tensor (the snapshot module's cache split)."""
     current = backend.current_stream_handle(device)
     split = split_cache(segments, current_streams=(0,) if current is None else (0, current))
@@ -256,7 +257,7 @@ def _frame_text(frames: Sequence[Frame]) -> str | None:
     return None
 
 
-def _allocation_sites(backend: _backend.Backend, device: int) -> dict[int, str]:
+def _allocation_sites(backend: _backend_base.Backend, device: int) -> dict[int, str]:
     """Block address → where it was allocated, from the history snapshot (opt-in)."""
     snap = backend.history_snapshot()
     if not snap:

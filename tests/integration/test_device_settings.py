@@ -26,7 +26,8 @@ import torch
 
 import cudamem
 from cudamem.allocator import backend as _backend
-from cudamem.allocator.backend import PoolOwners, instances_of
+from cudamem.allocator import torch_backend as _torch_backend
+from cudamem.allocator.backend_base import PoolOwners
 from cudamem.allocator.snapshot import (
     LARGE_PAGE,
     SMALL_PAGE,
@@ -38,6 +39,7 @@ from cudamem.allocator.snapshot import (
     workspace_streams,
 )
 from cudamem.allocator.stats import AllocatorStats
+from cudamem.allocator.torch_backend import instances_of
 from cudamem.ledger import nvml as _nvml
 from cudamem.ledger.device import AllocatedSplit, DeviceLedger, build_ledger
 from cudamem.render.json import to_json
@@ -607,7 +609,7 @@ def test_pool_owners_are_found_without_user_code(monkeypatch: pytest.MonkeyPatch
         _MemPool((0, 9)),
         _TreeManager((0, 7)),
     ]
-    owners = _backend._find_pool_owners()
+    owners = _torch_backend._find_pool_owners()
     assert owners.graphs == {(1, 0): 1, (0, 7): 2}
     assert owners.mempools == frozenset({(0, 9)})
     assert owners.trees == {(0, 7): 0}

@@ -15,7 +15,7 @@ import torch
 
 import cudamem
 from cudamem.allocator import backend as _backend
-from cudamem.allocator.backend import PoolOwners
+from cudamem.allocator.backend_base import PoolOwners
 from cudamem.allocator.snapshot import loads_snapshot
 from cudamem.allocator.stats import AllocatorStats
 from cudamem.ledger import nvml as _nvml

@@ -19,6 +19,7 @@ import torch
 
 import cudamem
 from cudamem.allocator import backend as _backend
+from cudamem.allocator import backend_base as _backend_base
 from cudamem.base import warn as _warn
 from cudamem.base.data import to_data
 from cudamem.render.json import to_json
@@ -617,7 +618,7 @@ def test_buffer_memory_is_bounded() -> None:
     assert len(log) == 1000
 
 
-class _FakeEvents(_backend.Backend):
+class _FakeEvents(_backend_base.Backend):
     """Events for the pipelined (CUDA) path, driven on CPU tensors."""
 
     def __init__(self) -> None:

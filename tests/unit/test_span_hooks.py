@@ -15,6 +15,7 @@ import torch
 import cudamem
 from cudamem import span as _span
 from cudamem.allocator import backend as _backend
+from cudamem.allocator import torch_backend as _torch_backend
 from cudamem.allocator.stats import DeviceCounters
 from cudamem.base import warn as _warn
 from cudamem.base.data import to_data
@@ -400,7 +401,7 @@ def test_backend_counters_default_to_read(fake: FakeAllocator) -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
 def test_torch_backend_counters_without_cuda() -> None:
-    backend = _backend.TorchBackend()
+    backend = _torch_backend.TorchBackend()
     assert backend.counters(0) == (0, 0, 0)
     assert backend.counters_reset_peak(0) == (0, 0, 0)
 

@@ -15,6 +15,7 @@ import cudamem
 from cudamem import _history
 from cudamem import span as _span
 from cudamem.allocator import backend as _backend
+from cudamem.allocator import torch_backend as _torch_backend
 from cudamem.span import RawSpan, add_exit_hook, remove_exit_hook
 
 from ..fakes import FakeAllocator
@@ -262,7 +263,7 @@ def test_a_span_opened_before_the_devices_settled_still_sees_new_ones() -> None:
 def test_torch_backend_settles_once_every_device_has_a_context(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(_backend, "REPROBE_NS", 0)
+    monkeypatch.setattr(_torch_backend, "REPROBE_NS", 0)
     probe = Probe({0})
     backend = backend_with(probe, 2)
     assert backend.initialized_devices() == (0,)
