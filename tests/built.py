@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from cudamem._history import History, SpanStats
-from cudamem.allocator.snapshot import CacheSplit, PrivatePool
+from cudamem.allocator.cache_split import CacheSplit, PrivatePool
 from cudamem.allocator.stats import AllocatorStats
 from cudamem.growth.detector import Growth, LeakReport
 from cudamem.holders.census import Census, LiveStorage, Unaccounted

@@ -43,15 +43,9 @@ from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
 from ..allocator import backend as _backend
+from ..allocator.cache_split import CacheSplit, PrivatePool, split_cache, workspace_streams
 from ..allocator.device_arg import DeviceLike, resolve_device
-from ..allocator.snapshot import (
-    CacheSplit,
-    PrivatePool,
-    has_private_pools,
-    segment_pool_id,
-    split_cache,
-    workspace_streams,
-)
+from ..allocator.snapshot import has_private_pools, segment_pool_id
 from ..allocator.stats import AllocatorStats, device_name
 from ..base.args import check_bool
 from ..base.format import format_bytes, plural

@@ -39,7 +39,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, TextIO
 
 from ..allocator import backend as _backend
 from ..allocator import backend_base as _backend_base
-from ..allocator.snapshot import Frame, allocated_blocks, largest_free, segments_of, split_cache
+from ..allocator.cache_split import split_cache
+from ..allocator.snapshot import Frame, allocated_blocks, largest_free, segments_of
 from ..base.format import format_bytes, plural
 from ..base.frames import is_library_file
 from ..base.present import Presented

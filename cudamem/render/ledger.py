@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..allocator.snapshot import CacheSplit
+from ..allocator.cache_split import CacheSplit
 from ..base.format import format_bytes, plural
 from ..base.present import renders
 from ..ledger.device import DeviceLedger, Explanation, LedgerLine, MachineStatus

@@ -28,16 +28,13 @@ import cudamem
 from cudamem.allocator import backend as _backend
 from cudamem.allocator import torch_backend as _torch_backend
 from cudamem.allocator.backend_base import PoolOwners
-from cudamem.allocator.snapshot import (
-    LARGE_PAGE,
-    SMALL_PAGE,
+from cudamem.allocator.cache_split import (
     graph_pool_blocks,
-    load_snapshot,
     pool_blocks_of,
-    segments_of,
     split_cache,
     workspace_streams,
 )
+from cudamem.allocator.snapshot import LARGE_PAGE, SMALL_PAGE, load_snapshot, segments_of
 from cudamem.allocator.stats import AllocatorStats
 from cudamem.allocator.torch_backend import instances_of
 from cudamem.ledger import nvml as _nvml
@@ -816,7 +813,7 @@ def test_h200_record_stream_pending() -> None:
 
 
 def test_remaining_storage_in_a_held_pool_is_named_so() -> None:
-    from cudamem.allocator.snapshot import PoolBlock, PoolBlocks, PrivatePool
+    from cudamem.allocator.cache_split import PoolBlock, PoolBlocks, PrivatePool
     from cudamem.ledger.reclaim import largest_storages
 
     big = torch.ones(3 * 1024 * 1024, dtype=torch.uint8)  # the largest CPU storage here
