@@ -29,7 +29,8 @@ from .ledger.memviz import dump_snapshot
 from .ledger.oom import on_oom, oom_report
 from .ledger.reclaim import release
 from .modules.profiler import track_modules
-from .scalars.logger import ScalarLogger, log_scalar
+from .scalars.log import log_scalar
+from .scalars.logger import ScalarLogger
 from .span import MemorySpan, StepSpan, max_allocated, track
 
 if TYPE_CHECKING:

@@ -24,7 +24,7 @@ from cudamem.ledger.nvml import DeviceMemory, GpuProcess, NvmlDevice, NvmlStatus
 from cudamem.ledger.oom import OomReport, StrandedCache
 from cudamem.ledger.reclaim import DeviceRelease, ReleaseResult
 from cudamem.run.runner import RunReport
-from cudamem.scalars.logger import LoggerStats, SeriesSummary
+from cudamem.scalars.series import LoggerStats, SeriesSummary
 from cudamem.span import DeviceSpan, ExceptionInfo, SpanRecord
 
 from .routes import split

@@ -23,7 +23,7 @@ import cudamem
 from cudamem.allocator.stats import AllocatorStats
 from cudamem.base import present as _present
 from cudamem.growth.detector import LeakSettings
-from cudamem.scalars.logger import SeriesSummary
+from cudamem.scalars.series import SeriesSummary
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = Path(cudamem.__file__).resolve().parent

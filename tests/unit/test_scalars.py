@@ -23,8 +23,11 @@ from cudamem.allocator import backend_base as _backend_base
 from cudamem.base import warn as _warn
 from cudamem.base.data import to_data
 from cudamem.render.json import to_json
+from cudamem.scalars import _device_buffer as __device_buffer
+from cudamem.scalars import log as _log
 from cudamem.scalars import logger as _scalars
-from cudamem.scalars.logger import ScalarLogger, log_scalar
+from cudamem.scalars.log import log_scalar
+from cudamem.scalars.logger import ScalarLogger
 
 # --------------------------------------------------------------------------- log_scalar
 
@@ -427,8 +430,8 @@ def test_steps_must_fit_in_64_bits(step: Any, error: type[Exception]) -> None:
 )
 def test_fast_path_agrees_with_the_full_check(value: Later) -> None:
     value = made(value)
-    fast = _scalars._plain_0d(value)
-    full = _scalars._check_tensor(value)
+    fast = _log._plain_0d(value)
+    full = _log._check_tensor(value)
     if fast is not None:
         assert fast.dim() == 0 and fast.grad_fn is None
         assert fast.item() == full.item() and fast.dtype == full.dtype
@@ -440,9 +443,9 @@ def test_fast_path_agrees_with_the_full_check(value: Later) -> None:
 
 
 def test_fast_path_refuses_what_the_full_check_refuses() -> None:
-    assert _scalars._plain_0d(torch.tensor(1 + 2j)) is None
-    assert _scalars._plain_0d(torch.empty((), device="meta")) is None
-    assert _scalars._plain_0d(torch.tensor(1.0).to_sparse()) is None
+    assert _log._plain_0d(torch.tensor(1 + 2j)) is None
+    assert _log._plain_0d(torch.empty((), device="meta")) is None
+    assert _log._plain_0d(torch.tensor(1.0).to_sparse()) is None
     log = ScalarLogger()
     with pytest.raises(TypeError, match="complex"):
         log.append(torch.tensor(1 + 2j))
@@ -456,7 +459,7 @@ def test_bookkeeping_warning_under_w_error_does_not_escape(
 ) -> None:
     import warnings
 
-    monkeypatch.setattr(_scalars, "_wants_async", lambda device: True)
+    monkeypatch.setattr(__device_buffer, "_wants_async", lambda device: True)
     monkeypatch.setattr(_warn, "_warned", set())
 
     class Broken(_FakeEvents):
@@ -639,7 +642,7 @@ class _FakeEvents(_backend_base.Backend):
 
 
 def test_pipelined_path_records_one_event_per_batch(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_scalars, "_wants_async", lambda device: True)
+    monkeypatch.setattr(__device_buffer, "_wants_async", lambda device: True)
     fake = _FakeEvents()
     with _backend.use(fake):
         log = ScalarLogger(flush_every=4)
@@ -657,7 +660,7 @@ def test_pipelined_path_records_one_event_per_batch(monkeypatch: pytest.MonkeyPa
 
 
 def test_failed_transfer_becomes_nan_and_warns(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_scalars, "_wants_async", lambda device: True)
+    monkeypatch.setattr(__device_buffer, "_wants_async", lambda device: True)
     monkeypatch.setattr(_warn, "_warned", set())
 
     class Broken(_FakeEvents):
