@@ -19,7 +19,8 @@ from ._history import clear_history, history, set_history_size
 from .allocator.snapshot import UnsafeSnapshotError, load_snapshot
 from .fit.planner import plan
 from .growth.compare import diff
-from .growth.detector import LeakWarning, configure_leaks, leak_settings, leaks
+from .growth.detector import configure_leaks, leak_settings, leaks
+from .growth.settings import LeakWarning
 from .holders.census import live_tensors, unaccounted
 from .holders.finder import find_graph_holders, who_holds
 from .host.copy import to_host

@@ -15,10 +15,10 @@ import pytest
 from cudamem._history import History, SpanStats
 from cudamem.allocator.cache_split import CacheSplit, PrivatePool
 from cudamem.allocator.stats import AllocatorStats
-from cudamem.growth.detector import Growth, LeakReport
 from cudamem.holders.census import Census, LiveStorage, Unaccounted
 from cudamem.holders.culprits import Culprit
 from cudamem.holders.finder import GraphHolder, GraphHolders, Holder, Holders
+from cudamem.leak_report import Growth, LeakReport
 from cudamem.ledger.device import DeviceLedger, Explanation, LedgerLine, MachineStatus
 from cudamem.ledger.nvml import DeviceMemory, GpuProcess, NvmlDevice, NvmlStatus
 from cudamem.ledger.oom import OomReport, StrandedCache

@@ -30,7 +30,7 @@ from cudamem import _history
 from cudamem.allocator import backend as _backend
 from cudamem.base.data import to_data
 from cudamem.distributed import _transport
-from cudamem.growth.detector import LeakWarning
+from cudamem.growth.settings import LeakWarning
 from tests.fakes import CpuStorageBackend
 
 STEPS = 8

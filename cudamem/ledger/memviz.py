@@ -46,8 +46,8 @@ from ..growth.detector import add_growth_hook, remove_growth_hook
 from ..holders import census
 
 if TYPE_CHECKING:
-    from ..growth.detector import Growth
     from ..holders.census import LiveStorage
+    from ..leak_report import Growth
 
 __all__ = [
     "AutoDump",

@@ -33,7 +33,7 @@ from ..allocator import backend as _backend
 from ..base.args import check_bool, check_int
 from ..base.frames import own_frame
 from ..base.present import Presented
-from ..growth.detector import LeakWarning
+from ..growth.settings import LeakWarning
 from ..holders.census import Census, listing_order, live_storages, live_tensors
 from ..holders.culprits import group_culprits
 from ..host import workers

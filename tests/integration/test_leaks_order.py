@@ -27,7 +27,8 @@ import pytest
 import torch
 
 import cudamem
-from cudamem.growth.detector import Growth, LeakWarning
+from cudamem.growth.settings import LeakWarning
+from cudamem.leak_report import Growth
 
 from ..fakes import FakeAllocator, leak_detection, leak_warnings
 

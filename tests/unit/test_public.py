@@ -20,7 +20,7 @@ RESULTS = {
     "holders.census": ("Census", "LiveStorage", "Unaccounted"),
     "holders.culprits": ("Culprit",),
     "leak_report": ("LeakReport", "Growth"),
-    "growth.detector": ("LeakSettings",),
+    "growth.settings": ("LeakSettings",),
     "ledger.oom": ("OomReport", "OomEvent", "OomGuard"),
     "ledger.device": ("Explanation", "DeviceLedger", "LedgerLine", "MachineStatus", "StatusLine"),
     "ledger.free_space": (
