@@ -55,6 +55,7 @@ import cudamem  # noqa: E402
 from cudamem import span  # noqa: E402
 from cudamem.allocator import backend as _backend  # noqa: E402
 from cudamem.allocator import backend_base as _backend_base  # noqa: E402
+from cudamem.modules import _backward as _backward  # noqa: E402
 from cudamem.modules import profiler as after  # noqa: E402
 from cudamem.render.text import render_table  # noqa: E402
 
@@ -313,7 +314,7 @@ PARTS: dict[str, list[tuple[str, Any, tuple[str, ...]]]] = {
         ("forward edges logged (C++ log)", GATES, ("mark",)),
         ("backward hooks registered", after.ModuleProfiler, ("_gate", "_native_fallback")),
         ("backward hooks registered", GATES, ("gate",)),
-        ("backward hooks run", after._Gate, ("fire",)),
+        ("backward hooks run", _backward._Gate, ("fire",)),
         ("backward hooks run", after.ModuleProfiler, ("_end_backward", "_native_backward")),
         ("C++ log replay", after.ModuleProfiler, ("_replay",)),
         ("spans (open + close)", after, ("open_quiet", "close_quiet")),

@@ -71,7 +71,7 @@ def _cases() -> tuple[dict[str, Callable[[], object]], dict[str, Callable[[int],
     leaks = importlib.import_module(
         "cudamem.growth.detector"
     )  # ``cudamem.leaks`` is also a function
-    oom = importlib.import_module("cudamem.ledger.oom")
+    oom = importlib.import_module("cudamem.ledger.oom_guard")
 
     track, memory_span = cudamem.track, cudamem.MemorySpan
     counters = _backend_now().counters

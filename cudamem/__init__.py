@@ -25,10 +25,12 @@ from .holders.census import live_tensors, unaccounted
 from .holders.finder import find_graph_holders, who_holds
 from .host.copy import to_host
 from .host.workers import HostMemoryWarning
-from .ledger.device import explain, fragmentation, machine_status
 from .ledger.memviz import dump_snapshot
-from .ledger.oom import on_oom, oom_report
+from .ledger.oom import oom_report
+from .ledger.oom_guard import on_oom
+from .ledger.reading import explain, fragmentation
 from .ledger.reclaim import release
+from .ledger.status import machine_status
 from .modules.profiler import track_modules
 from .scalars.log import log_scalar
 from .scalars.logger import ScalarLogger

@@ -19,10 +19,11 @@ from cudamem.holders.census import Census, LiveStorage, Unaccounted
 from cudamem.holders.culprits import Culprit
 from cudamem.holders.finder import GraphHolder, GraphHolders, Holder, Holders
 from cudamem.leak_report import Growth, LeakReport
-from cudamem.ledger.device import DeviceLedger, Explanation, LedgerLine, MachineStatus
+from cudamem.ledger.device import DeviceLedger, Explanation, LedgerLine
 from cudamem.ledger.nvml import DeviceMemory, GpuProcess, NvmlDevice, NvmlStatus
 from cudamem.ledger.oom import OomReport, StrandedCache
 from cudamem.ledger.reclaim import DeviceRelease, ReleaseResult
+from cudamem.ledger.status import MachineStatus
 from cudamem.run.runner import RunReport
 from cudamem.scalars.series import LoggerStats, SeriesSummary
 from cudamem.span import DeviceSpan, ExceptionInfo, SpanRecord

@@ -14,7 +14,8 @@ from ..allocator.stats import device_name
 from ..growth.detector import _detector as detector
 from ..growth.detector import theil_sen
 from ..ledger import nvml as _nvml
-from ..ledger.device import LedgerLine, explain
+from ..ledger.device import LedgerLine
+from ..ledger.reading import explain
 from ..span import max_allocated
 from .results import (
     CONTEXT_ESTIMATE,

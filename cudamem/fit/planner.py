@@ -39,9 +39,9 @@ from ..allocator import backend_base as _backend_base
 from ..allocator.device_arg import DeviceLike, resolve_device
 from ..base.args import check_bool, check_int
 from ..base.format import plural
-from ..ledger.device import fragmentation
 from ..ledger.free_space import Fragmentation
-from ..ledger.oom import caught_oom
+from ..ledger.oom_guard import caught_oom
+from ..ledger.reading import fragmentation
 from ..modules.profile import ModuleProfile
 from ..modules.profiler import track_modules
 from ..span import close_quiet, open_quiet

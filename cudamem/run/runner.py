@@ -39,8 +39,9 @@ from ..holders.culprits import group_culprits
 from ..host import workers
 from ..host.ledger import HostRun, host_run
 from ..host.workers import HostMemoryWarning
-from ..ledger.device import Explanation, explain
+from ..ledger.device import Explanation
 from ..ledger.oom import OomReport, oom_report
+from ..ledger.reading import explain
 from ..modules.profiler import track_modules
 from ..span import ExceptionInfo, StepSpan, max_allocated
 

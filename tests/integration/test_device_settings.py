@@ -38,7 +38,8 @@ from cudamem.allocator.snapshot import LARGE_PAGE, SMALL_PAGE, load_snapshot, se
 from cudamem.allocator.stats import AllocatorStats
 from cudamem.allocator.torch_backend import instances_of
 from cudamem.ledger import nvml as _nvml
-from cudamem.ledger.device import AllocatedSplit, DeviceLedger, build_ledger
+from cudamem.ledger.device import AllocatedSplit, DeviceLedger
+from cudamem.ledger.lines import build_ledger
 from cudamem.render.json import to_json
 
 from .. import snapshot_data as sd
@@ -210,7 +211,7 @@ def test_expandable_without_snapshot_is_one_unsplit_line() -> None:
 
 
 def test_expandable_segments_configured(monkeypatch: pytest.MonkeyPatch) -> None:
-    from cudamem.ledger.device import expandable_segments_configured
+    from cudamem.ledger.lines import expandable_segments_configured
 
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128, expandable_segments:True")

@@ -24,12 +24,12 @@ import tomllib
 
 import cudamem
 from cudamem.allocator import backend as _backend
+from cudamem.demo.registry import Experiment
 from cudamem.demo.render import render_summary
-from cudamem.demo.seeds import Experiment
 from cudamem.host.procfs import ProcessMemory
 from cudamem.host.workers import LoaderReport, WorkerMemory
 from cudamem.ledger import nvml as _nvml
-from cudamem.ledger.device import explain
+from cudamem.ledger.reading import explain
 
 from ..built import census, culprit, growth, live_storage
 from ..fakes import FakeAllocator

@@ -21,8 +21,10 @@ RESULTS = {
     "holders.culprits": ("Culprit",),
     "leak_report": ("LeakReport", "Growth"),
     "growth.settings": ("LeakSettings",),
-    "ledger.oom": ("OomReport", "OomEvent", "OomGuard"),
-    "ledger.device": ("Explanation", "DeviceLedger", "LedgerLine", "MachineStatus", "StatusLine"),
+    "ledger.oom": ("OomReport", "OomEvent"),
+    "ledger.oom_guard": ("OomGuard",),
+    "ledger.device": ("Explanation", "DeviceLedger", "LedgerLine"),
+    "ledger.status": ("MachineStatus", "StatusLine"),
     "ledger.free_space": (
         "Fragmentation",
         "PoolFragmentation",

@@ -127,7 +127,7 @@ def test_hooks_fire_in_order_with_entry_counters_and_totals(fake: FakeAllocator)
 
 
 def test_features_attach_as_hooks_in_import_order() -> None:
-    oom = sys.modules["cudamem.ledger.oom"]
+    oom = sys.modules["cudamem.ledger.oom_guard"]
     exits = [hook for hook, _ in _span._exit_hooks]
     assert exits[:2] == [_leaks._on_span_exit, oom._on_span_exit]
     # The history takes top-level spans from the spans' own queue, not through a hook.

@@ -213,7 +213,7 @@ def test_errors_only_exit_hooks_run_for_spans_that_raised(fake: FakeAllocator) -
 
 
 def test_the_oom_hook_is_skipped_only_for_spans_that_did_not_raise() -> None:
-    oom = sys.modules["cudamem.ledger.oom"]
+    oom = sys.modules["cudamem.ledger.oom_guard"]
     assert oom._on_span_exit in _span._exit_calls
     assert oom._on_span_exit not in _span._exit_calls_ok
     assert _span._exit_calls_ok == tuple(h for h in _span._exit_calls if h is not oom._on_span_exit)
