@@ -173,11 +173,6 @@ class CacheSplit:
         return tuple(p for p in self.pools if p.held)
 
     @property
-    def pools_reserved(self) -> int:
-        """Every byte of the held private pools, allocated blocks included."""
-        return sum(p.reserved for p in self.pools if p.held)
-
-    @property
     def pools_allocated(self) -> int:
         """Allocated bytes inside the held private pools."""
         return sum(p.allocated for p in self.pools if p.held)

@@ -193,10 +193,6 @@ class DeviceLedger(PresentedHtml):
                 return line
         return None
 
-    def lines_of(self, prefix: str) -> tuple[LedgerLine, ...]:
-        """Every line whose key starts with ``prefix`` (``'graph_pools'``, ``'cache'``)."""
-        return tuple(line for line in self.lines if line.key.startswith(prefix))
-
 
 @dataclass(frozen=True, slots=True)
 class Explanation(PresentedHtml):

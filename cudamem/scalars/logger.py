@@ -108,11 +108,6 @@ class Series:
         values: np.ndarray[Any, np.dtype[np.float64]] = self._array(False, np.float64)
         return values
 
-    def steps_numpy(self) -> np.ndarray[Any, np.dtype[np.int64]]:
-        """The steps as an int64 array."""
-        steps: np.ndarray[Any, np.dtype[np.int64]] = self._array(True, np.int64)
-        return steps
-
     def _array(self, steps: bool, dtype: type[np.generic]) -> Any:
         with self._logger._lock:
             self._logger._flush_locked()

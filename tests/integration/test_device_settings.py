@@ -253,7 +253,7 @@ def test_deleted_graph_pool_is_ordinary_cache_again() -> None:
     # No live graph uses the pool: empty_cache() frees it like any other (freeable pool).
     segs = sd.cuda_graph_64mib()
     split = split_cache(segs, tensor_addresses={sd.GRAPH_OUTPUT}, pool_owners=PoolOwners())
-    assert split.pools_free == 0 and split.pools_reserved == 0
+    assert split.pools_free == 0 and sum(p.reserved for p in split.held_pools) == 0
     assert not split.pools[0].held and split.pools[0].graphs == 0
     assert split.non_releasable == 8 * MiB  # beside the capture's live workspace
 

@@ -43,6 +43,17 @@ RESULTS = {
     "ledger.memviz": ("SnapshotDump", "AutoDump"),
     "modules.profile": ("ModuleProfile", "ModuleStats", "Spread"),
     "modules.profiler": ("ModuleProfiler",),
+    "distributed.results": (
+        "DistributedReport",
+        "RankReport",
+        "RankDevice",
+        "RankSpan",
+        "RankGrowth",
+        "HostGpu",
+        "GpuHolding",
+        "StrayMemory",
+        "Outlier",
+    ),
     "fit.memory_plan": ("MemoryPlan", "Prediction", "CheckpointAdvice", "NotLinearError"),
 }
 
@@ -118,3 +129,12 @@ def test_the_old_remaining_storage_name_is_live_storage() -> None:
         assert release.RemainingStorage is LiveStorage
     with pytest.raises(AttributeError, match="no attribute 'Missing'"):
         release.Missing
+
+
+def test_the_package_docstring_import_paths_work_as_written() -> None:
+    doc = cudamem.__doc__ or ""
+    paths = re.findall(r"``(cudamem(?:\.\w+)+)``", doc)
+    assert len(paths) >= 3, paths
+    for path in paths:
+        module, _, name = path.rpartition(".")
+        assert hasattr(importlib.import_module(module), name), path

@@ -370,7 +370,7 @@ def test_maxlen_ring_reads_in_log_order_after_wrapping() -> None:
     assert s[2:5] == expected[2:5] and s[::-2] == expected[::-2]
     assert s.last == 22.0 and s.items()[0] == (116, 16.0)
     assert s.to_numpy().tolist() == expected
-    assert s.steps_numpy().tolist() == list(range(116, 123))
+    assert list(s.steps) == list(range(116, 123))
     assert 16.0 in s and 15.0 not in s
     summary = s.summary()
     assert (summary.count, summary.dropped, summary.min, summary.max) == (23, 16, 16.0, 22.0)
@@ -498,7 +498,7 @@ def test_named_series_with_steps() -> None:
     with pytest.raises(KeyError, match="nope"):
         log["nope"]
     np.testing.assert_array_equal(log["acc"].to_numpy(), [0.5, 0.5, 0.5])
-    np.testing.assert_array_equal(log["loss"].steps_numpy(), [0, 10, 20, 21])
+    assert log["loss"].steps == (0, 10, 20, 21)
 
 
 def test_series_view_is_live_and_appends() -> None:
