@@ -34,7 +34,7 @@ from ..base.sequence import ItemSequence
 from . import _autograd
 from ._autograd import StorageKey
 from ._naming import frame_locals
-from ._search import SearchLimits
+from ._search_base import SearchLimits
 from ._storages import StorageRef, matches_type, ref_of
 from .finder import Holders, find_holders
 
