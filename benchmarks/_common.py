@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from cudamem.allocator import backend as _backend
+from cudamem.allocator import backend_base as _backend_base
 from cudamem.render.text import render_table
 
 CUDA = torch.cuda.is_available()
@@ -102,7 +102,7 @@ def write_json(data: dict[str, Any], out: str) -> None:
         json.dump(data, fh, indent=2)
 
 
-class ConstantReader(_backend.Backend):
+class ConstantReader(_backend_base.Backend):
     """One device whose counters never change: what is left is cudamem's own bookkeeping.
 
     As the real backend once CUDA runs: its one device is settled (spans read it without

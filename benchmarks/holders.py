@@ -52,7 +52,7 @@ from _common import interleaved as _interleaved
 
 import cudamem
 from cudamem.holders import census
-from cudamem.holders._search import SearchLimits
+from cudamem.holders._search_base import SearchLimits
 from cudamem.holders.finder import find_holders
 
 # A stand-in for the user's __main__: what is held hangs off its globals.

@@ -53,6 +53,8 @@ from _common import ConstantReader, machine  # noqa: E402
 
 import cudamem  # noqa: E402
 from cudamem.allocator import backend as _backend  # noqa: E402
+from cudamem.allocator import backend_base as _backend_base  # noqa: E402
+from cudamem.modules import _backward as _backward  # noqa: E402
 from cudamem.modules import profiler as after  # noqa: E402
 from cudamem.render.text import render_table  # noqa: E402
 from cudamem.spans import span  # noqa: E402
@@ -313,7 +315,7 @@ PARTS: dict[str, list[tuple[str, Any, tuple[str, ...]]]] = {
         ("forward edges logged (C++ log)", GATES, ("mark",)),
         ("backward hooks registered", after.ModuleProfiler, ("_gate", "_native_fallback")),
         ("backward hooks registered", GATES, ("gate",)),
-        ("backward hooks run", after._Gate, ("fire",)),
+        ("backward hooks run", _backward._Gate, ("fire",)),
         ("backward hooks run", after.ModuleProfiler, ("_end_backward", "_native_backward")),
         ("C++ log replay", after.ModuleProfiler, ("_replay",)),
         ("spans (open + close)", after, ("open_quiet", "close_quiet")),
@@ -613,7 +615,7 @@ def backend_named(name: str) -> Iterator[None]:
         yield
         return
     if name == "constant":
-        chosen: _backend.Backend = ConstantReader()
+        chosen: _backend_base.Backend = ConstantReader()
     elif name == "stub":  # the C++ log and C hooks on the CPU: the reader's source, stubbed
         from module_units import stub_reader
 

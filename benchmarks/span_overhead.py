@@ -50,6 +50,7 @@ from _common import ConstantReader, cpu_and_gpu_ms, machine, matmul_step
 
 import cudamem
 from cudamem.allocator import backend as _backend
+from cudamem.allocator import backend_base as _backend_base
 from cudamem.native import spancore as _spancore
 from cudamem.render.text import render_table
 from cudamem.spans import span as _span
@@ -71,10 +72,10 @@ def dict_counters(device: int) -> tuple[int, int, int]:
     return (a["current"], raw["reserved_bytes"]["all"]["current"], a["peak"])
 
 
-class DictReader(_backend.Backend):
+class DictReader(_backend_base.Backend):
     """The real backend, with counters read from the raw dict whatever reader is active."""
 
-    def __init__(self, real: _backend.Backend) -> None:
+    def __init__(self, real: _backend_base.Backend) -> None:
         self.real = real
 
     def device_count(self) -> int:
@@ -353,7 +354,7 @@ def python_path() -> contextlib.AbstractContextManager[None]:
     return _span._serving(None)
 
 
-def span_cases(backend: _backend.Backend) -> dict[str, Callable[[], object]]:
+def span_cases(backend: _backend_base.Backend) -> dict[str, Callable[[], object]]:
     counters = backend.counters
 
     def minimal() -> None:
@@ -517,7 +518,7 @@ def main() -> None:
 
 
 def _spans(
-    backend: _backend.Backend, target: float, rounds: int, only: int | None = None
+    backend: _backend_base.Backend, target: float, rounds: int, only: int | None = None
 ) -> dict[str, list[float]]:
     """enter+exit µs of each span variant with ``backend`` serving the counters (the first
     ``only`` variants when given)."""

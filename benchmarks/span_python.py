@@ -46,9 +46,9 @@ ROOT = os.path.dirname(HERE)
 
 def _stub_backend() -> Any:
     """The real ``TorchBackend`` with one device that has a context and a stub C++ reader."""
-    from cudamem.allocator import backend as _backend
+    from cudamem.allocator import torch_backend as _torch_backend
 
-    backend = _backend.TorchBackend()
+    backend = _torch_backend.TorchBackend()
     counters = {0: (1 << 20, 2 << 20, 1 << 20)}.__getitem__
     backend._with_context = (0,)
     backend._all_contexts = True
@@ -71,7 +71,7 @@ def _cases() -> tuple[dict[str, Callable[[], object]], dict[str, Callable[[int],
     leaks = importlib.import_module(
         "cudamem.growth.detector"
     )  # ``cudamem.leaks`` is also a function
-    oom = importlib.import_module("cudamem.ledger.oom")
+    oom = importlib.import_module("cudamem.ledger.oom_guard")
 
     track, memory_span = cudamem.track, cudamem.MemorySpan
     counters = _backend_now().counters

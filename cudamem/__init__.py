@@ -18,17 +18,21 @@ from typing import TYPE_CHECKING, Any
 from .allocator.snapshot import UnsafeSnapshotError, load_snapshot
 from .fit.planner import plan
 from .growth.compare import diff
-from .growth.detector import LeakWarning, configure_leaks, leak_settings, leaks
+from .growth.detector import configure_leaks, leak_settings, leaks
+from .growth.settings import LeakWarning
 from .holders.census import live_tensors, unaccounted
 from .holders.finder import find_graph_holders, who_holds
 from .host.copy import to_host
 from .host.workers import HostMemoryWarning
-from .ledger.device import explain, fragmentation, machine_status
 from .ledger.memviz import dump_snapshot
-from .ledger.oom import on_oom, oom_report
+from .ledger.oom import oom_report
+from .ledger.oom_guard import on_oom
+from .ledger.reading import explain, fragmentation
 from .ledger.reclaim import release
+from .ledger.status import machine_status
 from .modules.profiler import track_modules
-from .scalars.logger import ScalarLogger, log_scalar
+from .scalars.log import log_scalar
+from .scalars.logger import ScalarLogger
 from .spans.history import clear_history, history, set_history_size
 from .spans.span import MemorySpan, StepSpan, max_allocated, track
 

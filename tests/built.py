@@ -12,19 +12,21 @@ from typing import Any
 
 import pytest
 
-from cudamem.allocator.snapshot import CacheSplit, PrivatePool
+from cudamem.allocator.cache_split import CacheSplit, PrivatePool
 from cudamem.allocator.stats import AllocatorStats
-from cudamem.growth.detector import Growth, LeakReport
+from cudamem.growth.report import Growth
 from cudamem.holders.census import Census, LiveStorage, Unaccounted
 from cudamem.holders.culprits import Culprit
 from cudamem.holders.finder import GraphHolder, GraphHolders, Holder, Holders
-from cudamem.ledger.device import DeviceLedger, Explanation, LedgerLine, MachineStatus
+from cudamem.ledger.device import DeviceLedger, Explanation, LedgerLine
 from cudamem.ledger.nvml import DeviceMemory, GpuProcess, NvmlDevice, NvmlStatus
 from cudamem.ledger.oom import OomReport, StrandedCache
 from cudamem.ledger.reclaim import DeviceRelease, ReleaseResult
+from cudamem.ledger.status import MachineStatus
 from cudamem.run.runner import RunReport
-from cudamem.scalars.logger import LoggerStats, SeriesSummary
+from cudamem.scalars.series import LoggerStats, SeriesSummary
 from cudamem.spans.history import History, SpanStats
+from cudamem.spans.leftovers import LeakReport
 from cudamem.spans.record import DeviceSpan, ExceptionInfo, SpanRecord
 
 from .routes import split

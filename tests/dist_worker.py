@@ -29,7 +29,7 @@ import cudamem.distributed as cdist
 from cudamem.allocator import backend as _backend
 from cudamem.base.data import to_data
 from cudamem.distributed import _transport
-from cudamem.growth.detector import LeakWarning
+from cudamem.growth.settings import LeakWarning
 from cudamem.spans import history as _history
 from tests.fakes import CpuStorageBackend
 

@@ -17,9 +17,9 @@ from typing import Any, TypeVar
 
 import cudamem
 from cudamem.allocator import backend as _backend
-from cudamem.allocator.backend import Backend
+from cudamem.allocator.backend_base import Backend
 from cudamem.allocator.stats import AllocatorStats
-from cudamem.growth.detector import LeakWarning
+from cudamem.growth.settings import LeakWarning
 
 _B = TypeVar("_B", bound=Backend)
 

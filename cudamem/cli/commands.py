@@ -161,7 +161,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     from ..allocator import backend as _backend
     from ..base.data import to_data
     from ..base.present import present
-    from ..ledger.device import machine_status
+    from ..ledger.status import machine_status
     from ..native import heapscan as _heapscan
     from ..render.json import to_json
     from ..spans.span import span_core_status

@@ -10,15 +10,11 @@
 
 from __future__ import annotations
 
+from .registry import Check, Experiment
 from .render import render_experiment, render_summary
-from .seeds import (
-    Check,
-    Experiment,
-    NaiveN,
-    experiments,
-    run_demo,
-    seed000_lifecycle,
-)
+from .seed000 import seed000_lifecycle
+from .seed001 import NaiveN
+from .seeds import experiments, run_demo
 
 __all__ = [
     "Check",

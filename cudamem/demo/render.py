@@ -9,7 +9,7 @@ from ..base.format import plural
 from ..render.text import render_table
 
 if TYPE_CHECKING:
-    from .seeds import Experiment
+    from .registry import Experiment
 
 __all__ = ["render_experiment", "render_summary"]
 

@@ -39,7 +39,7 @@ import torch
 import cudamem
 from cudamem.base.data import to_data
 
-from .seeds import NaiveN
+from .seed001 import NaiveN
 
 __all__ = ["CASES", "RUNS", "main", "run_case"]
 

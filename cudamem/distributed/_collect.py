@@ -8,11 +8,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..allocator import backend as _backend
+from ..allocator import backend_base as _backend_base
 from ..allocator.stats import device_name
 from ..growth.detector import _detector as detector
 from ..growth.detector import theil_sen
 from ..ledger import nvml as _nvml
-from ..ledger.device import LedgerLine, explain
+from ..ledger.device import LedgerLine
+from ..ledger.reading import explain
 from ..spans import history as _history
 from ..spans.span import max_allocated
 from .results import (
@@ -107,7 +109,7 @@ def _collect_gpus() -> tuple[tuple[HostGpu, ...], list[str]]:
 
 
 def _own_device(
-    be: _backend.Backend, local_rank: int | None, used: Mapping[int, int], current: int | None
+    be: _backend_base.Backend, local_rank: int | None, used: Mapping[int, int], current: int | None
 ) -> tuple[int | None, str]:
     count = be.device_count()
     if count == 0:
@@ -132,7 +134,7 @@ def _context_estimate(given: int | None) -> int:
 
 
 def _device_row(
-    be: _backend.Backend,
+    be: _backend_base.Backend,
     device: int,
     *,
     ledgers: Mapping[int, Any],

@@ -35,12 +35,13 @@ from torch.nn.modules.module import (
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..allocator import backend as _backend
+from ..allocator import backend_base as _backend_base
 from ..allocator.device_arg import DeviceLike, resolve_device
 from ..base.args import check_bool, check_int
 from ..base.format import plural
-from ..ledger.device import fragmentation
 from ..ledger.free_space import Fragmentation
-from ..ledger.oom import caught_oom
+from ..ledger.oom_guard import caught_oom
+from ..ledger.reading import fragmentation
 from ..modules.profile import ModuleProfile
 from ..modules.profiler import track_modules
 from ..spans.span import close_quiet, open_quiet
@@ -205,7 +206,7 @@ class _ForwardOrder(_Forwards):
     """The order of the modules' forward exits in one step, the allocated level at each
     exit and the bytes of each output; the top-level modules (roots) that ran."""
 
-    def __init__(self, backend: _backend.Backend, device: int) -> None:
+    def __init__(self, backend: _backend_base.Backend, device: int) -> None:
         super().__init__()
         self._backend = backend
         self._device = device
@@ -375,7 +376,7 @@ class _Runner:
     def __init__(
         self,
         step: Callable[..., Any],
-        backend: _backend.Backend,
+        backend: _backend_base.Backend,
         device: int,
         length_axis: bool,
     ) -> None:
@@ -626,7 +627,7 @@ def _schedule(sizes: tuple[int, ...], lengths: tuple[int, ...] | None) -> list[S
 
 def _collect(
     step: Callable[..., Any],
-    backend: _backend.Backend,
+    backend: _backend_base.Backend,
     device: int,
     sizes: tuple[int, ...],
     lengths: tuple[int, ...] | None,

@@ -21,14 +21,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ..allocator.snapshot import load_snapshot
+from ..allocator.snapshot import (
+    CONTAINER_KEY,
+    HOLDER_FILENAME,
+    LIVE_STATES,
+    NOTE_FILENAME,
+    load_snapshot,
+)
 from ..base.format import format_bytes, plural
 from ..base.frames import PACKAGE_DIR
 from ..base.present import Presented
 from ..base.sequence import ItemSequence
 from ..holders.census import Census
 from ..holders.culprits import NO_HOLDER, group_culprits
-from ..ledger.memviz import _LIVE, CONTAINER_KEY, HOLDER_FILENAME, NOTE_FILENAME
 from ..spans.record import SpanRecord
 from ..spans.span import MemorySpan
 
@@ -198,7 +203,7 @@ def _snapshot_groups(snapshot: Mapping[str, Any]) -> tuple[dict[str, _Group], in
         total = seg.get("total_size")
         reserved += total if isinstance(total, int) else 0
         for block in seg.get("blocks") or ():
-            if not isinstance(block, Mapping) or block.get("state") not in _LIVE:
+            if not isinstance(block, Mapping) or block.get("state") not in LIVE_STATES:
                 continue
             size = block.get("size")
             size = size if isinstance(size, int) else 0

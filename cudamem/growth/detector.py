@@ -50,13 +50,12 @@ import threading
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, fields, replace
+from dataclasses import fields, replace
 from typing import TYPE_CHECKING, Any
 
 from ..allocator import backend as _backend
 from ..base.format import format_bytes, plural
 from ..base.frames import is_library_file
-from ..base.present import Presented
 from ..holders import census
 from ..holders.census import StorageSnapshot
 from ..holders.culprits import NO_HOLDER, Culprit, group_culprits, held_shapes
@@ -69,87 +68,28 @@ if TYPE_CHECKING:
     from ..holders.census import LiveStorage
     from ..spans.raw import RawSpan
 
-__all__ = [
-    "Culprit",
-    "Growth",
-    "LeakReport",
-    "LeakSettings",
-    "LeakWarning",
-    "configure_leaks",
-    "leak_settings",
-    "leaks",
-]
+from .settings import LeakSettings, LeakWarning, _validate
+
+__all__ = ["configure_leaks", "leak_settings", "leaks"]
+
 
 logger = logging.getLogger("cudamem.leaks")
 
+
 #: Distinct span names watched; further names are not watched (bounded memory).
 MAX_SERIES = 1000
+
+
 #: Storage keys kept per capture (the largest); a span creating more is summarised.
 MAX_KEYS = 100_000
+
+
 #: Storages listed in a ``LeakReport`` (the largest; totals count all of them).
 MAX_LISTED = 50
+
+
 #: Consecutive calls looked at for survivors before a slope they do not explain is let go.
 MAX_ATTEMPTS = 3
-
-
-class LeakWarning(UserWarning):
-    """Memory keeps growing across calls of a span. ``warning.growth`` has the details."""
-
-    def __init__(self, message: str, growth: Growth | None = None) -> None:
-        super().__init__(message)
-        self.growth = growth
-
-
-# --------------------------------------------------------------------------- settings
-
-
-@dataclass(frozen=True, slots=True)
-class LeakSettings(Presented):
-    """Thresholds of growth detection (see the module docstring for the rule)."""
-
-    #: Watch repeated spans at all.
-    enabled: bool = True
-    #: Calls not judged; the level after the last of them is the baseline (the first step
-    #: allocates optimizer state, cuBLAS workspaces, caches).
-    warmup: int = 1
-    #: Calls looked at: the last ``window`` level changes.
-    window: int = 8
-    #: Calls of the window that must have risen by ``min_bytes_per_call`` or more.
-    min_rises: int = 3
-    #: Smallest per-call growth that counts (a rise, and the window's robust slope).
-    min_bytes_per_call: int = 64 * 1024
-    #: Warn again for the same holders when the rate changes by this factor.
-    rate_change: float = 2.0
-    #: Share of the per-call growth the survivors of a call must hold for a warning.
-    min_explained: float = 0.5
-    #: Holder groups named in a warning.
-    max_culprits: int = 5
-    #: Print an out-of-memory post-mortem when an OOM leaves a span (see ``cudamem.on_oom``).
-    span_oom_reports: bool = True
-
-
-def _validate(s: LeakSettings) -> None:
-    def positive_int(name: str, value: Any, minimum: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-
-    positive_int("warmup", s.warmup, 1)
-    positive_int("window", s.window, 2)
-    positive_int("min_rises", s.min_rises, 2)
-    positive_int("min_bytes_per_call", s.min_bytes_per_call, 1)
-    positive_int("max_culprits", s.max_culprits, 1)
-    if s.min_rises > s.window:
-        raise ValueError(f"min_rises ({s.min_rises}) cannot exceed window ({s.window})")
-    if not isinstance(s.rate_change, (int, float)) or not s.rate_change > 1.0:
-        raise ValueError(f"rate_change must be a number > 1, got {s.rate_change!r}")
-    explained = s.min_explained
-    if isinstance(explained, bool) or not isinstance(explained, (int, float)):
-        raise ValueError(f"min_explained must be a number in (0, 1], got {explained!r}")
-    if not 0.0 < explained <= 1.0:
-        raise ValueError(f"min_explained must be a number in (0, 1], got {explained!r}")
-    for name in ("enabled", "span_oom_reports"):
-        if not isinstance(getattr(s, name), bool):
-            raise ValueError(f"{name} must be a bool, got {getattr(s, name)!r}")
 
 
 _settings = LeakSettings()
@@ -180,9 +120,6 @@ def configure_leaks(**changes: Any) -> LeakSettings:
     _settings = new
     _detector.reset()
     return new
-
-
-# --------------------------------------------------------------------------- span capture
 
 
 def _leak_report(
@@ -294,9 +231,6 @@ def leaks(since: MemorySpan) -> LeakReport:
     return _leak_report(capture.name, "now", found, list(capture.notes))
 
 
-# --------------------------------------------------------------------------- detector
-
-
 def theil_sen(levels: tuple[int, ...] | list[int]) -> float:
     """Median of pairwise slopes of equally spaced ``levels`` (bytes per call)."""
     slopes = sorted(
@@ -311,6 +245,7 @@ def theil_sen(levels: tuple[int, ...] | list[int]) -> float:
 
 
 _WATCH, _ARMED, _PENDING, _CHECKING, _LEAKING = range(5)
+
 
 #: Span names whose next call the detector wants captured. Replaced, never mutated, so the
 #: entry hook reads it without a lock.
@@ -386,6 +321,8 @@ class _Series:
 
 #: Levels the lock-free path queues per series before the exiting thread drains them.
 _SERIES_DRAIN_AT = 64
+
+
 #: An investigation made due: (captured storages, levels, calls, settings).
 _Due = tuple[StorageSnapshot, tuple[int, ...], int, LeakSettings]
 
@@ -740,10 +677,9 @@ def _workspace_notes() -> list[str]:
 
 
 _detector = _Detector()
+
+
 _series_get = _detector.series.get
-
-
-# --------------------------------------------------------------------------- output
 
 
 def _stacklevel() -> int:
@@ -792,6 +728,8 @@ def _emit(growth: Growth) -> None:
 
 #: Where the capture of a span lives in ``RawSpan.extras`` (``MemorySpan.leaks`` reads it).
 _CAPTURE = "leaks"
+
+
 _START = "leaks.start"
 
 
@@ -828,5 +766,7 @@ def _on_span_exit(span: RawSpan) -> None:
 
 
 add_entry_hook(_on_span_enter, leaks_only=True)
+
+
 # A LeakWarning the user turned into an error (-W error) reaches the user's code as itself.
 add_exit_hook(_on_span_exit, propagate=(LeakWarning,))

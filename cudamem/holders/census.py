@@ -35,7 +35,7 @@ from ..native import heapscan as _heapscan
 from . import _autograd
 from ._autograd import StorageKey
 from ._naming import frame_locals
-from ._search import SearchLimits
+from ._search_base import SearchLimits
 from ._storages import StorageRef, matches_type, ref_of
 from .finder import Holders, find_holders
 
@@ -702,7 +702,7 @@ def _classify_blocks(
     workspace when (1) the allocator recorded its allocation stack (memory history on) and a
     frame names the workspace functions, or (2) no storage lives in it and its requested size
     is exactly the workspace size PyTorch chooses for this GPU (see
-    ``cudamem.allocator.backend.TorchBackend.cublas_workspace_sizes``).
+    ``cudamem.allocator.torch_backend.TorchBackend.cublas_workspace_sizes``).
     """
     ordered = sorted(blocks, key=lambda b: b.address)
     starts = [b.address for b in ordered]

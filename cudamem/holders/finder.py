@@ -33,11 +33,13 @@ from ..base.frames import own_frame
 from ..base.present import Presented, PresentedHtml
 from ..base.sequence import ItemSequence
 from ..native import heap as _heap
-from . import _autograd, _search
+from . import _autograd
+from . import _search_base as __search_base
 from ._autograd import StorageKey
-from ._graph_paths import write
+from ._graph_paths import RawHolder, write
 from ._naming import is_sub, type_name
-from ._search import RawHolder, Search, SearchLimits
+from ._search import Search
+from ._search_base import SearchLimits
 from .culprits import rank_holders
 from .holder_path import HolderPath
 
@@ -182,7 +184,7 @@ def find_holders(
     keys: list[StorageKey | None] | None = None,
     nbytes: list[int | None] | None = None,
     labels: list[str] | None = None,
-    scan: _search.Prepared | None = None,
+    scan: __search_base.Prepared | None = None,
 ) -> list[Holders]:
     """Holders of several objects (or storage keys) in one search.
 
@@ -206,7 +208,7 @@ def _find_holders(
     keys: list[StorageKey | None] | None,
     nbytes: list[int | None] | None,
     labels: list[str] | None,
-    scan: _search.Prepared | None,
+    scan: __search_base.Prepared | None,
 ) -> list[Holders]:
     t0 = time.perf_counter()
     if keys is None:
@@ -216,7 +218,7 @@ def _find_holders(
             keys.append(None if info is None else info[0])
             nbytes.append(None if info is None else info[1])
     assert nbytes is not None
-    if not _search.SEARCH_LOCK.acquire(timeout=_wait(limits.timeout)):
+    if not __search_base.SEARCH_LOCK.acquire(timeout=_wait(limits.timeout)):
         busy = ("another holder search (another thread) ran for the whole timeout",)
         names = labels if labels is not None else [_describe(o) for o in objs]
         objs.clear()
@@ -237,7 +239,7 @@ def _find_holders(
                 holder = _freeze(raw, keys[raw.target], nbytes[raw.target], key_names)
                 per[raw.target].append(holder)
     finally:
-        _search.SEARCH_LOCK.release()
+        __search_base.SEARCH_LOCK.release()
     elapsed = time.perf_counter() - t0
     out = []
     for i in range(len(keys)):
@@ -261,7 +263,7 @@ def _search_once(
     keys: list[StorageKey | None],
     nbytes: list[int | None],
     labels: list[str] | None,
-    scan: _search.Prepared | None,
+    scan: __search_base.Prepared | None,
 ) -> tuple[list[RawHolder], list[str], list[str], str | None, dict[str, str], list[Any]]:
     """Run one search; what freezing its results needs, with nothing of the heap held but
     the dict keys still to be named (``unnamed``)."""

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ..allocator import backend as _backend
+from ..allocator import torch_backend as _torch_backend
 from ..base.format import plural
 from ..base.present import Presented
 from ..holders import census
@@ -167,7 +168,7 @@ def _pinned() -> tuple[PinnedPool | None, str]:
     stats = backend.host_pool_stats()
     if stats is None:
         return None, "not measured: CUDA is not initialised in this process (nothing pinned)"
-    return build_pinned(stats, backend.pinned_sizes(), _backend.host_cache_call()), ""
+    return build_pinned(stats, backend.pinned_sizes(), _torch_backend.host_cache_call()), ""
 
 
 #: CPU storages whose holders are searched.

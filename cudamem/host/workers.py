@@ -36,7 +36,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ..allocator import backend as _backend
+from ..allocator import torch_backend as _torch_backend
 from ..base.args import check_seconds
 from ..base.frames import is_library_file
 from ..base.present import Presented, present
@@ -643,7 +643,7 @@ def find_loaders() -> tuple[LoaderReport, ...]:
     cls = _iter_class()
     if cls is None:
         return ()
-    found = _backend.instances_of([cls])
+    found = _torch_backend.instances_of([cls])
     scratch = WorkerWatcher()
     for it in found:
         scratch.register(it, watched=False)

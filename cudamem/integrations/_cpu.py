@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 
-from ..allocator.backend import Backend, Counters
+from ..allocator.backend_base import Backend, Counters
 from ..allocator.stats import AllocatorStats
 from ..holders.census import live_storage_keys
 

@@ -44,7 +44,7 @@ from ._cpu import CpuStorageBackend
 from ._host import HOST_METRICS, HostMeter
 
 if TYPE_CHECKING:
-    from ..growth.detector import Growth
+    from ..growth.report import Growth
     from ..modules.profile import ModuleProfile
 
 __all__ = ["METRICS", "MODES", "Meters", "ModuleMeter", "StepMeter"]

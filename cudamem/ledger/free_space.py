@@ -32,15 +32,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ..allocator.backend import PoolOwners
-from ..allocator.snapshot import (
-    NO_POOL,
-    POOL_KINDS,
-    blocks_of,
-    returnable,
-    segment_pool_id,
-    split_cache,
-)
+from ..allocator.backend_base import PoolOwners
+from ..allocator.cache_split import POOL_KINDS, split_cache
+from ..allocator.snapshot import NO_POOL, blocks_of, returnable, segment_pool_id
 from ..allocator.stats import AllocatorStats
 from ..base.present import Presented, PresentedHtml
 

@@ -38,33 +38,24 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..allocator import backend as _backend
+from ..allocator import backend_base as _backend_base
+from ..allocator.snapshot import CONTAINER_KEY, HOLDER_FILENAME, LIVE_STATES, NOTE_FILENAME
 from ..base.args import check_bool
 from ..base.present import Presented
 from ..growth.detector import add_growth_hook, remove_growth_hook
 from ..holders import census
 
 if TYPE_CHECKING:
-    from ..growth.detector import Growth
+    from ..growth.report import Growth
     from ..holders.census import LiveStorage
 
 __all__ = [
-    "CONTAINER_KEY",
-    "HOLDER_FILENAME",
     "AutoDump",
     "SnapshotDump",
     "annotate_snapshot",
     "auto_dump",
     "dump_snapshot",
 ]
-
-#: The ``filename`` of the synthetic frames that name a block's holder.
-HOLDER_FILENAME = "cudamem holder"
-#: The ``filename`` of the synthetic frames that say no holder was found.
-NOTE_FILENAME = "cudamem"
-#: The key of a holder frame that names the holder's container (``cudamem.diff`` groups by it).
-CONTAINER_KEY = "cudamem_container"
-
-_LIVE = frozenset({"active_allocated", "active_pending_free", "active_awaiting_free"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,7 +149,7 @@ def annotate_snapshot(
             size = _int(block.get("size"))
             start = _int(block.get("address", address))
             address = start + size
-            if block.get("state") not in _LIVE:
+            if block.get("state") not in LIVE_STATES:
                 continue
             live += 1
             live_bytes += size
@@ -272,7 +263,7 @@ def _dump(path: Path, *, holders: bool, reason: str) -> SnapshotDump:
             for seg in segments or ()
             if isinstance(seg, dict)
             for b in seg.get("blocks") or ()
-            if isinstance(b, dict) and b.get("state") in _LIVE
+            if isinstance(b, dict) and b.get("state") in LIVE_STATES
         ]
         live, live_bytes, named, named_bytes = len(sizes), sum(sizes), 0, 0
     _write_atomic(path, snap)
@@ -320,7 +311,7 @@ def dump_snapshot(
 _lock = threading.Lock()
 _active: AutoDump | None = None
 #: Backends the observer is attached to (the allocator cannot detach one: it stays, idle).
-_observed: weakref.WeakSet[_backend.Backend] = weakref.WeakSet()
+_observed: weakref.WeakSet[_backend_base.Backend] = weakref.WeakSet()
 
 
 class AutoDump(_backend.InstalledHook):

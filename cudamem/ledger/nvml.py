@@ -154,7 +154,9 @@ def _import_pynvml() -> tuple[ModuleType | None, str | None]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            module = importlib.import_module("pynvml")
+            import pynvml  # the only import of pynvml in cudamem (import-linter checks it)
+
+            module: ModuleType = pynvml
         except ImportError as exc:
             return None, (
                 f"nvidia-ml-py is not installed ({exc}); install it with "

@@ -14,14 +14,9 @@ from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 from ..allocator import backend as _backend
+from ..allocator.cache_split import CacheSplit, PoolBlocks, pool_blocks_of, split_cache
 from ..allocator.device_arg import DeviceLike, resolve_device
-from ..allocator.snapshot import (
-    CacheSplit,
-    PoolBlocks,
-    has_private_pools,
-    pool_blocks_of,
-    split_cache,
-)
+from ..allocator.snapshot import has_private_pools
 from ..allocator.stats import AllocatorStats, device_name
 from ..base.args import check_bool, check_int
 from ..base.present import Presented

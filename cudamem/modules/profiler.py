@@ -27,7 +27,7 @@ dispatch mode):
   gate runs its calls' edges in the order they were registered.
 - **The C++ log.** Where the C++ counter reader serves one device, no span is opened per
   call: the forward hooks log the call's entry and exit (``mark``: a counter read, the peak
-  reset) and a node's gate is a C++ pre-hook (``native/src/fastread/``) that logs the edges
+  reset) and a node's gate is a C++ pre-hook (``_fastread.cpp``) that logs the edges
   registered at it with no GIL and no Python (a Python hook costs the autograd engine the
   GIL and a tuple of the gradients, about 20 µs a node). Each event has the highest
   allocated since the event before it; the log is replayed at the end of the backward pass
@@ -36,7 +36,7 @@ dispatch mode):
   would give: the replay keeps the calls open at each event on a stack, as spans nest, and
   adds each ended call to its module's figures in C++ (the entry event carries the
   module's slot and the forward it runs in), which step end takes once (``log_figures``).
-  The forward hooks themselves run in C there (``Forward`` in ``native/src/fastread/``): a module's
+  The forward hooks themselves run in C there (``Forward`` in ``_fastread.cpp``): a module's
   hook is a two-line Python function (``is_compiling()`` first, so that dynamo traces it
   and drops it) that calls the C hook, which does what ``_pre`` and ``_post`` do for a call
   inside another one (the stack entry, a list, made and dropped in C; the first
@@ -68,7 +68,7 @@ from __future__ import annotations
 import functools
 import sys
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -78,172 +78,48 @@ from ..base.format import plural
 from ..base.present import PresentedHtml
 from ..spans.raw import RawSpan
 from ..spans.span import close_quiet, open_quiet
+from ._backward import (
+    _BCALLS,
+    _BDELTA,
+    _BNS,
+    _BPEAK,
+    _CALLS,
+    _CHILD,
+    _FNS,
+    _FPEAK,
+    _GATE_KEY,
+    _IDX,
+    _INBW,
+    _KEPT,
+    _N,
+    _PARENT,
+    _RECALLS,
+    _REKEPT,
+    _SELF,
+    _SOURCE,
+    _SPAN,
+    _STATE_READS,
+    _TASK,
+    _Gate,
+    _grad_enabled,
+    _grad_tensor,
+    _is_compiling,
+    _mark,
+    _NativeLog,
+    _Node,
+    _task_id,
+    _Tensor,
+)
 from ._tree_bytes import StateBytes, state_bytes
 from .profile import ModuleProfile, RawModule, build_profile
 
 __all__ = ["ModuleProfiler", "track_modules"]
 
-_task_id = torch._C._current_graph_task_id
-_is_compiling = torch.compiler.is_compiling
-_grad_enabled = torch.is_grad_enabled
-_Tensor = torch.Tensor
 
 COMPILED_NOTE = (
     "compiled (torch.compile): measured as one unit; its submodules run inside the "
     "compiled graph, where module hooks do not run"
 )
-#: State bytes are read at the end of the first backward pass and at the first step end
-#: (after the first ``optimizer.step()``: its state exists), then at exit.
-_STATE_READS = 2
-
-# Indices of a step record (``module_profile.STEP_FIELDS``).
-_CALLS, _KEPT, _SELF, _FPEAK, _FNS, _BCALLS, _BDELTA, _BPEAK, _BNS, _RECALLS, _REKEPT = range(11)
-
-
-class _Node:
-    """One module's bookkeeping: names and the figures of the step in progress."""
-
-    __slots__ = (
-        "cur",
-        "depth",
-        "module",
-        "name",
-        "notes",
-        "parent",
-        "raised",
-        "slot",
-        "steps",
-        "type_name",
-    )
-
-    def __init__(
-        self, name: str, module: torch.nn.Module, depth: int, parent: str | None, slot: int
-    ) -> None:
-        self.name = name
-        #: Its index in the profile's nodes (the C++ log adds figures up by it).
-        self.slot = slot
-        self.type_name = type(module).__name__
-        self.depth = depth
-        self.parent = parent
-        self.module = weakref.ref(module)
-        self.notes: tuple[str, ...] = ()
-        self.raised = 0
-        self.steps: list[tuple[int, ...]] = []
-        #: This step's figures (``None`` until the module runs in it).
-        self.cur: list[int] | None = None
-
-
-#: Where a node keeps its gate (``grad_fn.metadata``, a dict of the node's own).
-_GATE_KEY = "cudamem.modules.profiler.gate"
-
-# Indices of a module call's record, a list made by the forward pre-hook and carried to the
-# backward: the module's node, its open span (the forward's, then the backward's), whether it
-# runs inside a backward (recomputation), bytes its submodules' forwards kept, its first
-# grad-requiring input's ``grad_fn`` (where its backward ends; dropped at the forward's exit,
-# once a gate holds the call: the record keeps no node alive), its backward's graph task, its
-# number in the C++ log (-1: measured by spans), the record of the forward it runs in.
-_N, _SPAN, _INBW, _CHILD, _SOURCE, _TASK, _IDX, _PARENT = range(8)
-# A log event's code is a call's number times four plus its edge: 0 its forward's entry, 1
-# its exit, 2 its backward's start, 3 its end (``native/src/fastread/``).
-
-
-class _Gate:
-    """The pre-hook of one autograd node: the module calls whose backward starts (its
-    output's ``grad_fn``) or ends (its input's) at that node, run in registration order.
-
-    One gate per node per step: a gate of an earlier step (or profiler) found on a node is
-    left to its own calls, and a new one takes the new ones, so that every call's hook lives
-    until the second step end after its forward, as it would with a hook of its own."""
-
-    __slots__ = ("edges", "handle", "key", "owner")
-
-    def __init__(self, owner: ModuleProfiler, key: object) -> None:
-        self.owner = owner
-        self.key = key
-        #: ``(True, call)``: the call's backward starts here; ``(False, call)``: it ends.
-        self.edges: list[tuple[bool, list[Any]]] = []
-        self.handle: Any = None
-
-    def fire(self, grad_outputs: Any) -> None:
-        owner = self.owner
-        for starts, call in self.edges:
-            if starts:
-                if call[_SPAN] is None and owner._active:
-                    task = _task_id()
-                    if owner._callback_task != task:
-                        owner._backward_started(task)
-                    call[_TASK] = task
-                    owner._open_backward[id(call)] = call
-                    call[_SPAN] = open_quiet(call[_N].name)
-            else:
-                span = call[_SPAN]
-                if span is not None:
-                    owner._end_backward(call, span)
-
-    def remove(self) -> None:
-        self.key = None  # found on its node later, it takes no more calls
-        self.edges = []
-        handle, self.handle = self.handle, None
-        if handle is not None:
-            handle.remove()
-
-
-class _NativeLog:
-    """The C++ log of one profiler (``_fastread.GateLog``) on one device: its events
-    replayed into the module calls' figures, added up per module there; ``fwd``, the
-    forward hooks' fast path in C, numbers the calls and knows the step."""
-
-    __slots__ = ("api", "base", "base_old", "device", "fwd", "owner")
-
-    def __init__(self, api: Any, device: int, profiler: ModuleProfiler) -> None:
-        self.api = api
-        self.device = device
-        self.owner: int = api.log_start()
-        try:
-            #: ``fwd.step``: the step the gates registered now belong to (their codes live
-            #: two steps); ``fwd.next``: the next call's number.
-            self.fwd = api.Forward(
-                profiler._stack, profiler._pre, profiler._post, _grad_tensor, self.owner, device
-            )
-        except BaseException:
-            api.log_stop(self.owner)
-            raise
-        #: The first call of this step and of the step before (calls numbered below it are
-        #: gone: two steps old).
-        self.base = self.base_old = 0
-
-    def new_step(self) -> None:
-        """Gates from here belong to a new step; calls two steps old are let go."""
-        self.fwd.step += 1
-        self.base_old, self.base = self.base, self.fwd.next
-
-    def stop(self) -> None:
-        self.fwd.owner = 0  # its calls go to Python, which sees no log
-        self.api.log_stop(self.owner)
-
-
-def _mark(api: Any, owner: int, device: int, code: int, grad_outputs: Any) -> None:
-    """The Python pre-hook of a C++ gate that could not be put on its node."""
-    api.mark(owner, device, code)
-
-
-def _grad_tensor(value: Any, depth: int = 0) -> torch.Tensor | None:
-    """The first tensor in ``value`` (a tensor, a tuple/list, a dict or a ``ModelOutput``)
-    that requires grad, looking two levels deep."""
-    if isinstance(value, _Tensor):
-        return value if value.requires_grad else None
-    if depth < 2:
-        if isinstance(value, (tuple, list)):
-            items: Any = value
-        elif isinstance(value, Mapping):
-            items = value.values()
-        else:
-            return None
-        for item in items:
-            found = _grad_tensor(item, depth + 1)
-            if found is not None:
-                return found
-    return None
 
 
 class ModuleProfiler(PresentedHtml):
@@ -656,13 +532,13 @@ class ModuleProfiler(PresentedHtml):
 
     def _replay(self, native: _NativeLog, *, close: bool) -> None:
         """The C++ log's events since the last replay, into the figures spans would have
-        measured, added up per module in C++ (``log_replay`` in ``native/src/fastread/`` keeps the
+        measured, added up per module in C++ (``log_replay`` in ``_fastread.cpp`` keeps the
         calls open at each event on a stack, as spans nest; forwards still running stay open
         for the next replay). ``close``: the backward pass ended, backward calls still open
         end there; else they are dropped unrecorded, as spans a failed backward left open
         are."""
         try:
-            lost = native.api.log_replay(
+            _, lost = native.api.log_replay(
                 native.owner, native.base_old, self._active, close, bool(self._stack)
             )
         except Exception as exc:

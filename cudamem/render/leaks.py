@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from ..base.format import format_bytes, plural
 from ..base.present import renders
-from ..growth.detector import Growth, LeakReport, LeakSettings
+from ..growth.report import Growth
+from ..growth.settings import LeakSettings
 from ..holders.culprits import Culprit
+from ..spans.leftovers import LeakReport
 from .text import render_table
 
 __all__ = ["render_culprit", "render_growth", "render_leak_report", "render_leak_settings"]

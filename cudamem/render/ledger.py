@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from ..allocator.snapshot import CacheSplit
+from ..allocator.cache_split import CacheSplit
 from ..base.format import format_bytes, plural
 from ..base.present import renders
-from ..ledger.device import DeviceLedger, Explanation, LedgerLine, MachineStatus
+from ..ledger.device import DeviceLedger, Explanation, LedgerLine
 from ..ledger.nvml import NvmlStatus
 from ..ledger.reclaim import DeviceRelease, ReleaseResult
+from ..ledger.status import MachineStatus
 from .fragmentation import fragmentation_lines, verdict_lines
 from .host import render_host_ledger, render_host_release, render_process_trees
 from .text import render_table

@@ -6,7 +6,8 @@ from collections.abc import Sequence
 
 from ..base.format import format_bytes, plural
 from ..base.present import renders
-from ..scalars.logger import LoggerStats, ScalarLogger, SeriesSummary
+from ..scalars.logger import ScalarLogger
+from ..scalars.series import LoggerStats, SeriesSummary
 from .text import render_table
 
 __all__ = ["render_logger", "render_logger_stats", "render_scalar_logger", "render_series_summary"]

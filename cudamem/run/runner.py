@@ -31,14 +31,15 @@ from ..allocator import backend as _backend
 from ..base.args import check_bool, check_int
 from ..base.frames import own_frame
 from ..base.present import Presented
-from ..growth.detector import LeakWarning
+from ..growth.settings import LeakWarning
 from ..holders.census import Census, listing_order, live_storages, live_tensors
 from ..holders.culprits import group_culprits
 from ..host import workers
 from ..host.ledger import HostRun, host_run
 from ..host.workers import HostMemoryWarning
-from ..ledger.device import Explanation, explain
+from ..ledger.device import Explanation
 from ..ledger.oom import OomReport, oom_report
+from ..ledger.reading import explain
 from ..modules.profiler import track_modules
 from ..spans import history as _history
 from ..spans.history import History

@@ -18,376 +18,31 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import decimal
-import math
-import numbers
 import threading
 import weakref
-from array import array
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, overload
 
 import numpy as np
 import torch
 
-from ..allocator import backend as _backend
 from ..base.args import check_int
 from ..base.format import plural
 from ..base.present import Presented
 from ..base.warn import warn_once
+from ._device_buffer import _DeviceBuffer
+from .log import _check_step, _check_tensor, _plain_0d, log_scalar
+from .series import LoggerStats, SeriesSummary, _mean, _Record, _SeriesData, _summarize
 
-__all__ = [
-    "LoggerStats",
-    "ScalarLogger",
-    "Series",
-    "SeriesSummary",
-    "log_scalar",
-]
+__all__ = ["ScalarLogger", "Series"]
+
 
 #: Largest ``flush_every``: two device buffers of this many float64 values (1 MiB each).
 MAX_FLUSH_EVERY = 1 << 17
 
+
 _DEFAULT_NAME = "value"
-
-
-# --------------------------------------------------------------------------- conversion
-
-
-def _shape(t: torch.Tensor | np.ndarray[Any, Any]) -> str:
-    return "(" + ", ".join(str(int(d)) for d in t.shape) + ("," if t.ndim == 1 else "") + ")"
-
-
-def _check_tensor(x: torch.Tensor) -> torch.Tensor:
-    """A detached, dense, real, 0-d tensor sharing ``x``'s data; raises for anything else."""
-    if x.is_complex():
-        raise TypeError(f"cannot log a complex tensor ({x.dtype}) as one float")
-    if x.numel() != 1:
-        raise ValueError(
-            f"expected a 0-d or one-element tensor, got shape {_shape(x)} "
-            f"({x.numel()} elements); reduce it first (e.g. .mean())"
-        )
-    if x.is_meta:
-        raise ValueError("a meta tensor has no value to log")
-    t = x.detach()
-    if t.is_quantized:
-        t = t.dequantize()
-    if t.layout != torch.strided:
-        t = t.to_dense()
-    return t if t.dim() == 0 else t.reshape(())
-
-
-_PLAIN_DTYPES = frozenset(
-    {
-        torch.float16,
-        torch.bfloat16,
-        torch.float32,
-        torch.float64,
-        torch.uint8,
-        torch.int8,
-        torch.int16,
-        torch.int32,
-        torch.int64,
-        torch.bool,
-    }
-)
-
-
-def _plain_0d(x: torch.Tensor) -> torch.Tensor | None:
-    """``x.detach()`` when ``x`` is what a loss is (0-d, dense, a real dtype, not meta):
-    four cheap checks instead of ``_check_tensor``'s nine. None: ask that one."""
-    if x.dim() == 0 and x.layout is torch.strided and x.dtype in _PLAIN_DTYPES and not x.is_meta:
-        return x.detach()
-    return None
-
-
-_STEP_MIN, _STEP_MAX = -(2**63), 2**63 - 2  # int64, and the next step still fits
-
-
-def _check_step(step: Any) -> int:
-    if isinstance(step, bool) or not isinstance(step, (int, np.integer, torch.Tensor)):
-        raise TypeError(f"step must be an int, not {type(step).__name__}")
-    value = int(step)
-    if not _STEP_MIN <= value <= _STEP_MAX:
-        raise ValueError(f"step must fit in 64 bits, got {value}")
-    return value
-
-
-def log_scalar(x: Any) -> float:
-    """The value of ``x`` as a Python float, keeping nothing of ``x``.
-
-    Accepts a 0-d or one-element tensor on any device (with or without ``requires_grad``;
-    the graph is not kept), numpy scalars and one-element arrays, Python ``int``/``float``/
-    ``bool``, ``fractions.Fraction`` and ``decimal.Decimal``. NaN and infinities pass through.
-    ``bool`` values (and bool tensors) log as ``1.0``/``0.0``, as ``float(True)`` does.
-
-    A device tensor is read with one transfer, which waits for the device (like ``.item()``);
-    ``ScalarLogger`` avoids that wait.
-
-    Raises:
-        ValueError: a tensor or array with more or fewer than one element (the message names
-            its shape), a meta tensor, or an integer too large for a float.
-        TypeError: anything that is not a real number (strings, ``None``, lists, complex).
-    """
-    if isinstance(x, torch.Tensor):
-        t = _check_tensor(x)
-        return float(t.item())
-    if isinstance(x, (bool, int, float)):
-        return _real_to_float(x)
-    if isinstance(x, np.ndarray):
-        if x.size != 1:
-            raise ValueError(f"expected a one-element array, got shape {_shape(x)}")
-        x = x.reshape(())[()]
-    if isinstance(x, np.generic):
-        if x.dtype.kind not in "biuf":
-            raise TypeError(f"cannot log a numpy {x.dtype} value as a float")
-        return _real_to_float(x.item())
-    if isinstance(x, (numbers.Real, decimal.Decimal)):
-        return _real_to_float(x)
-    raise TypeError(
-        f"cannot log a {type(x).__module__}.{type(x).__qualname__} as a float; "
-        "pass a number, a numpy scalar or a one-element tensor"
-    )
-
-
-def _real_to_float(x: Any) -> float:
-    try:
-        return float(x)
-    except OverflowError:
-        raise ValueError(f"{type(x).__name__} value is too large for a float") from None
-
-
-# --------------------------------------------------------------------------- results
-
-
-@dataclass(frozen=True, slots=True)
-class SeriesSummary(Presented):
-    """Count and simple statistics of one series at one instant (NaN-aware: ``mean``,
-    ``min`` and ``max`` skip NaN; ``nan`` counts them)."""
-
-    name: str
-    count: int
-    #: Values that left the series because of ``maxlen`` (still counted in ``count``).
-    dropped: int
-    last: float | None
-    mean: float | None
-    min: float | None
-    max: float | None
-    nan: int
-    last_step: int | None
-
-
-@dataclass(frozen=True, slots=True)
-class LoggerStats(Presented):
-    """What a ``ScalarLogger`` has done: how often it moved values to the host."""
-
-    #: Values logged (all series), including those still on a device.
-    logged: int
-    #: Batches moved from a device buffer to the host (one per device per flush).
-    transfers: int
-    #: Values logged but not yet on the host.
-    pending: int
-    #: Device memory of the logger's buffers, by device (``'cuda:0'``, ``'cpu'``).
-    buffer_bytes: Mapping[str, int]
-    #: Values kept on the host (all series; at most ``maxlen`` per series).
-    kept: int = 0
-    #: Host memory those values take: 8 bytes for the value and 8 for its step.
-    host_bytes: int = 0
-
-
-# --------------------------------------------------------------------------- internals
-
-
-class _SeriesData:
-    """Host-side values of one series: floats and their steps in two flat arrays (8 bytes
-    each per value, no Python object per value), nothing else.
-
-    Without ``maxlen`` every value is kept (16 bytes a value: 10 M values take 160 MB, half
-    a list of Python floats). With ``maxlen`` the arrays are a ring of the newest ``maxlen``
-    values: memory stays at ``16 * maxlen`` bytes however many values arrive, and ``count``
-    still counts them all.
-    """
-
-    __slots__ = ("count", "maxlen", "name", "next_step", "start", "steps", "values")
-
-    def __init__(self, name: str, maxlen: int | None) -> None:
-        self.name = name
-        self.maxlen = maxlen
-        self.values = array("d")
-        self.steps = array("q")
-        self.start = 0  # index of the oldest value once the ring is full
-        self.count = 0  # values ever delivered (dropped ones included)
-        self.next_step = 0
-
-    def add(self, step: int, value: float) -> None:
-        if self.maxlen is None or len(self.values) < self.maxlen:
-            self.values.append(value)
-            self.steps.append(step)
-        else:
-            i = self.start
-            self.values[i] = value
-            self.steps[i] = step
-            i += 1
-            self.start = 0 if i == self.maxlen else i
-        self.count += 1
-
-    def __len__(self) -> int:
-        return len(self.values)
-
-    def ordered_values(self) -> array[float]:
-        """The values, oldest first (a copy when the ring has wrapped)."""
-        s = self.start
-        return self.values[s:] + self.values[:s] if s else self.values
-
-    def ordered_steps(self) -> array[int]:
-        s = self.start
-        return self.steps[s:] + self.steps[:s] if s else self.steps
-
-    def at(self, index: int) -> float:
-        """The value at ``index`` in log order (negative counts from the newest)."""
-        n = len(self.values)
-        if not -n <= index < n:
-            raise IndexError(index)
-        return self.values[(self.start + index) % n]
-
-    def last(self) -> tuple[int, float]:
-        i = self.start - 1  # -1 (the end) until the ring wraps
-        return self.steps[i], self.values[i]
-
-    @property
-    def nbytes(self) -> int:
-        return len(self.values) * (self.values.itemsize + self.steps.itemsize)
-
-    def clear(self) -> None:
-        self.values = array("d")
-        self.steps = array("q")
-        self.start = 0
-
-
-class _Record:
-    """A value in log order that may still be on a device (``ready`` once it is not)."""
-
-    __slots__ = ("ready", "series", "step", "value")
-
-    def __init__(self, series: _SeriesData, step: int, value: float, ready: bool) -> None:
-        self.series = series
-        self.step = step
-        self.value = value
-        self.ready = ready
-
-
-def _wants_async(device: torch.device) -> bool:
-    """CUDA buffers go to pinned memory with a non-blocking copy and an event; other devices
-    (CPU, MPS, XPU) are read with a plain copy when a batch completes."""
-    return device.type == "cuda"
-
-
-class _DeviceBuffer:
-    """Two banks of ``capacity`` float64 slots on one device, used in turn.
-
-    Logging copies into the next slot of the active bank. When it is full (or on flush) the
-    bank is *launched*: on CUDA a non-blocking copy into pinned memory plus an event; the
-    other bank becomes active. A launched bank *completes* (its floats are read) before it is
-    written again, at the next launch or on read; by then its event has usually passed, so
-    waiting for it costs nothing and never drains the GPU's queue.
-    """
-
-    __slots__ = (
-        "active",
-        "banks",
-        "capacity",
-        "device",
-        "device_index",
-        "events",
-        "hosts",
-        "in_flight",
-        "is_async",
-        "records",
-        "slots",
-        "used",
-    )
-
-    def __init__(self, device: torch.device, capacity: int) -> None:
-        self.device = device
-        self.capacity = capacity
-        self.device_index = device.index if device.index is not None else -1
-        self.is_async = _wants_async(device)
-        # MPS has no float64; float32 holds every fp16/bf16/fp32 value exactly.
-        dtype = torch.float32 if device.type == "mps" else torch.float64
-        # Allocate outside inference mode: an inference tensor cannot be written to later.
-        with torch.inference_mode(False), torch.no_grad():
-            store = torch.zeros(2, capacity, dtype=dtype, device=device)
-            self.banks = (store[0], store[1])
-            # 0-d views made once: a log is then one copy_, without creating a view per step.
-            self.slots = (tuple(store[0].unbind(0)), tuple(store[1].unbind(0)))
-            # The CUDA caching host allocator picks a device that already has a context,
-            # so pinning here creates none.
-            pin = device.type == "cuda"
-            self.hosts: tuple[torch.Tensor, ...] = ()
-            if self.is_async:
-                self.hosts = tuple(
-                    torch.empty(capacity, dtype=dtype, pin_memory=pin) for _ in range(2)
-                )
-        self.events: list[Any] = [None, None]
-        self.active = 0
-        self.used = 0
-        self.records: list[list[_Record]] = [[], []]
-        self.in_flight: tuple[int, int] | None = None  # (bank, n)
-
-    @property
-    def nbytes(self) -> int:
-        return 2 * self.capacity * self.banks[0].element_size()
-
-    def write(self, value: torch.Tensor, record: _Record) -> bool:
-        """Copy ``value`` (detached, 0-d) into the next slot; True when the bank is full."""
-        used, active = self.used, self.active
-        self.slots[active][used].copy_(value)
-        self.records[active].append(record)
-        self.used = used = used + 1
-        return used >= self.capacity
-
-    def launch(self) -> bool:
-        """Start moving the active bank to the host; True if a transfer was started."""
-        if self.used == 0:
-            return False
-        self.complete()  # frees the other bank before it becomes active
-        bank, n = self.active, self.used
-        if self.is_async:
-            with torch.no_grad():
-                self.hosts[bank][:n].copy_(self.banks[bank][:n], non_blocking=True)
-            self.events[bank] = _backend.get().record_event(self.device_index, self.events[bank])
-        self.in_flight = (bank, n)
-        self.active, self.used = 1 - bank, 0
-        return True
-
-    def complete(self) -> None:
-        """Read the launched bank's floats into its records (waits for its event if needed)."""
-        if self.in_flight is None:
-            return
-        bank, n = self.in_flight
-        if self.is_async:
-            _backend.get().wait_event(self.events[bank])
-            values = self.hosts[bank][:n].tolist()
-        else:
-            values = self.banks[bank][:n].tolist()
-        records = self.records[bank]
-        for record, value in zip(records, values, strict=True):
-            record.value = float(value)
-            record.ready = True
-        self.records[bank] = []
-        self.in_flight = None
-
-    def abandon(self) -> None:
-        """After a failed copy: resolve every record of this buffer as NaN so that values
-        logged after them still reach the host in order."""
-        for records in self.records:
-            for record in records:
-                record.value = math.nan
-                record.ready = True
-        self.records = [[], []]
-        self.in_flight = None
-        self.used = 0
 
 
 _live_loggers: weakref.WeakSet[ScalarLogger] = weakref.WeakSet()
@@ -401,9 +56,6 @@ def _close_all_at_exit() -> None:
         # Interpreter shutdown: there is nobody to report a failure to.
         with contextlib.suppress(Exception):
             logger.close()
-
-
-# --------------------------------------------------------------------------- series view
 
 
 class Series:
@@ -455,11 +107,6 @@ class Series:
         """The values as a float64 array (a copy, without a Python float per value)."""
         values: np.ndarray[Any, np.dtype[np.float64]] = self._array(False, np.float64)
         return values
-
-    def steps_numpy(self) -> np.ndarray[Any, np.dtype[np.int64]]:
-        """The steps as an int64 array."""
-        steps: np.ndarray[Any, np.dtype[np.int64]] = self._array(True, np.int64)
-        return steps
 
     def _array(self, steps: bool, dtype: type[np.generic]) -> Any:
         with self._logger._lock:
@@ -528,39 +175,6 @@ class Series:
 
     def __repr__(self) -> str:
         return f"<Series {self.summary()}>"
-
-
-def _mean(values: Sequence[float]) -> float:
-    """Exact mean (``fsum``); NaN when empty; ``inf - inf`` gives NaN instead of raising."""
-    if not values:
-        return math.nan
-    try:
-        return math.fsum(values) / len(values)
-    except (ValueError, OverflowError):
-        return sum(values) / len(values)
-
-
-def _summarize(data: _SeriesData) -> SeriesSummary:
-    n = len(data)
-    if not n:
-        return SeriesSummary(data.name, data.count, 0, None, None, None, None, 0, None)
-    values = np.array(data.values, dtype=np.float64)
-    finite = values[~np.isnan(values)]  # inf stays
-    last_step, last = data.last()
-    return SeriesSummary(
-        name=data.name,
-        count=data.count,
-        dropped=data.count - n,
-        last=last,
-        mean=_mean(finite.tolist()) if finite.size else None,
-        min=float(finite.min()) if finite.size else None,
-        max=float(finite.max()) if finite.size else None,
-        nan=n - int(finite.size),
-        last_step=last_step,
-    )
-
-
-# --------------------------------------------------------------------------- the logger
 
 
 class ScalarLogger(Presented):

@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from ..allocator import backend as _backend
+from ..allocator import backend_base as _backend_base
 from ..base.warn import warn_once
 from . import state as _state
 from .raw import _NOTHING, RawSpan
@@ -49,7 +50,7 @@ def _only(me: int) -> bool:
     return owners.count(me) == len(owners)
 
 
-def _enter_peak(span: RawSpan, backend: _backend.Backend, devs: tuple[int, ...]) -> None:
+def _enter_peak(span: RawSpan, backend: _backend_base.Backend, devs: tuple[int, ...]) -> None:
     """Read and reset the peak counters, folding the discarded peaks into the open spans
     (the general case; ``_open`` handles a lone span on one device itself).
 
@@ -251,7 +252,7 @@ def _wait_folds() -> None:
         pass
 
 
-def _exception_info(exc: BaseException, backend: _backend.Backend) -> ExceptionInfo:
+def _exception_info(exc: BaseException, backend: _backend_base.Backend) -> ExceptionInfo:
     return ExceptionInfo.from_exception(exc, is_oom=backend.is_oom(exc))
 
 

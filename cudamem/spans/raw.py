@@ -11,7 +11,7 @@ from ..allocator.stats import DeviceCounters
 from .record import DeviceSpan, SpanRecord
 
 if TYPE_CHECKING:
-    from ..allocator.backend import Counters
+    from ..allocator.backend_base import Counters
     from .record import ExceptionInfo
 
 __all__ = ["RawSpan", "now_ns"]

@@ -101,7 +101,7 @@ def _use_core(module: Any) -> str | None:
     """Open and close every span through ``module`` (the compiled core; ``None``: the
     Python functions), or say why it cannot serve (then nothing changes). The core serves
     through a state of this module's own (``_core_check``), which the functions installed
-    here hold: another ``cudamem.span`` in the process (a reload) has its own."""
+    here hold: another ``cudamem.spans`` in the process (a reload) has its own."""
     global _open, _close, _make_span, _columns
     if module is None:
         _open, _close, _make_span, _columns = _py_open, _py_close, _py_make_span, None

@@ -47,7 +47,7 @@ def graph() -> None:
     g.replay()
     torch.cuda.synchronize()
     print(cudamem.explain())
-    from cudamem.allocator.snapshot import graph_pool_blocks
+    from cudamem.allocator.cache_split import graph_pool_blocks
 
     block = graph_pool_blocks(0).pool_of(y.data_ptr())
     print(f"y lives in pool {None if block is None else block.pool_id}")

@@ -23,13 +23,14 @@ import torch.distributed as dist
 import cudamem
 import cudamem.distributed
 from cudamem.allocator import backend as _backend
+from cudamem.allocator import backend_base as _backend_base
 from cudamem.allocator.stats import AllocatorStats
 from cudamem.holders.census import live_storage_keys
 
 warnings.simplefilter("ignore", cudamem.LeakWarning)  # the report carries the finding
 
 
-class CpuTensorsAsGpu(_backend.Backend):
+class CpuTensorsAsGpu(_backend_base.Backend):
     """Stand-in for the CUDA allocator on a CPU-only machine: "cuda:0" is the bytes of this
     process's live CPU tensors (the census), read at every span edge."""
 

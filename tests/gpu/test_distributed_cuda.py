@@ -145,9 +145,9 @@ def test_two_gpus_without_set_device_memory_lands_on_gpu0(tmp_path: Path) -> Non
 
 
 def _seed001(case: str, device: int) -> dict[str, Any]:
-    from cudamem.demo import seeds as demo
+    from cudamem.demo import seed001 as _seed001
 
-    return demo._run(case, device)
+    return _seed001._run(case, device)
 
 
 def _allocated(out: dict[str, Any]) -> list[int]:

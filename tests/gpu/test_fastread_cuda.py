@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cudamem.allocator import backend as _backend
+from cudamem.allocator import torch_backend as _torch_backend
 from cudamem.native import cache as _native_cache
 from cudamem.native import fastread as _fastread
 from cudamem.native.fastread import FastReader, Reader
@@ -53,7 +53,7 @@ def test_reader_equals_the_dict_read_through_allocations(
 ) -> None:
     _, reader = built
     torch.cuda.init()
-    backend = _backend.TorchBackend(reader=FastReader(lambda force: reader))
+    backend = _torch_backend.TorchBackend(reader=FastReader(lambda force: reader))
     kept: list[torch.Tensor] = []
     for size in (1, 512, MiB, 3 * MiB + 7, 64 * MiB, 256 * MiB):
         kept.append(torch.empty(size, dtype=torch.uint8, device="cuda:0"))
@@ -102,7 +102,7 @@ def test_backend_validates_then_serves_from_the_reader(
     _, reader = built
     x = torch.ones(MiB, device="cuda:0")
     manager = FastReader(lambda force: reader)
-    backend = _backend.TorchBackend(reader=manager)
+    backend = _torch_backend.TorchBackend(reader=manager)
     assert backend.counters(0) == _memory_stats(0)  # starts: the dict answers
     manager.join(30)
     assert backend.counters(0) == _memory_stats(0)  # validates

@@ -21,7 +21,7 @@ import torch
 
 import cudamem
 from cudamem.allocator import backend as _backend
-from cudamem.ledger import oom as _oom
+from cudamem.ledger import oom_guard as _oom_guard
 from cudamem.ledger.free_space import FRAGMENTATION
 
 from . import fragment_pattern as pattern
@@ -40,8 +40,8 @@ def limited() -> Iterator[None]:
     try:
         yield
     finally:
-        if _oom._guard is not None:
-            _oom._guard.uninstall()
+        if _oom_guard._guard is not None:
+            _oom_guard._guard.uninstall()
         gc.collect()
         pattern.unlimit_memory()
 

@@ -11,6 +11,7 @@ import torch
 
 import cudamem
 from cudamem.allocator import backend as _backend
+from cudamem.allocator import torch_backend as _torch_backend
 from cudamem.host import ledger as host_ledger
 from cudamem.host import procfs as _procfs
 
@@ -73,7 +74,7 @@ def test_a_freed_block_stays_cached_until_release_host_empties_it() -> None:
     assert "pinned pool:" in text and "cudamem.release(host=True) / torch" in text
     rss0 = _rss()
     result = cudamem.release(host=True, holders=False).host
-    assert result is not None and result.call == _backend.host_cache_call()
+    assert result is not None and result.call == _torch_backend.host_cache_call()
     assert result.freed >= GiB and result.after is not None and result.after.cached == 0
     assert result.rss_before is not None and result.rss_after is not None
     assert rss0 - _rss() >= 0.9 * GiB

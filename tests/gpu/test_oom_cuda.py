@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import cudamem
-from cudamem.ledger import oom as _oom
+from cudamem.ledger import oom_guard as _oom_guard
 from cudamem.ledger.memviz import auto_dump
 
 pytestmark = pytest.mark.cuda
@@ -27,11 +27,11 @@ big_holder: list[torch.Tensor] = []
 
 @pytest.fixture(autouse=True)
 def _clean() -> Iterator[None]:
-    _oom._last_key = None
+    _oom_guard._last_key = None
     big_holder.append(torch.empty(GiB, dtype=torch.uint8, device="cuda"))
     yield
-    if _oom._guard is not None:
-        _oom._guard.uninstall()
+    if _oom_guard._guard is not None:
+        _oom_guard._guard.uninstall()
     big_holder.clear()
     gc.collect()
     torch.cuda.empty_cache()

@@ -20,7 +20,7 @@ import torch
 import cudamem
 from cudamem.allocator import backend as _backend
 from cudamem.holders import census
-from cudamem.holders._search import SearchLimits
+from cudamem.holders._search_base import SearchLimits
 from cudamem.holders.culprits import group_culprits
 from cudamem.holders.finder import Holders
 from cudamem.render.json import to_json

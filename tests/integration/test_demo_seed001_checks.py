@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 
+from cudamem.demo import registry as _registry
+from cudamem.demo import seed001 as _seed001
 from cudamem.demo import seeds as demo
 
 MiB = 1024**2
@@ -48,19 +50,19 @@ def _out(
 @pytest.fixture
 def fed(monkeypatch: pytest.MonkeyPatch) -> dict[tuple[str, int], dict[str, Any]]:
     outputs: dict[tuple[str, int], dict[str, Any]] = {}
-    monkeypatch.setattr(demo, "_needs", lambda gpus: None)
-    monkeypatch.setattr(demo, "_run", lambda case, device: outputs[(case, device)])
+    monkeypatch.setattr(_registry, "_needs", lambda gpus: None)
+    monkeypatch.setattr(_seed001, "_run", lambda case, device: outputs[(case, device)])
     return outputs
 
 
-def _verdicts(e: demo.Experiment) -> dict[str, bool]:
+def _verdicts(e: _registry.Experiment) -> dict[str, bool]:
     return {c.name: c.passed for c in e.checks}
 
 
 def test_a_stream_per_run_passes_when_each_run_adds_the_same_workspaces(fed: dict) -> None:
     levels = [65 * MiB, 130 * MiB, 195 * MiB]
     fed[("stream", 0)] = _out(levels, warnings=("span 'run' grows: cuBLAS workspaces pile up",))
-    e = demo.seed001_stream_per_run()
+    e = _seed001.seed001_stream_per_run()
     assert e.key == "seed001-stream-per-run" and e.skipped is None
     assert all(_verdicts(e).values()), e.checks
     assert len(e.checks) == 5
@@ -71,7 +73,7 @@ def test_a_stream_per_run_passes_when_each_run_adds_the_same_workspaces(fed: dic
 
 def test_a_stream_per_run_fails_without_a_leak_warning_or_with_uneven_rises(fed: dict) -> None:
     fed[("stream", 0)] = _out([65 * MiB, 130 * MiB, 230 * MiB])
-    verdicts = _verdicts(demo.seed001_stream_per_run())
+    verdicts = _verdicts(_seed001.seed001_stream_per_run())
     assert verdicts["allocated rises by the same amount every run"] is False
     assert verdicts["a LeakWarning names the cuBLAS workspaces"] is False
     assert verdicts["explain() says the workspaces are kept per stream"] is True
@@ -112,9 +114,9 @@ def test_the_flat_loops_pass_flat_and_fail_growing(
 
 
 def test_skipped_without_the_gpus_it_needs(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(demo, "_needs", lambda gpus: f"needs {gpus} GPUs")
+    monkeypatch.setattr(_registry, "_needs", lambda gpus: f"needs {gpus} GPUs")
     for experiment in (
-        demo.seed001_stream_per_run,
+        _seed001.seed001_stream_per_run,
         demo.seed001_gpu1_thread_per_run,
         demo.seed001_gpu1_plain_loop,
         demo.seed001_gpu1_context_on_gpu0,
@@ -130,7 +132,7 @@ def test_each_experiment_is_registered_once_with_its_text_as_its_doc() -> None:
     keys = [k for k, _ in demo.experiments()]
     assert len(keys) == len(set(keys)) == 14
     assert keys[:2] == ["seed000-256mib", "seed000-who-holds"] and keys[-1] == "census"
-    e = demo.seed001_gpu1_stream_per_run
+    e = _seed001.seed001_gpu1_stream_per_run
     assert e.__doc__ is not None
     title, explanation = e.__doc__.split("\n\n")
     assert title == "Seed 001: a new torch.cuda.Stream per run on cuda:1"
@@ -157,7 +159,7 @@ def test_a_cpu_experiment_runs_without_a_gpu_and_names_its_storage() -> None:
 
 
 def test_a_byte_figure_check_passes_within_its_tolerance_only() -> None:
-    check = demo._bytes_check
+    check = _registry._bytes_check
     assert check("exact", 20 * MiB, 20 * MiB).passed
     assert not check("off by a byte", 20 * MiB + 1, 20 * MiB).passed
     assert check("within", 21 * MiB, 20 * MiB, within=2 * MiB).passed

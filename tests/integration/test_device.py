@@ -14,10 +14,11 @@ import torch
 
 import cudamem
 from cudamem.allocator import backend as _backend
-from cudamem.allocator.snapshot import split_cache
+from cudamem.allocator.cache_split import split_cache
 from cudamem.allocator.stats import AllocatorStats
 from cudamem.ledger import nvml as _nvml
-from cudamem.ledger.device import AllocatedSplit, DeviceLedger, Explanation, build_ledger
+from cudamem.ledger.device import AllocatedSplit, DeviceLedger, Explanation
+from cudamem.ledger.lines import build_ledger
 from cudamem.ledger.reclaim import largest_storages
 from cudamem.render.json import to_json
 

@@ -26,20 +26,20 @@ import torch
 
 import cudamem
 from cudamem.allocator import backend as _backend
-from cudamem.allocator.backend import PoolOwners, instances_of
-from cudamem.allocator.snapshot import (
-    LARGE_PAGE,
-    SMALL_PAGE,
+from cudamem.allocator import torch_backend as _torch_backend
+from cudamem.allocator.backend_base import PoolOwners
+from cudamem.allocator.cache_split import (
     graph_pool_blocks,
-    load_snapshot,
     pool_blocks_of,
-    segments_of,
     split_cache,
     workspace_streams,
 )
+from cudamem.allocator.snapshot import LARGE_PAGE, SMALL_PAGE, load_snapshot, segments_of
 from cudamem.allocator.stats import AllocatorStats
+from cudamem.allocator.torch_backend import instances_of
 from cudamem.ledger import nvml as _nvml
-from cudamem.ledger.device import AllocatedSplit, DeviceLedger, build_ledger
+from cudamem.ledger.device import AllocatedSplit, DeviceLedger
+from cudamem.ledger.lines import build_ledger
 from cudamem.render.json import to_json
 
 from .. import snapshot_data as sd
@@ -211,7 +211,7 @@ def test_expandable_without_snapshot_is_one_unsplit_line() -> None:
 
 
 def test_expandable_segments_configured(monkeypatch: pytest.MonkeyPatch) -> None:
-    from cudamem.ledger.device import expandable_segments_configured
+    from cudamem.ledger.lines import expandable_segments_configured
 
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128, expandable_segments:True")
@@ -253,7 +253,7 @@ def test_deleted_graph_pool_is_ordinary_cache_again() -> None:
     # No live graph uses the pool: empty_cache() frees it like any other (freeable pool).
     segs = sd.cuda_graph_64mib()
     split = split_cache(segs, tensor_addresses={sd.GRAPH_OUTPUT}, pool_owners=PoolOwners())
-    assert split.pools_free == 0 and split.pools_reserved == 0
+    assert split.pools_free == 0 and sum(p.reserved for p in split.held_pools) == 0
     assert not split.pools[0].held and split.pools[0].graphs == 0
     assert split.non_releasable == 8 * MiB  # beside the capture's live workspace
 
@@ -607,7 +607,7 @@ def test_pool_owners_are_found_without_user_code(monkeypatch: pytest.MonkeyPatch
         _MemPool((0, 9)),
         _TreeManager((0, 7)),
     ]
-    owners = _backend._find_pool_owners()
+    owners = _torch_backend._find_pool_owners()
     assert owners.graphs == {(1, 0): 1, (0, 7): 2}
     assert owners.mempools == frozenset({(0, 9)})
     assert owners.trees == {(0, 7): 0}
@@ -814,7 +814,7 @@ def test_h200_record_stream_pending() -> None:
 
 
 def test_remaining_storage_in_a_held_pool_is_named_so() -> None:
-    from cudamem.allocator.snapshot import PoolBlock, PoolBlocks, PrivatePool
+    from cudamem.allocator.cache_split import PoolBlock, PoolBlocks, PrivatePool
     from cudamem.ledger.reclaim import largest_storages
 
     big = torch.ones(3 * 1024 * 1024, dtype=torch.uint8)  # the largest CPU storage here

@@ -14,7 +14,9 @@ from typing import Any
 import pytest
 
 from cudamem.allocator import backend as _backend
+from cudamem.demo import registry as _registry
 from cudamem.demo import render_experiment
+from cudamem.demo import seed001 as _seed001
 from cudamem.demo import seed001_runs as _seed001_runs
 from cudamem.demo import seeds as demo
 
@@ -109,12 +111,12 @@ def runs(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[tuple[str, int], Any]
     def fresh(case: str, device: int) -> str:
         return json.dumps(table[(case, device)])
 
-    monkeypatch.setattr(demo, "_fresh_run", fresh)
+    monkeypatch.setattr(_seed001, "_fresh_run", fresh)
     with _backend.use(FakeAllocator(devices=2, contexts=())):
         yield table
 
 
-def _checks(exp: demo.Experiment) -> dict[str, bool]:
+def _checks(exp: _registry.Experiment) -> dict[str, bool]:
     assert exp.skipped is None, exp.skipped
     return {c.name: c.passed for c in exp.checks}
 
@@ -122,7 +124,7 @@ def _checks(exp: demo.Experiment) -> dict[str, bool]:
 def test_stream_per_run_passes_with_the_per_stream_line(runs: dict[Any, Any]) -> None:
     levels = [65 * MiB * (k + 1) for k in range(6)]
     runs[("stream", 0)] = _out(levels, cublas_note=PER_STREAM_NOTE, warnings=[STREAM_WARNING])
-    exp = demo.seed001_stream_per_run()
+    exp = _seed001.seed001_stream_per_run()
     assert all(_checks(exp).values()), render_experiment(exp)
     text = render_experiment(exp)
     assert "PASS: allocated rises by the same amount every run — +65.0 MiB, +65.0 MiB" in text
@@ -133,7 +135,7 @@ def test_stream_per_run_checks_can_fail(runs: dict[Any, Any]) -> None:
     # Flat levels, the workspaces not in the cuBLAS line, no per-stream wording, no warning,
     # and memory left after release().
     runs[("stream", 0)] = _out([65 * MiB] * 6, cublas=0, still=4 * MiB)
-    checks = _checks(demo.seed001_stream_per_run())
+    checks = _checks(_seed001.seed001_stream_per_run())
     assert checks == {
         "allocated rises by the same amount every run": False,
         "explain(): what stays allocated after the runs is cuBLAS workspaces": False,
@@ -145,9 +147,9 @@ def test_stream_per_run_checks_can_fail(runs: dict[Any, Any]) -> None:
 
 def test_thread_per_run_grows_once_then_flat(runs: dict[Any, Any]) -> None:
     runs[("thread", 0)] = _out([65 * MiB] + [97 * MiB] * 5)
-    assert all(_checks(demo.seed001_thread_per_run()).values())
+    assert all(_checks(_seed001.seed001_thread_per_run()).values())
     runs[("thread", 0)] = _out([65 * MiB * (k + 1) for k in range(6)], warnings=["grows"])
-    checks = _checks(demo.seed001_thread_per_run())
+    checks = _checks(_seed001.seed001_thread_per_run())
     assert checks["the level stops rising: the last three runs are equal (±1 MiB)"] is False
     assert checks["no LeakWarning: growth that stops is not a leak"] is False
 
@@ -193,7 +195,7 @@ def test_flat_loops(runs: dict[Any, Any]) -> None:
 
 def test_two_gpu_experiments_skip_on_one_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[Any] = []
-    monkeypatch.setattr(demo, "_fresh_run", lambda *a: calls.append(a) or "{}")
+    monkeypatch.setattr(_seed001, "_fresh_run", lambda *a: calls.append(a) or "{}")
     with _backend.use(FakeAllocator(devices=1, contexts=())):
         results = demo.run_demo(
             only=[
@@ -215,7 +217,7 @@ def test_two_gpu_experiments_skip_on_one_gpu(monkeypatch: pytest.MonkeyPatch) ->
 
 def test_single_gpu_variants_skip_without_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     with _backend.use(FakeAllocator(devices=0, contexts=())):
-        for fn in (demo.seed001_stream_per_run, demo.seed001_thread_per_run):
+        for fn in (_seed001.seed001_stream_per_run, _seed001.seed001_thread_per_run):
             assert fn().skipped == "needs a CUDA GPU"
 
 
@@ -223,7 +225,7 @@ def test_a_failing_fresh_process_is_a_failed_check(monkeypatch: pytest.MonkeyPat
     def broken(case: str, device: int) -> str:
         raise RuntimeError(f"the {case} run failed: CUDA error")
 
-    monkeypatch.setattr(demo, "_fresh_run", broken)
+    monkeypatch.setattr(_seed001, "_fresh_run", broken)
     with _backend.use(FakeAllocator(devices=2, contexts=())):
         (exp,) = demo.run_demo(only=["seed001-gpu1-plain-loop"])
     assert not exp.passed

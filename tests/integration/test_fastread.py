@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from cudamem.allocator import backend as _backend
+from cudamem.allocator import torch_backend as _torch_backend
 from cudamem.base.data import to_data
 from cudamem.base.present import present
 from cudamem.cli.commands import main
@@ -81,7 +82,7 @@ class FakeReader:
         return values
 
 
-class SeamBackend(_backend.TorchBackend):
+class SeamBackend(_torch_backend.TorchBackend):
     """The real TorchBackend with CUDA "initialised" and the dict read answered from
     ``values``: everything between a counter read and the reader's manager is real."""
 
@@ -192,7 +193,7 @@ def test_spec_from_this_torch() -> None:
 
 
 def test_cpu_torch_reads_zeros_and_never_starts_the_reader() -> None:
-    backend = _backend.TorchBackend()
+    backend = _torch_backend.TorchBackend()
     threads = {t.name for t in threading.enumerate()}
     assert backend.counters(0) == (0, 0, 0)
     assert backend.counters_reset_peak(0) == (0, 0, 0)

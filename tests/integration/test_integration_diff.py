@@ -11,9 +11,9 @@ import torch
 
 import cudamem
 from cudamem.allocator import backend as _backend
+from cudamem.allocator.snapshot import CONTAINER_KEY
 from cudamem.growth.compare import DiffEntry, MemoryDiff
 from cudamem.holders.census import Census
-from cudamem.ledger.memviz import CONTAINER_KEY
 from cudamem.render.json import to_json
 
 from ..fakes import FakeAllocator

@@ -19,7 +19,8 @@ from torch.cuda import _memory_viz
 
 import cudamem
 from cudamem.allocator import backend as _backend
-from cudamem.ledger.memviz import CONTAINER_KEY, HOLDER_FILENAME, annotate_snapshot, auto_dump
+from cudamem.allocator.snapshot import CONTAINER_KEY, HOLDER_FILENAME
+from cudamem.ledger.memviz import annotate_snapshot, auto_dump
 
 from ..fakes import FakeAllocator
 

@@ -26,7 +26,8 @@ import torch
 import cudamem
 from cudamem.allocator import backend as _backend
 from cudamem.base.data import to_data
-from cudamem.growth.detector import _WATCH, LeakSettings, LeakWarning, _detector, theil_sen
+from cudamem.growth.detector import _WATCH, _detector, theil_sen
+from cudamem.growth.settings import LeakSettings, LeakWarning
 from cudamem.holders import census
 from cudamem.holders.census import LiveStorage
 from cudamem.holders.culprits import NO_HOLDER, Culprit, group_culprits

@@ -27,7 +27,8 @@ import pytest
 import torch
 
 import cudamem
-from cudamem.growth.detector import Growth, LeakWarning
+from cudamem.growth.report import Growth
+from cudamem.growth.settings import LeakWarning
 
 from ..fakes import FakeAllocator, leak_detection, leak_warnings
 

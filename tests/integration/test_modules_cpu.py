@@ -138,7 +138,7 @@ def test_cudamem_run_modules_names_the_top_modules(tmp_path: Any) -> None:
 
 
 def test_the_demo_names_seed_000s_activation_module() -> None:
-    from cudamem.demo.seeds import seed000_modules
+    from cudamem.demo.seed000 import seed000_modules
 
     exp = seed000_modules()
     assert exp.passed, exp.checks

@@ -752,7 +752,7 @@ def test_a_hostile_argument_raises_from_the_forward_on_both_paths_alike(stub: An
 
 
 def test_the_c_hooks_check_their_arguments(stub: Any) -> None:
-    from cudamem.modules.profiler import _grad_tensor
+    from cudamem.modules._backward import _grad_tensor
 
     stack: list[Any] = []
     with pytest.raises(TypeError):
@@ -788,7 +788,7 @@ def test_a_node_held_from_c_takes_a_gate_as_a_grad_fn_does(stub: Any) -> None:
         class Node:
             slot = 0
 
-        from cudamem.modules.profiler import _grad_tensor
+        from cudamem.modules._backward import _grad_tensor
 
         fwd = stub.Forward(stack, print, print, _grad_tensor, owner, 0)
         fwd.next = 1

@@ -109,18 +109,19 @@ def segment(stream: int, blocks: list[tuple[str, int]]) -> dict[str, Any]:
 @pytest.fixture
 def fake() -> Iterator[OomFake]:
     from cudamem.ledger import oom
+    from cudamem.ledger import oom_guard as _oom_guard
 
     alloc = OomFake()
     big_holder.clear()
-    oom._last_key = None
+    _oom_guard._last_key = None
     oom._events.clear()
     cudamem.configure_leaks()
     with _backend.use(alloc):
         yield alloc
-    if oom._guard is not None:
-        oom._guard.uninstall()
+    if _oom_guard._guard is not None:
+        _oom_guard._guard.uninstall()
     big_holder.clear()
-    oom._last_key = None
+    _oom_guard._last_key = None
 
 
 def make_oom(message: str = MESSAGE) -> torch.OutOfMemoryError:
@@ -287,7 +288,7 @@ def test_report_uses_observer_facts(fake: OomFake) -> None:
     observer(0, 3 * GiB, 80 * GiB, 1 * GiB)  # what malloc reports before raising
     report = oom_report(make_oom("CUDA out of memory (no details)"))
     assert (report.requested, report.total, report.free) == (3 * GiB, 80 * GiB, GiB)
-    assert cudamem.ledger.oom._guard is not None  # type: ignore[attr-defined]
+    assert cudamem.ledger.oom_guard._guard is not None  # type: ignore[attr-defined]
 
 
 def test_oom_report_refuses_other_errors(fake: OomFake) -> None:
@@ -396,7 +397,7 @@ def test_excepthook_ignores_other_errors(fake: OomFake, capsys: pytest.CaptureFi
         sys.excepthook(ValueError, ValueError("x"), None)
         assert capsys.readouterr().err == ""
     finally:
-        cudamem.ledger.oom._guard.uninstall()  # type: ignore[attr-defined]
+        cudamem.ledger.oom_guard._guard.uninstall()  # type: ignore[attr-defined]
         sys.excepthook = previous
 
 
@@ -527,11 +528,11 @@ def test_each_backend_gets_the_observer_once(fake: OomFake) -> None:
     earlier guard) attached one to another backend first."""
     on_oom(stderr=False)
     assert len(fake.observers) == 1
-    cudamem.ledger.oom._guard.uninstall()  # type: ignore[attr-defined]
+    cudamem.ledger.oom_guard._guard.uninstall()  # type: ignore[attr-defined]
     on_oom(stderr=False)  # installed again on the same backend: no second observer
     assert len(fake.observers) == 1
     other = OomFake()
     with _backend.use(other):
-        cudamem.ledger.oom._guard.uninstall()  # type: ignore[attr-defined]
+        cudamem.ledger.oom_guard._guard.uninstall()  # type: ignore[attr-defined]
         on_oom(stderr=False)
         assert len(other.observers) == 1  # a backend of its own gets its own

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from cudamem.allocator import backend as _backend
+from cudamem.allocator import torch_backend as _torch_backend
 
 
 class Probe:
@@ -20,8 +20,8 @@ class Probe:
         return device in self.contexts
 
 
-def backend_with(probe: Probe, count: int) -> _backend.TorchBackend:
-    backend = _backend.TorchBackend()
+def backend_with(probe: Probe, count: int) -> _torch_backend.TorchBackend:
+    backend = _torch_backend.TorchBackend()
     backend._c = SimpleNamespace(_cuda_hasPrimaryContext=probe)  # type: ignore[assignment]
     backend._compiled = True
     backend._count = count
@@ -30,7 +30,7 @@ def backend_with(probe: Probe, count: int) -> _backend.TorchBackend:
 
 
 def test_devices_with_a_context_are_not_probed_again(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_backend, "REPROBE_NS", 10**15)  # no time-based probe in this test
+    monkeypatch.setattr(_torch_backend, "REPROBE_NS", 10**15)  # no time-based probe in this test
     probe = Probe({0})
     backend = backend_with(probe, 4)
     assert backend.initialized_devices() == (0,)
@@ -43,7 +43,7 @@ def test_devices_with_a_context_are_not_probed_again(monkeypatch: pytest.MonkeyP
 def test_devices_without_a_context_are_probed_again_after_the_interval(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(_backend, "REPROBE_NS", 0)  # every call is past the interval
+    monkeypatch.setattr(_torch_backend, "REPROBE_NS", 0)  # every call is past the interval
     probe = Probe({0})
     backend = backend_with(probe, 4)
     assert backend.initialized_devices() == (0,)
@@ -61,7 +61,7 @@ def test_devices_without_a_context_are_probed_again_after_the_interval(
 
 
 def test_until_the_first_context_every_call_probes(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_backend, "REPROBE_NS", 10**15)
+    monkeypatch.setattr(_torch_backend, "REPROBE_NS", 10**15)
     probe = Probe(set())
     backend = backend_with(probe, 2)
     assert backend.initialized_devices() == ()

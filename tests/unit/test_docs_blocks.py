@@ -42,7 +42,8 @@ def test_every_python_block_runs_or_says_why_not() -> None:
     sh = [b for _, b in blocks if b.lang == "sh"]
     assert all(b.kind in (d.SH_CI, d.SH_RUN) or b.marks.get("not-run") for b in sh)
     langs = {b.lang for _, b in blocks}
-    assert langs <= {"python", "hidden", "text", "sh"}, langs
+    # mermaid: a picture (design.md's package map), shown, never run
+    assert langs <= {"python", "hidden", "text", "sh", "mermaid"}, langs
 
 
 def test_the_readme_commands_are_the_ci_blocks() -> None:

@@ -15,12 +15,12 @@ import torch
 
 import cudamem
 from cudamem.allocator import backend as _backend
-from cudamem.allocator.backend import PoolOwners
+from cudamem.allocator.backend_base import PoolOwners
 from cudamem.allocator.snapshot import loads_snapshot
 from cudamem.allocator.stats import AllocatorStats
 from cudamem.ledger import nvml as _nvml
 from cudamem.ledger import oom as _oom
-from cudamem.ledger.device import build_ledger
+from cudamem.ledger import oom_guard as _oom_guard
 from cudamem.ledger.free_space import (
     CERTAIN,
     FITS_NOW,
@@ -37,6 +37,7 @@ from cudamem.ledger.free_space import (
     judge_oom,
     oom_verdict,
 )
+from cudamem.ledger.lines import build_ledger
 from cudamem.render.json import to_json
 
 from .. import snapshot_data as sd
@@ -258,8 +259,8 @@ def fake() -> Iterator[SnapshotFake]:
     backend = SnapshotFake(holes())
     with _backend.use(backend):
         yield backend
-    if _oom._guard is not None:
-        _oom._guard.uninstall()
+    if _oom_guard._guard is not None:
+        _oom_guard._guard.uninstall()
     _oom._events.clear()
 
 

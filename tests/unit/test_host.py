@@ -248,7 +248,7 @@ def test_pinned_sizes_never_touch_an_objects_class() -> None:
     """The pinned-storage listing reads ``type(o)``: a dead ``weakref.proxy`` (whose
     ``__class__`` raises ``ReferenceError``) and an object whose ``__class__`` warns (as
     ``torch.distributed.reduce_op`` does) are passed over with no error and no warning."""
-    from cudamem.allocator.backend import pinned_storage_sizes
+    from cudamem.allocator.torch_backend import pinned_storage_sizes
 
     class Target:
         pass

@@ -1,22 +1,27 @@
-"""The package's shape: imports run one way, and every result reaches its renderer.
+"""The package's shape, where imports cannot say it.
 
-Imports are read from the source (``ast``), all of them: module level, inside functions and
-under ``TYPE_CHECKING``. A result that imported its renderer while the renderer imported
-the result would be a circle even when one side is lazy or type-only.
+The import rules (the layers between capabilities, no circle, results never importing a
+renderer, pynvml only in the NVML seam) are import-linter contracts in ``pyproject.toml``,
+checked by ``lint-imports`` in ``.ci/run``. What they cannot express is here: attribute use
+(``torch.cuda`` only in the allocator's backend seam), the root's size, package faces that
+hide their modules, and the reader's build module that must stand alone.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
 import re
 from pathlib import Path
 
 import pytest
+import tomllib
 
 import cudamem
 from cudamem.base import present as _present
 
 PACKAGE = Path(cudamem.__file__).resolve().parent
+ROOT = PACKAGE.parent
 
 
 def _modules() -> dict[str, Path]:
@@ -30,125 +35,132 @@ def _modules() -> dict[str, Path]:
 
 MODULES = _modules()
 
+#: The modules of the allocator's backend seam: the only ones that touch ``torch.cuda``
+#: (the demo's seed 001 scripts are user code, run in processes of their own).
+TORCH_CUDA_ALLOWED = {
+    "cudamem.allocator.backend",
+    "cudamem.allocator.backend_base",
+    "cudamem.allocator.torch_backend",
+    "cudamem.demo.seed001_runs",
+}
 
-def _imports(name: str, path: Path, source: str | None = None) -> set[str]:
-    """cudamem modules ``name`` imports anywhere in its source (``path``'s, or ``source``)."""
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found: set[str] = set()
-    text = path.read_text(encoding="utf-8") if source is None else source
-    for node in ast.walk(ast.parse(text)):
-        if isinstance(node, ast.Import):
-            found.update(a.name for a in node.names if a.name in MODULES)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
-                module = ".".join(base + ([node.module] if node.module else []))
-            else:
-                module = node.module or ""
-            for alias in node.names:
-                sub = f"{module}.{alias.name}"
-                if sub in MODULES:
-                    found.add(sub)
-                elif module in MODULES:
-                    found.add(module)
-    found.discard(name)
+
+def _torch_cuda_uses(source: str) -> list[int]:
+    """Lines of ``source`` that touch ``torch.cuda``: the attribute or an import of it."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if (
+            (
+                isinstance(node, ast.Attribute)
+                and node.attr == "cuda"
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "torch"
+            )
+            or (
+                isinstance(node, ast.ImportFrom)
+                and (
+                    (node.module or "").startswith("torch.cuda")
+                    or (node.module == "torch" and any(a.name == "cuda" for a in node.names))
+                )
+            )
+            or (
+                isinstance(node, ast.Import)
+                and any(a.name.startswith("torch.cuda") for a in node.names)
+            )
+        ):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_torch_cuda_only_in_the_backend_seam() -> None:
+    offenders = {
+        name: lines
+        for name, path in MODULES.items()
+        if name not in TORCH_CUDA_ALLOWED
+        and (lines := _torch_cuda_uses(path.read_text(encoding="utf-8")))
+    }
+    assert offenders == {}
+
+
+def test_the_torch_cuda_reader_sees_each_form() -> None:
+    source = (
+        "import torch\nimport torch.cuda\nfrom torch.cuda import Stream\n"
+        "from torch import cuda\nx = torch.cuda.memory_allocated()\ny = 'torch.cuda'\n"
+    )
+    assert _torch_cuda_uses(source) == [2, 3, 4, 5]
+
+
+def test_the_root_holds_packages_and_at_most_five_modules() -> None:
+    modules = {p.stem for p in PACKAGE.glob("*.py")}
+    assert len(modules) <= 5, sorted(modules)
+    assert {"__init__", "__main__"} <= modules
+
+
+def _hidden_submodules() -> list[str]:
+    """``package.name`` where a package's attribute ``name`` is not its submodule ``name``
+    (a function or value bound over it: ``cudamem.leaks`` was one)."""
+    hidden = []
+    for init in sorted(PACKAGE.rglob("__init__.py")):
+        package = init.parent
+        name = ".".join(package.relative_to(PACKAGE.parent).parts)
+        module = importlib.import_module(name)
+        subs = {p.stem for p in package.glob("*.py") if p.stem != "__init__"}
+        subs |= {d.name for d in package.iterdir() if (d / "__init__.py").is_file()}
+        for sub in sorted(subs):
+            value = getattr(module, sub, None)
+            if value is not None and getattr(value, "__name__", None) != f"{name}.{sub}":
+                hidden.append(f"{name}.{sub}")
+    return hidden
+
+
+def test_no_package_binds_a_name_over_one_of_its_modules() -> None:
+    # A submodule not imported yet is no attribute of its package unless something else is
+    # bound there: importing the packages is enough (the frameworks stay unimported).
+    assert _hidden_submodules() == []
+
+
+def test_the_contracts_name_every_capability_package() -> None:
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    contracts = {c["id"]: c for c in config["tool"]["importlinter"]["contracts"]}
+    assert set(contracts) >= {"layers", "no-circles", "results-not-renderers", "nvml-seam"}
+    layered = {
+        part.strip(" ()")
+        for layer in contracts["layers"]["layers"]
+        for part in re.split(r"[|:]", layer)
+    }
+    packages = {d.name for d in PACKAGE.iterdir() if (d / "__init__.py").is_file()}
+    assert packages <= layered, sorted(packages - layered)
+    assert {"spans", "native"} <= layered
+
+
+def _reader_build_module() -> Path:
+    """The module the reader's build subprocess loads by path."""
+    return PACKAGE / "native" / "reader_build.py"
+
+
+def _cudamem_imports(source: str) -> list[str]:
+    """Every import of cudamem in ``source``, relative ones included, anywhere in it."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and (
+            node.level or (node.module or "").split(".")[0] == "cudamem"
+        ):
+            found.append("." * node.level + (node.module or ""))
+        elif isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.split(".")[0] == "cudamem"]
     return found
 
 
-def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components of more than one module (Tarjan, iterative)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    out: list[list[str]] = []
-    for root in sorted(graph):
-        if root in index:
-            continue
-        work = [(root, iter(sorted(graph[root])))]
-        index[root] = low[root] = len(index)
-        stack.append(root)
-        on_stack.add(root)
-        while work:
-            node, children = work[-1]
-            child = next(children, None)
-            if child is not None:
-                if child not in index:
-                    index[child] = low[child] = len(index)
-                    stack.append(child)
-                    on_stack.add(child)
-                    work.append((child, iter(sorted(graph[child]))))
-                elif child in on_stack:
-                    low[node] = min(low[node], index[child])
-                continue
-            work.pop()
-            if work:
-                low[work[-1][0]] = min(low[work[-1][0]], low[node])
-            if low[node] == index[node]:
-                group = []
-                while True:
-                    member = stack.pop()
-                    on_stack.discard(member)
-                    group.append(member)
-                    if member == node:
-                        break
-                if len(group) > 1:
-                    out.append(sorted(group))
-    return out
+def test_the_reader_build_module_imports_no_cudamem_module_anywhere() -> None:
+    # The reader's build subprocess loads it by path, where no package exists: any cudamem
+    # import in it, even in a function, fails there (the H200 run of 7e81094).
+    assert _cudamem_imports(_reader_build_module().read_text(encoding="utf-8")) == []
 
 
-def test_the_circle_finder_finds_a_circle() -> None:
-    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
-    assert _circles(graph) == [["a", "b", "c"]]
-
-
-def test_imports_are_read_at_module_level_in_functions_and_for_types() -> None:
-    detector = "cudamem.growth.detector"
-    assert "cudamem.spans.span" in _imports(detector, MODULES[detector])  # top level
-    span = MODULES["cudamem.spans.span"]
-    assert "cudamem.spans.leftovers" in _imports("cudamem.spans.span", span)  # types
-    assert "cudamem.base.data" in _imports("cudamem.spans.span", span)  # in a function
-
-
-def test_no_import_circle_not_even_lazy_or_type_only() -> None:
-    graph = {name: _imports(name, path) for name, path in MODULES.items()}
-    assert _circles(graph) == []
-
-
-def test_the_reader_build_imports_no_cudamem_module_anywhere() -> None:
-    # The reader's build subprocess loads native/reader_build.py by path, where no package
-    # exists: any cudamem import in it, even in a function, fails there (the H200 run of
-    # 7e81094, when the build loaded _fastread.py).
-    source = MODULES["cudamem.native.reader_build"].read_text(encoding="utf-8")
-    relative = [
-        node.lineno
-        for node in ast.walk(ast.parse(source))
-        if isinstance(node, ast.ImportFrom) and node.level
-    ]
-    assert relative == []
-    assert _imports("cudamem.native.reader_build", MODULES["cudamem.native.reader_build"]) == set()
-
-
-def test_the_layout_reader_sees_the_import_that_broke_the_build() -> None:
+def test_the_import_reader_sees_the_import_that_broke_the_build() -> None:
     # The rule above can fail: the line that broke the build, in a function too.
-    path = MODULES["cudamem.native.reader_build"]
-    line = "from ..base.present import present\n"
-    assert _imports("cudamem.native.reader_build", path, line) == {"cudamem.base.present"}
-    lazy = "def f():\n    import cudamem.spans.span\n"
-    assert _imports("cudamem.native.reader_build", path, lazy) == {"cudamem.spans.span"}
-
-
-def test_results_never_import_a_renderer() -> None:
-    # The modules whose results the renderers draw (what cudamem.render imports).
-    drawn = set().union(
-        *(_imports(n, p) for n, p in MODULES.items() if n.startswith("cudamem.render"))
-    )
-    drawn = {m for m in drawn if not m.startswith("cudamem.render")}
-    offenders = {
-        m: sorted(i for i in _imports(m, MODULES[m]) if i.startswith("cudamem.render"))
-        for m in drawn
-    }
-    assert {m: r for m, r in offenders.items() if r} == {}
+    assert _cudamem_imports("from .base.present import present\n") == [".base.present"]
+    assert _cudamem_imports("def f():\n    import cudamem.spans\n") == ["cudamem.spans"]
 
 
 def test_present_uses_the_nearest_registered_class_and_never_raises() -> None:

@@ -24,12 +24,12 @@ import tomllib
 
 import cudamem
 from cudamem.allocator import backend as _backend
+from cudamem.demo.registry import Experiment
 from cudamem.demo.render import render_summary
-from cudamem.demo.seeds import Experiment
 from cudamem.host.procfs import ProcessMemory
 from cudamem.host.workers import LoaderReport, WorkerMemory
 from cudamem.ledger import nvml as _nvml
-from cudamem.ledger.device import explain
+from cudamem.ledger.reading import explain
 
 from ..built import census, culprit, growth, live_storage
 from ..fakes import FakeAllocator
@@ -208,6 +208,10 @@ def test_an_integration_without_its_framework_names_the_extra(
 ) -> None:
     for name in (module, *blocked):
         monkeypatch.delitem(sys.modules, name, raising=False)
+    # a framework imported by an earlier test leaves its submodules (``lightning.pytorch``),
+    # which an import finds without asking for the blocked parent
+    for name in [m for m in sys.modules if m.startswith(tuple(f"{b}." for b in blocked))]:
+        monkeypatch.delitem(sys.modules, name)
     for name in blocked:
         monkeypatch.setitem(sys.modules, name, None)  # `import name` fails as if missing
     with pytest.raises(ModuleNotFoundError) as caught:

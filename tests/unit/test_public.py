@@ -21,9 +21,11 @@ RESULTS = {
     "holders.culprits": ("Culprit",),
     "spans.leftovers": ("LeakReport",),
     "growth.report": ("Growth",),
-    "growth.detector": ("LeakSettings",),
-    "ledger.oom": ("OomReport", "OomEvent", "OomGuard"),
-    "ledger.device": ("Explanation", "DeviceLedger", "LedgerLine", "MachineStatus", "StatusLine"),
+    "growth.settings": ("LeakSettings",),
+    "ledger.oom": ("OomReport", "OomEvent"),
+    "ledger.oom_guard": ("OomGuard",),
+    "ledger.device": ("Explanation", "DeviceLedger", "LedgerLine"),
+    "ledger.status": ("MachineStatus", "StatusLine"),
     "ledger.free_space": (
         "Fragmentation",
         "PoolFragmentation",
@@ -32,7 +34,8 @@ RESULTS = {
         "OomVerdict",
     ),
     "ledger.reclaim": ("ReleaseResult", "DeviceRelease"),
-    "scalars.logger": ("Series", "SeriesSummary", "LoggerStats"),
+    "scalars.logger": ("Series",),
+    "scalars.series": ("SeriesSummary", "LoggerStats"),
     "host.copy": ("HostCopy",),
     "host.workers": ("LoaderReport", "WorkerMemory", "WatchSettings"),
     "host.ledger": ("HostLedger", "PinnedPool", "HostRelease"),
@@ -41,6 +44,17 @@ RESULTS = {
     "ledger.memviz": ("SnapshotDump", "AutoDump"),
     "modules.profile": ("ModuleProfile", "ModuleStats", "Spread"),
     "modules.profiler": ("ModuleProfiler",),
+    "distributed.results": (
+        "DistributedReport",
+        "RankReport",
+        "RankDevice",
+        "RankSpan",
+        "RankGrowth",
+        "HostGpu",
+        "GpuHolding",
+        "StrayMemory",
+        "Outlier",
+    ),
     "fit.memory_plan": ("MemoryPlan", "Prediction", "CheckpointAdvice", "NotLinearError"),
 }
 
@@ -116,3 +130,12 @@ def test_the_old_remaining_storage_name_is_live_storage() -> None:
         assert release.RemainingStorage is LiveStorage
     with pytest.raises(AttributeError, match="no attribute 'Missing'"):
         release.Missing
+
+
+def test_the_package_docstring_import_paths_work_as_written() -> None:
+    doc = cudamem.__doc__ or ""
+    paths = re.findall(r"``(cudamem(?:\.\w+)+)``", doc)
+    assert len(paths) >= 3, paths
+    for path in paths:
+        module, _, name = path.rpartition(".")
+        assert hasattr(importlib.import_module(module), name), path

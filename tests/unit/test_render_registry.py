@@ -22,8 +22,8 @@ import pytest
 import cudamem
 from cudamem.allocator.stats import AllocatorStats
 from cudamem.base import present as _present
-from cudamem.growth.detector import LeakSettings
-from cudamem.scalars.logger import SeriesSummary
+from cudamem.growth.settings import LeakSettings
+from cudamem.scalars.series import SeriesSummary
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = Path(cudamem.__file__).resolve().parent
@@ -142,7 +142,7 @@ def test_the_first_str_of_a_result_loads_the_renderers_and_gives_the_same_text()
         """
         import json, sys
         import cudamem
-        from cudamem.growth.detector import LeakSettings
+        from cudamem.growth.settings import LeakSettings
         from cudamem.scalars.logger import SeriesSummary
         from cudamem.allocator.stats import AllocatorStats
 
@@ -186,7 +186,7 @@ def test_threads_drawing_their_first_results_at_once_all_get_the_full_text() -> 
         """
         import threading
         import cudamem
-        from cudamem.growth.detector import LeakSettings
+        from cudamem.growth.settings import LeakSettings
 
         start = threading.Barrier(8)
         texts = []
@@ -211,12 +211,12 @@ def test_present_never_raises_when_the_renderers_cannot_be_imported() -> None:
         """
         import cudamem
         from cudamem.base import present as _present
-        from cudamem.growth.detector import LeakSettings
+        from cudamem.growth.settings import LeakSettings
 
         _present._RENDERERS = "cudamem.no_such_package"
         text = str(LeakSettings())
-        assert text.startswith("<cudamem.growth.detector.LeakSettings object at "), text
-        assert _present.present(LeakSettings(), "html").startswith("<cudamem.growth.detector.")
+        assert text.startswith("<cudamem.growth.settings.LeakSettings object at "), text
+        assert _present.present(LeakSettings(), "html").startswith("<cudamem.growth.settings.")
         print("ok")
         """
     )

@@ -19,11 +19,15 @@ import torch
 
 import cudamem
 from cudamem.allocator import backend as _backend
+from cudamem.allocator import backend_base as _backend_base
 from cudamem.base import warn as _warn
 from cudamem.base.data import to_data
 from cudamem.render.json import to_json
+from cudamem.scalars import _device_buffer as __device_buffer
+from cudamem.scalars import log as _log
 from cudamem.scalars import logger as _scalars
-from cudamem.scalars.logger import ScalarLogger, log_scalar
+from cudamem.scalars.log import log_scalar
+from cudamem.scalars.logger import ScalarLogger
 
 # --------------------------------------------------------------------------- log_scalar
 
@@ -366,7 +370,7 @@ def test_maxlen_ring_reads_in_log_order_after_wrapping() -> None:
     assert s[2:5] == expected[2:5] and s[::-2] == expected[::-2]
     assert s.last == 22.0 and s.items()[0] == (116, 16.0)
     assert s.to_numpy().tolist() == expected
-    assert s.steps_numpy().tolist() == list(range(116, 123))
+    assert list(s.steps) == list(range(116, 123))
     assert 16.0 in s and 15.0 not in s
     summary = s.summary()
     assert (summary.count, summary.dropped, summary.min, summary.max) == (23, 16, 16.0, 22.0)
@@ -426,8 +430,8 @@ def test_steps_must_fit_in_64_bits(step: Any, error: type[Exception]) -> None:
 )
 def test_fast_path_agrees_with_the_full_check(value: Later) -> None:
     value = made(value)
-    fast = _scalars._plain_0d(value)
-    full = _scalars._check_tensor(value)
+    fast = _log._plain_0d(value)
+    full = _log._check_tensor(value)
     if fast is not None:
         assert fast.dim() == 0 and fast.grad_fn is None
         assert fast.item() == full.item() and fast.dtype == full.dtype
@@ -439,9 +443,9 @@ def test_fast_path_agrees_with_the_full_check(value: Later) -> None:
 
 
 def test_fast_path_refuses_what_the_full_check_refuses() -> None:
-    assert _scalars._plain_0d(torch.tensor(1 + 2j)) is None
-    assert _scalars._plain_0d(torch.empty((), device="meta")) is None
-    assert _scalars._plain_0d(torch.tensor(1.0).to_sparse()) is None
+    assert _log._plain_0d(torch.tensor(1 + 2j)) is None
+    assert _log._plain_0d(torch.empty((), device="meta")) is None
+    assert _log._plain_0d(torch.tensor(1.0).to_sparse()) is None
     log = ScalarLogger()
     with pytest.raises(TypeError, match="complex"):
         log.append(torch.tensor(1 + 2j))
@@ -455,7 +459,7 @@ def test_bookkeeping_warning_under_w_error_does_not_escape(
 ) -> None:
     import warnings
 
-    monkeypatch.setattr(_scalars, "_wants_async", lambda device: True)
+    monkeypatch.setattr(__device_buffer, "_wants_async", lambda device: True)
     monkeypatch.setattr(_warn, "_warned", set())
 
     class Broken(_FakeEvents):
@@ -494,7 +498,7 @@ def test_named_series_with_steps() -> None:
     with pytest.raises(KeyError, match="nope"):
         log["nope"]
     np.testing.assert_array_equal(log["acc"].to_numpy(), [0.5, 0.5, 0.5])
-    np.testing.assert_array_equal(log["loss"].steps_numpy(), [0, 10, 20, 21])
+    assert log["loss"].steps == (0, 10, 20, 21)
 
 
 def test_series_view_is_live_and_appends() -> None:
@@ -617,7 +621,7 @@ def test_buffer_memory_is_bounded() -> None:
     assert len(log) == 1000
 
 
-class _FakeEvents(_backend.Backend):
+class _FakeEvents(_backend_base.Backend):
     """Events for the pipelined (CUDA) path, driven on CPU tensors."""
 
     def __init__(self) -> None:
@@ -638,7 +642,7 @@ class _FakeEvents(_backend.Backend):
 
 
 def test_pipelined_path_records_one_event_per_batch(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_scalars, "_wants_async", lambda device: True)
+    monkeypatch.setattr(__device_buffer, "_wants_async", lambda device: True)
     fake = _FakeEvents()
     with _backend.use(fake):
         log = ScalarLogger(flush_every=4)
@@ -656,7 +660,7 @@ def test_pipelined_path_records_one_event_per_batch(monkeypatch: pytest.MonkeyPa
 
 
 def test_failed_transfer_becomes_nan_and_warns(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_scalars, "_wants_async", lambda device: True)
+    monkeypatch.setattr(__device_buffer, "_wants_async", lambda device: True)
     monkeypatch.setattr(_warn, "_warned", set())
 
     class Broken(_FakeEvents):

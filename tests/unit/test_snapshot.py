@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 
 import cudamem
+from cudamem.allocator.cache_split import split_cache
 from cudamem.allocator.snapshot import (
     UnsafeSnapshotError,
     load_snapshot,
     loads_snapshot,
     segments_of,
-    split_cache,
 )
 
 MiB = 1024**2

@@ -14,6 +14,7 @@ import torch
 
 import cudamem
 from cudamem.allocator import backend as _backend
+from cudamem.allocator import torch_backend as _torch_backend
 from cudamem.allocator.stats import DeviceCounters
 from cudamem.base import warn as _warn
 from cudamem.base.data import to_data
@@ -120,7 +121,7 @@ def test_hooks_fire_in_order_with_entry_counters_and_totals(fake: FakeAllocator)
 
 
 def test_features_attach_as_hooks_in_import_order() -> None:
-    oom = sys.modules["cudamem.ledger.oom"]
+    oom = sys.modules["cudamem.ledger.oom_guard"]
     exits = [hook for hook, _ in _spans_state._exit_hooks]
     assert exits[:2] == [_leaks._on_span_exit, oom._on_span_exit]
     # The history takes top-level spans from the spans' own queue, not through a hook.
@@ -394,7 +395,7 @@ def test_backend_counters_default_to_read(fake: FakeAllocator) -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
 def test_torch_backend_counters_without_cuda() -> None:
-    backend = _backend.TorchBackend()
+    backend = _torch_backend.TorchBackend()
     assert backend.counters(0) == (0, 0, 0)
     assert backend.counters_reset_peak(0) == (0, 0, 0)
 

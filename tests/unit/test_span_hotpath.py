@@ -13,6 +13,7 @@ import pytest
 
 import cudamem
 from cudamem.allocator import backend as _backend
+from cudamem.allocator import torch_backend as _torch_backend
 from cudamem.spans import history as _history
 from cudamem.spans import state as _spans_state
 from cudamem.spans.raw import RawSpan
@@ -213,7 +214,7 @@ def test_errors_only_exit_hooks_run_for_spans_that_raised(fake: FakeAllocator) -
 
 
 def test_the_oom_hook_is_skipped_only_for_spans_that_did_not_raise() -> None:
-    oom = sys.modules["cudamem.ledger.oom"]
+    oom = sys.modules["cudamem.ledger.oom_guard"]
     assert oom._on_span_exit in _spans_state.STATE.exit_calls
     assert oom._on_span_exit not in _spans_state.STATE.exit_calls_ok
     calls = _spans_state.STATE.exit_calls
@@ -264,7 +265,7 @@ def test_a_span_opened_before_the_devices_settled_still_sees_new_ones() -> None:
 def test_torch_backend_settles_once_every_device_has_a_context(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(_backend, "REPROBE_NS", 0)
+    monkeypatch.setattr(_torch_backend, "REPROBE_NS", 0)
     probe = Probe({0})
     backend = backend_with(probe, 2)
     assert backend.initialized_devices() == (0,)

@@ -40,7 +40,7 @@ needs_cc = pytest.mark.skipif(_cext.compiler() is None, reason="no C compiler he
 
 @pytest.fixture
 def core() -> Any:
-    """The compiled core's state for this ``cudamem.span`` (checked as the switch checks it)."""
+    """The compiled core's state for this ``cudamem.spans`` (checked as the switch checks it)."""
     core = _span._core_check(compiled_span_core())
     assert not isinstance(core, str), core
     return core

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from cudamem.ledger import nvml as _nvml
-from cudamem.ledger.device import machine_status
+from cudamem.ledger.status import machine_status
 from cudamem.render.json import to_json
 
 from ..nvml_fakes import DRIVER_NOT_LOADED, NO_PERMISSION, FakeGpu, GiB, MiB, make_nvml
