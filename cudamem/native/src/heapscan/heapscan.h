@@ -32,8 +32,9 @@
  *
  * Files: ptrset.c (the address sets), visit.c (the visitors' helpers: descend, the added
  * ids, the clock), edges.c (the edge cache), scan.c (scan), instances.c (instances,
- * gc_instances, module_dicts), walk.c (walk), walk_threads.c (walk's side thread and
- * chaser), module.c (the module). What every file shares is declared here; the hot helpers
+ * gc_instances, module_dicts), walk.c (walk), keeps.c (the array mode's keeps off the
+ * recording, side_range: by the walk or its side thread), walk_threads.c (walk's side
+ * thread and chaser), module.c (the module). What every file shares is declared here; the hot helpers
  * (the set test, the visitors) are inline here so that each file's loops inline them.
  */
 #ifndef CUDAMEM_HEAPSCAN_H
