@@ -141,7 +141,7 @@ class _Gate:
 
 
 class _NativeLog:
-    """The C++ log of one profiler (``_fastread.GateLog``) on one device: its events
+    """The C++ log of one profiler (``native.fastread.GateLog``) on one device: its events
     replayed into the module calls' figures, added up per module there; ``fwd``, the
     forward hooks' fast path in C, numbers the calls and knows the step."""
 

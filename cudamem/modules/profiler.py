@@ -27,7 +27,7 @@ dispatch mode):
   gate runs its calls' edges in the order they were registered.
 - **The C++ log.** Where the C++ counter reader serves one device, no span is opened per
   call: the forward hooks log the call's entry and exit (``mark``: a counter read, the peak
-  reset) and a node's gate is a C++ pre-hook (``_fastread.cpp``) that logs the edges
+  reset) and a node's gate is a C++ pre-hook (``native/src/fastread/``) that logs the edges
   registered at it with no GIL and no Python (a Python hook costs the autograd engine the
   GIL and a tuple of the gradients, about 20 µs a node). Each event has the highest
   allocated since the event before it; the log is replayed at the end of the backward pass
@@ -36,7 +36,7 @@ dispatch mode):
   would give: the replay keeps the calls open at each event on a stack, as spans nest, and
   adds each ended call to its module's figures in C++ (the entry event carries the
   module's slot and the forward it runs in), which step end takes once (``log_figures``).
-  The forward hooks themselves run in C there (``Forward`` in ``_fastread.cpp``): a module's
+  The forward hooks themselves run in C there (``Forward`` in ``native/src/fastread/``): a module's
   hook is a two-line Python function (``is_compiling()`` first, so that dynamo traces it
   and drops it) that calls the C hook, which does what ``_pre`` and ``_post`` do for a call
   inside another one (the stack entry, a list, made and dropped in C; the first
@@ -532,13 +532,13 @@ class ModuleProfiler(PresentedHtml):
 
     def _replay(self, native: _NativeLog, *, close: bool) -> None:
         """The C++ log's events since the last replay, into the figures spans would have
-        measured, added up per module in C++ (``log_replay`` in ``_fastread.cpp`` keeps the
+        measured, added up per module in C++ (``log_replay`` in ``native/src/fastread/`` keeps the
         calls open at each event on a stack, as spans nest; forwards still running stay open
         for the next replay). ``close``: the backward pass ended, backward calls still open
         end there; else they are dropped unrecorded, as spans a failed backward left open
         are."""
         try:
-            _, lost = native.api.log_replay(
+            lost = native.api.log_replay(
                 native.owner, native.base_old, self._active, close, bool(self._stack)
             )
         except Exception as exc:

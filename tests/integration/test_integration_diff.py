@@ -82,6 +82,9 @@ def test_census_diff_sees_what_shrank() -> None:
 
 
 def test_censuses_without_holders_are_grouped_as_unnamed() -> None:
+    # A storage an earlier test left to gc must not go between the two censuses (a 800 B
+    # one did, once, in a parallel run): collect it first.
+    gc.collect()
     before = cudamem.live_tensors("cpu")
     loss_history.append(torch.ones(64, 1024))
     after = cudamem.live_tensors("cpu")
