@@ -16,7 +16,6 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from .allocator.snapshot import UnsafeSnapshotError, load_snapshot
-from .fit.planner import plan
 from .growth.compare import diff
 from .growth.detector import configure_leaks, leak_settings, leaks
 from .growth.settings import LeakWarning
@@ -37,6 +36,7 @@ from .spans.history import clear_history, history, set_history_size
 from .spans.span import MemorySpan, StepSpan, max_allocated, track
 
 if TYPE_CHECKING:
+    from .fit.planner import plan
     from .render.plot import plot
 
 __version__ = "0.1.0"
@@ -80,11 +80,14 @@ __all__ = [
 
 #: Names imported on first use (PEP 562): the renderers load with the first result drawn
 #: (``cudamem.base.present``), not with ``import cudamem``.
-_LAZY = {"plot": "cudamem.render.plot", "render": "cudamem.render"}
+#: Imported when first asked for: ``plan`` (the fit package: 10-20 ms of ``import cudamem``
+#: that only a plan needs), ``plot`` (matplotlib) and ``render``.
+_LAZY = {"plan": "cudamem.fit.planner", "plot": "cudamem.render.plot", "render": "cudamem.render"}
 
 
 def __getattr__(name: str) -> Any:
-    """``cudamem.plot`` and ``cudamem.render``, imported when first asked for."""
+    """``cudamem.plan``, ``cudamem.plot`` and ``cudamem.render``, imported when first asked
+    for."""
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'cudamem' has no attribute {name!r}")
