@@ -1,0 +1,237 @@
+"""``cudamem.plan``'s search rules replayed on the CPU over a zoo run of ``benchmarks/fit.py``:
+what another set of constants would have done on the same models, without a GPU.
+
+A zoo run (``benchmarks/results/fit-zoo.json``) records, for each model, every step the plan
+ran (size, role, peaks, out of memory or not), the measured peaks at ¼, ½ and ⅘ of its
+answer, and the true largest batch (plain steps, bisected). The replay runs
+``cudamem.fit._steps.search`` (the function ``cudamem.plan`` runs) with a ``run`` that answers
+from that record:
+
+* a warm-up, probe or check the GPU run also made (same size and role, in order) is answered
+  with what it measured;
+* any other step (a confirming step at another size, a probe the GPU run did not grow to) runs
+  when its batch is at most the true largest and runs out of memory above it; its peak
+  allocated is interpolated between the nearest measured peaks (linear in the batch).
+
+What it cannot know: a confirming step runs after other steps, not from an empty cache as the
+true largest's plain steps did, and the true largest moves by a few samples from run to run.
+The ``as landed`` row therefore says whether the replay of today's constants ran the same
+steps as the GPU did (same count, the out-of-memory steps at the same places in the order);
+where it does not, the replay of that model says little about the other variants.
+
+Usage: ``python benchmarks/fit_replay.py [--zoo benchmarks/results/fit-zoo.json]
+[--out benchmarks/results/fit-replay.json]``. No GPU; about a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import contextlib
+import json
+import os
+import sys
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from _common import emit
+
+from cudamem.fit import _steps
+from cudamem.fit._terms import terms_for
+from cudamem.fit.memory_plan import Probe
+from cudamem.render.text import render_table
+
+#: The constants tried, each against today's (``as landed``): the rule each stands for is in
+#: ``cudamem/fit/_steps.py``'s docstring.
+VARIANTS: dict[str, dict[str, float]] = {
+    "as landed": {},
+    "bracket 2.5 %": {"BRACKET": 0.025},
+    "bracket 3 %": {"BRACKET": 0.03},
+    "step down 10 %": {"STEP_DOWN": 0.10},
+    "step down 3 %": {"STEP_DOWN": 0.03},
+    "confirm close 2 %": {"CONFIRM_CLOSE": 0.02},
+    "prior allowance 2 %": {"ALLOWANCE": 0.02},
+    "prior allowance 0.5 %": {"ALLOWANCE": 0.005},
+}
+
+#: The default probes of ``cudamem.plan`` (``sizes=(4, 8)``) and its first check.
+SCHEDULE = (4, 8)
+CHECK = 16
+
+
+@contextlib.contextmanager
+def rules(constants: Mapping[str, float]) -> Iterator[None]:
+    """``cudamem.fit._steps``'s module constants set to ``constants`` while inside."""
+    unknown = [name for name in constants if not hasattr(_steps, name)]
+    if unknown:
+        raise ValueError(f"no constant {', '.join(unknown)} in cudamem.fit._steps")
+    saved = {name: getattr(_steps, name) for name in constants}
+    try:
+        for name, value in constants.items():
+            setattr(_steps, name, value)
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(_steps, name, value)
+
+
+class Truth:
+    """One model's record: the steps the GPU ran and a step's outcome at any batch."""
+
+    def __init__(self, model: Mapping[str, Any]) -> None:
+        self.recorded: list[dict[str, Any]] = list(model["probes"])
+        self.true_largest = int(model["true_largest"])
+        self.available = int(model["available"])
+        measured: dict[int, int] = {}
+        for p in self.recorded:
+            if not p["oom"] and p["role"] != "warm-up":
+                measured[int(p["n"])] = int(p["allocated"])
+        for peak in model.get("peaks", {}).values():
+            measured[int(peak["n"])] = int(peak["measured"])
+        self._ns = sorted(measured)
+        self._peaks = measured
+        self._used: set[int] = set()
+
+    def allocated(self, n: int) -> int:
+        """The peak allocated at ``n``: measured, or linear between the nearest measured."""
+        if n in self._peaks:
+            return self._peaks[n]
+        ns = self._ns
+        k = bisect.bisect_left(ns, n)
+        a, b = (ns[k - 1], ns[k]) if 0 < k < len(ns) else (ns[0], ns[1]) if k == 0 else ns[-2:]
+        slope = (self._peaks[b] - self._peaks[a]) / (b - a)
+        return round(self._peaks[a] + slope * (n - a))
+
+    def run(self, size: _steps.Size, role: str, profile: bool) -> Probe:
+        """The step ``search`` asks for: the GPU run's where it made the same one."""
+        for i, p in enumerate(self.recorded):
+            if i not in self._used and p["n"] == size.n and p["role"] == role != "confirm":
+                self._used.add(i)
+                return Probe(
+                    size.n,
+                    None,
+                    role,
+                    p["allocated"],
+                    p["reserved"],
+                    0,
+                    p["seconds"],
+                    p["oom"],
+                    p["error"],
+                    p["retries"],
+                )
+        if size.n > self.true_largest:
+            return Probe(size.n, None, role, None, None, 0, 0.0, True, "replayed: out of memory")
+        allocated = self.allocated(size.n)
+        # near the limit the allocator freed its cache (one retry); far below it, not
+        near = allocated > 0.5 * self.available
+        reserved = allocated if near else round(allocated * 1.05)
+        return Probe(size.n, None, role, allocated, reserved, 0, 0.0, False, None, int(near))
+
+
+def replay(model: Mapping[str, Any], constants: Mapping[str, float]) -> dict[str, Any]:
+    """One model's plan under ``constants``: the steps, the answer at margin 0 (the largest
+    step that ran past the probes, as ``largest(0.0)`` names it after confirming steps) and
+    how far short of the true largest it is."""
+    truth = Truth(model)
+    steps: list[tuple[int, str, bool]] = []
+
+    def run(size: _steps.Size, role: str, profile: bool) -> Probe:
+        probe = truth.run(size, role, profile)
+        steps.append((size.n, role, probe.oom))
+        return probe
+
+    with rules(constants):
+        _steps.search(
+            run,
+            [_steps.Size(n, None) for n in SCHEDULE],
+            terms_for(1),
+            _steps.Size(CHECK, None),
+            lambda: truth.available,
+            adaptive=True,
+            confirm=True,
+        )
+    ran = [n for n, role, oom in steps if not oom and role != "warm-up"]
+    named = max(ran, default=0)
+    short = (truth.true_largest - named) / truth.true_largest if truth.true_largest else 0.0
+    return {
+        "steps": len(steps),
+        "ooms": sum(oom for _, _, oom in steps),
+        "sizes": [n for n, _, _ in steps],
+        "oom_at": [k for k, (_, _, oom) in enumerate(steps) if oom],
+        "named": named,
+        "true_largest": truth.true_largest,
+        "short": short,
+    }
+
+
+def same_as_recorded(model: Mapping[str, Any], result: Mapping[str, Any]) -> bool:
+    """Whether a replay ran the steps the GPU run did: as many, the OOMs at the same places."""
+    recorded = model["probes"]
+    return result["steps"] == len(recorded) and result["oom_at"] == [
+        k for k, p in enumerate(recorded) if p["oom"]
+    ]
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    here = os.path.dirname(os.path.abspath(__file__))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--zoo", default=os.path.join(here, "results", "fit-zoo.json"))
+    parser.add_argument("--out", default=os.path.join(here, "results", "fit-replay.json"))
+    args = parser.parse_args(argv)
+    with open(args.zoo) as fh:
+        zoo = json.load(fh)
+    models: dict[str, Any] = zoo["models"]
+    results: dict[str, dict[str, Any]] = {}
+    rows = []
+    for variant, constants in VARIANTS.items():
+        per_model = {name: replay(model, constants) for name, model in models.items()}
+        results[variant] = {"constants": constants, "models": per_model}
+        worst = max(r["short"] for r in per_model.values())
+        most = max(r["steps"] for r in per_model.values())
+        over_3 = [name for name, r in per_model.items() if r["short"] > 0.03]
+        rows.append(
+            [
+                variant,
+                f"{sum(r['steps'] for r in per_model.values())}",
+                f"{most}",
+                f"{sum(r['steps'] > 6 for r in per_model.values())}",
+                f"{worst:.1%}",
+                ", ".join(over_3) or "-",
+            ]
+        )
+    landed = results["as landed"]["models"]
+    fidelity = {name: same_as_recorded(models[name], landed[name]) for name in models}
+    print(
+        render_table(
+            ["model", *VARIANTS],
+            [
+                [
+                    name + ("" if fidelity[name] else " *"),
+                    *(
+                        f"{v['models'][name]['steps']} / {v['models'][name]['short']:.1%}"
+                        for v in results.values()
+                    ),
+                ]
+                for name in models
+            ],
+            title="steps run / short of the true largest, a column a variant "
+            "(* the replay of today's rules differs from the GPU run)",
+        )
+    )
+    print()
+    emit(
+        f"cudamem.plan's rules replayed over the zoo run on {zoo.get('card', '?')} "
+        f"(commit {zoo.get('commit', '?')})",
+        ["variant", "steps in all", "most steps", "models > 6 steps", "worst short", "> 3 % short"],
+        rows,
+        {"zoo": os.path.relpath(args.zoo), "fidelity": fidelity, "variants": results},
+        args.out,
+    )
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""``benchmarks/fit_replay.py``: the plan's search rules replayed over the committed zoo run
+reproduce what the GPU ran, and the constants it swaps are put back."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from cudamem.fit import _steps
+
+from ..benchmark_import import BENCHMARKS, benchmark
+
+ZOO = os.path.join(BENCHMARKS, "results", "fit-zoo.json")
+#: The models whose GPU run the replay of today's rules reproduces step for step (the MLP's
+#: probes grew from peaks the replay interpolates; ConvNeXt's first confirming step ran
+#: 5 samples under the true largest, where the interpolated line puts it past).
+REPRODUCED = ("decoder", "encoder", "resnet50", "vit", "lstm", "unet", "checkpointed")
+
+
+@pytest.fixture(scope="module")
+def replay() -> Iterator[Any]:
+    with benchmark("fit_replay.py") as module:
+        yield module
+
+
+@pytest.fixture(scope="module")
+def zoo() -> dict[str, Any]:
+    with open(ZOO) as fh:
+        models: dict[str, Any] = json.load(fh)["models"]
+    return models
+
+
+@pytest.mark.parametrize("name", REPRODUCED)
+def test_todays_rules_replay_the_gpu_run(replay: Any, zoo: dict[str, Any], name: str) -> None:
+    model = zoo[name]
+    result = replay.replay(model, {})
+    assert replay.same_as_recorded(model, result), result
+    # the GPU's line ran through each step's phases, which the record does not keep: the
+    # replayed sizes past the probes land within half a percent of the GPU's
+    recorded = [p["n"] for p in model["probes"]]
+    assert result["sizes"] == pytest.approx(recorded, rel=0.005)
+    assert result["named"] == pytest.approx(model["largest_0"], rel=0.005)
+    assert result["named"] <= model["true_largest"]
+
+
+def test_a_variant_changes_the_steps_and_the_constants_come_back(
+    replay: Any, zoo: dict[str, Any]
+) -> None:
+    before = _steps.BRACKET
+    landed = replay.replay(zoo["resnet50"], {})
+    wider = replay.replay(zoo["resnet50"], {"BRACKET": 0.03})
+    assert before == _steps.BRACKET
+    # a ran/OOM bracket of 3 % stops one confirming step earlier, further from the truth
+    assert wider["steps"] == landed["steps"] - 1
+    assert wider["named"] < landed["named"] <= wider["true_largest"]
+
+
+def test_an_unknown_constant_is_named(replay: Any) -> None:
+    with pytest.raises(ValueError, match="no constant BRAKET"), replay.rules({"BRAKET": 0.1}):
+        pass
+
+
+def test_the_table_and_json(replay: Any, tmp_path: Any, capsys: Any) -> None:
+    out = tmp_path / "replay.json"
+    results = replay.main(["--out", str(out)])
+    written = json.loads(out.read_text())
+    assert set(written["variants"]) == set(replay.VARIANTS) == set(results)
+    assert all(written["fidelity"][name] for name in REPRODUCED)
+    text = capsys.readouterr().out
+    assert "as landed" in text and "lstm" in text and "NVIDIA H100 80GB HBM3" in text
