@@ -3,6 +3,7 @@ of a made-up step and runs out of memory past a made-up card, no torch, no alloc
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from cudamem.fit._steps import (
@@ -160,3 +161,40 @@ def test_a_step_that_fails_leads_to_one_at_least_5_percent_lower() -> None:
     assert ran and max(ran) >= card.largest() * 0.97
     assert len(card.sizes) <= MAX_STEPS
     assert 0.14 < out.allowance < 0.17  # the most the steps that ran allow
+
+
+def test_the_last_confirming_step_aims_at_the_probes_ceiling() -> None:
+    """A step that needs 32 % more than its line at the limit: five confirming steps, each
+    5 % lower than the last, all run out of memory. The last one the limits allow aims at
+    what the largest probe reserved over what it allocated (here exactly what it needs), so
+    the plan ends on a batch that ran near the limit, not on its probe at 16."""
+    card = Card(lambda n: 400 * MiB + 37 * MiB * n, 80 * GiB, stranded=0.32, retries=1)
+    out = run(card)
+    assert len(card.sizes) == MAX_STEPS
+    confirms = card.sizes[4:]
+    fits = [card.peak(n) * 1.32 <= card.memory for n in confirms]
+    assert fits == [False] * 5 + [True], confirms
+    assert confirms[-1] >= card.largest() * 0.99
+    assert out.fitted[-1].n == confirms[-1]
+
+
+def test_without_a_ceiling_the_last_step_keeps_stepping_down() -> None:
+    """Probes that reserved no more than they allocated bound nothing: the last step is
+    5 % below the one before, as every other, and nothing past the probes ran."""
+
+    class Tight(Card):
+        def __call__(self, size: Size, role: str, profile: bool) -> Probe:
+            probe = super().__call__(size, role, profile)
+            return probe if probe.oom else dataclasses.replace(probe, reserved=probe.allocated)
+
+    def peak(n: int) -> int:
+        return 400 * MiB + 37 * MiB * n
+
+    card = Card(peak, 80 * GiB, stranded=0.32, retries=1)
+    run(card)
+    tight = Tight(peak, 80 * GiB, stranded=0.32, retries=1)
+    out = run(tight)
+    assert tight.sizes[:-1] == card.sizes[:-1]
+    # the ceiling's step ran just under the limit; 5 % lower still failed
+    assert card.sizes[-1] < card.largest() + 1 <= tight.sizes[-1] <= int(tight.sizes[-2] * 0.95)
+    assert max(p.n for p in out.fitted) == 16
