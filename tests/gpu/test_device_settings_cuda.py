@@ -100,7 +100,7 @@ def test_cuda_graph_private_pool_line() -> None:
     got = run_script(
         script(
             """
-        from cudamem.allocator.snapshot import graph_pool_blocks
+        from cudamem.allocator.cache_split import graph_pool_blocks
         x = torch.randn(4096, 4096, device="cuda")   # 64 MiB
         w = torch.randn(4096, 4096, device="cuda")
         s = torch.cuda.Stream()

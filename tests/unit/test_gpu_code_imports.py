@@ -1,0 +1,72 @@
+"""The imports of code that runs only on a GPU, checked on the CPU: the GPU tests (their
+scripts for child processes are strings), the docs' examples and the benchmarks name
+``cudamem`` modules and names that exist. A GPU test once imported ``graph_pool_blocks`` from
+the module it had left, and only ``.ci/gpu`` saw it."""
+
+from __future__ import annotations
+
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SOURCES = sorted(
+    [
+        *ROOT.glob("tests/gpu/**/*.py"),
+        *ROOT.glob("docs/examples/*.py"),
+        *ROOT.glob("benchmarks/*.py"),
+        *ROOT.glob("tests/*.py"),
+    ]
+)
+#: ``from cudamem[.x] import a, b as c`` (one line or parenthesised) and ``import cudamem.x``,
+#: in code or inside the strings of scripts run in a child process.
+FROM = re.compile(r"^\s*from\s+(cudamem(?:\.\w+)*)\s+import\s+(\([^)]*\)|[^\n#]+)", re.M)
+IMPORT = re.compile(r"^\s*import\s+(cudamem(?:\.\w+)+)", re.M)
+
+
+def imports(text: str) -> list[tuple[str, str | None]]:
+    """``(module, name)`` for every name imported from a cudamem module (``name`` None for
+    a plain ``import cudamem.x``)."""
+    found: list[tuple[str, str | None]] = []
+    for module, names in FROM.findall(text):
+        for part in names.strip("()").replace("\\", " ").split(","):
+            name = part.split(" as ")[0].strip()
+            if name and name != "*":
+                found.append((module, name))
+    found += [(module, None) for module in IMPORT.findall(text)]
+    return found
+
+
+def test_the_pattern_reads_every_form() -> None:
+    text = (
+        "from cudamem.a import b, c as d\n"
+        "    from cudamem.e import (\n        f,\n        g as h,\n    )\n"
+        "import cudamem.i\n"
+        "x = 'from cudamem.j import k'\n"
+    )
+    assert imports(text) == [
+        ("cudamem.a", "b"),
+        ("cudamem.a", "c"),
+        ("cudamem.e", "f"),
+        ("cudamem.e", "g"),
+        ("cudamem.i", None),
+    ]
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_what_gpu_only_code_imports_from_cudamem_exists(path: Path) -> None:
+    missing = []
+    for module, name in imports(path.read_text(encoding="utf-8")):
+        try:
+            loaded = importlib.import_module(module)
+        except ImportError as exc:
+            missing.append(f"{module}: {exc}")
+            continue
+        if name is not None and not hasattr(loaded, name):
+            try:
+                importlib.import_module(f"{module}.{name}")
+            except ImportError:
+                missing.append(f"{name} from {module}")
+    assert not missing, missing
