@@ -18,7 +18,7 @@ from .seed000 import _user_module
 
 _SEED001_SCRIPT = r"""
 import gc, json, sys, torch, cudamem
-from cudamem.ledger.device import machine_status
+from cudamem import machine_status
 from cudamem.base.data import to_data
 dev = int(sys.argv[1])
 def used():

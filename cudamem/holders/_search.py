@@ -9,7 +9,7 @@ One search serves any number of targets. Its steps:
 3. the climb: the referrers of every object found so far that holds a target, level after
    level, until only roots are left. A few objects at a time are looked up with
    ``gc.get_referrers`` (one C scan); more with a chunked pass over a heap snapshot
-   (``cudamem._heap``), which costs the same for 100 objects or 100,000 and may climb
+   (``cudamem.native.heap``), which costs the same for 100 objects or 100,000 and may climb
    several levels at once. Each referrer is named once for all the children it holds
    (``cudamem.holders._naming.name_children``: one walk of a list, however many children);
 4. paths are read off the recorded edges, down from each root (``cudamem.holders._graph_paths``);
