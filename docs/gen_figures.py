@@ -173,6 +173,7 @@ def spans() -> str:
     vcard = verified["card"]["name"]
     vtorch = re.search(r"torch([0-9][^-]*)", verified.get("reader_build", {}).get("cache_dir", ""))
     vspan = verified["spans"]["enter_exit"]["track() defaults [active reader]"]["median_us"]
+    vfloor = verified["spans"]["enter_exit"]["minimal Python span (the floor) [active reader]"]
     sections = {
         "source": f"Measured on an {source}.",
         "reads": reads,
@@ -181,7 +182,9 @@ def spans() -> str:
         "verified": (
             f"The last GPU record (`.ci/gpu`, `benchmarks/results/{VERIFIED_JSON}`) ran on an "
             f"{vcard}" + (f" with torch {vtorch.group(1)}" if vtorch else "") + ": `track()` "
-            f"with defaults took {_us(vspan)} a span there."
+            f"with defaults took {_us(vspan)} a span there, against {_us(vfloor['median_us'])} "
+            "for the least a Python context manager reading the same counters costs on that "
+            "host (the floor: the host's speed, not cudamem's, moves both)."
         ),
         "memory-allocated": (
             f"one `torch.cuda.memory_allocated()` call costs {memory_allocated_us()} "
