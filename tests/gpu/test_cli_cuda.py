@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ..integration.test_cli import cudamem, write
+from ..integration.test_cli import cudamem, failed_checks, write
 
 pytestmark = pytest.mark.cuda
 
@@ -34,7 +34,7 @@ LEAKY_GPU = """
 
 def test_demo_passes_every_check_on_gpu() -> None:
     out = cudamem("demo", "--json", timeout=600)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.returncode == 0, "\n".join(failed_checks(out.stdout)) + out.stderr[-3000:]
     results = json.loads(out.stdout)["experiments"]
     # The two-GPU experiments of seed 001 skip, saying so, on a machine with one GPU.
     two = torch.cuda.device_count() >= 2

@@ -34,6 +34,33 @@ def cudamem(
     )
 
 
+def failed_checks(stdout: str) -> list[str]:
+    """The failed checks of ``cudamem demo --json``'s document, each with its experiment and
+    detail (the document's tail shows only the last experiments, which may all have
+    passed: the GPU suite once failed on a check no log showed)."""
+    try:
+        experiments = json.loads(stdout)["experiments"]
+    except (ValueError, KeyError):
+        return [f"no JSON document: {stdout[-2000:]}"]
+    return [
+        f"{r['key']}: {c['name']}: {c['detail']}"
+        for r in experiments
+        for c in r["checks"]
+        if not c["passed"]
+    ]
+
+
+def test_failed_checks_are_named_with_their_experiment() -> None:
+    doc = {
+        "experiments": [
+            {"key": "a", "checks": [{"name": "ok", "passed": True, "detail": ""}]},
+            {"key": "b", "checks": [{"name": "ran", "passed": False, "detail": "ImportError"}]},
+        ]
+    }
+    assert failed_checks(json.dumps(doc)) == ["b: ran: ImportError"]
+    assert failed_checks("Traceback (most recent call last)")[0].startswith("no JSON document")
+
+
 def write(tmp_path: Path, name: str, code: str) -> Path:
     path = tmp_path / name
     path.write_text(textwrap.dedent(code))
