@@ -100,15 +100,19 @@ class Truth:
         if n in self._peaks:
             return self._peaks[n]
         ns = self._ns
-        k = bisect.bisect_left(ns, n)
-        a, b = (ns[k - 1], ns[k]) if 0 < k < len(ns) else (ns[0], ns[1]) if k == 0 else ns[-2:]
+        # the two measured sizes around n; the first or last two past either end
+        k = min(max(bisect.bisect_left(ns, n), 1), len(ns) - 1)
+        a, b = ns[k - 1], ns[k]
         slope = (self._peaks[b] - self._peaks[a]) / (b - a)
         return round(self._peaks[a] + slope * (n - a))
 
     def run(self, size: _steps.Size, role: str, profile: bool) -> Probe:
         """The step ``search`` asks for: the GPU run's where it made the same one."""
         for i, p in enumerate(self.recorded):
-            if i not in self._used and p["n"] == size.n and p["role"] == role != "confirm":
+            # confirming steps always come from the truth below: where they land is what
+            # the constants change
+            replayable = role != "confirm" and p["role"] == role and p["n"] == size.n
+            if replayable and i not in self._used:
                 self._used.add(i)
                 return Probe(
                     size.n,
