@@ -219,7 +219,7 @@ def _line_check(lines: Lines, fitted: Sequence[Probe], c: Probe) -> LineCheck:
     at = c.length or 1
     predicted = lines.at(c.n, at)
     largest = max(fitted, key=lambda p: (p.n, p.length or 0))
-    ratio = max(1.0, (largest.reserved or 0) / (largest.allocated or 1))
+    ratio = 1.0 + _kept_share(largest)
     predicted_reserved = max(predicted, min(predicted * ratio, lines.reserved.at(c.n, at)))
     error = relative_error(predicted, c.allocated or 0)
     return LineCheck(
@@ -405,20 +405,22 @@ def _confirm(
         out.allowance = _allowance(out.lines, steps.ran, available)
 
 
-def _ceiling(ran: Sequence[Probe]) -> float:
-    """What the largest probe or check that ran reserved over what it allocated, a share of
-    it (0 when none says): with memory to spare the allocator keeps cached what it could
-    give back under pressure, so this bounds from above what it cannot. The largest, because
-    at the smallest batches workspaces and the 2 MiB segments dominate what is reserved
-    (ResNet-50 reserves 2.6x what it allocates at batch 4, 1.14x at 16)."""
-    spare = [
-        p for p in ran if p.role in ("probe", "check") and not p.oom and p.reserved and p.allocated
-    ]
-    if not spare:
+def _kept_share(step: Probe) -> float:
+    """What ``step`` reserved beyond what it allocated, a share of the latter (0 where it
+    reserved no more, or either is unknown)."""
+    if not step.reserved or not step.allocated:
         return 0.0
-    largest = max(spare, key=lambda p: p.n)
-    assert largest.reserved is not None and largest.allocated is not None
-    return max(0.0, largest.reserved / largest.allocated - 1.0)
+    return max(0.0, step.reserved / step.allocated - 1.0)
+
+
+def _ceiling(ran: Sequence[Probe]) -> float:
+    """What the largest probe or check that ran kept reserved beyond what it allocated
+    (``_kept_share``; 0 when none ran): with memory to spare the allocator keeps cached what
+    it could give back under pressure, so this bounds from above what it cannot. The
+    largest, because at the smallest batches workspaces and the 2 MiB segments dominate what
+    is reserved (ResNet-50 reserves 2.6x what it allocates at batch 4, 1.14x at 16)."""
+    spare = [p for p in ran if p.role in ("probe", "check") and not p.oom]
+    return _kept_share(max(spare, key=lambda p: p.n)) if spare else 0.0
 
 
 def _allowance(lines: Lines, ran: Sequence[Probe], available: int) -> float:
