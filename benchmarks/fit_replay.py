@@ -19,6 +19,11 @@ The ``as landed`` row therefore says whether the replay of today's constants ran
 steps as the GPU did (same count, the out-of-memory steps at the same places in the order);
 where it does not, the replay of that model says little about the other variants.
 
+Beside the variants, ``failures`` reads each confirming step that ran out of memory on the GPU:
+its message (what the process had in use, what was free, what it tried to allocate) and what it
+reserved, and the batch that would have left room for that request had both grown with the
+batch, ``n × (in use + free) / (in use + requested)``, against the true largest.
+
 Usage: ``python benchmarks/fit_replay.py [--zoo benchmarks/results/fit-zoo.json]
 [--out benchmarks/results/fit-replay.json]``. No GPU; about a second.
 """
@@ -39,9 +44,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _common import emit
 
+from cudamem.base.format import format_bytes
 from cudamem.fit import _steps
 from cudamem.fit._terms import terms_for
 from cudamem.fit.memory_plan import Probe
+from cudamem.ledger.oom import parse_oom_message
 from cudamem.render.text import render_table
 
 #: The constants tried, each against today's (``as landed``): the rule each stands for is in
@@ -179,6 +186,36 @@ def same_as_recorded(model: Mapping[str, Any], result: Mapping[str, Any]) -> boo
     ]
 
 
+def failures(model: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Each confirming step of ``model``'s GPU run that ran out of memory, with its message's
+    bytes and ``estimate``: the batch at which what the process had in use and the request
+    that failed, both grown in proportion to the batch, fill what it had (in use + free)."""
+    out = []
+    truth = int(model["true_largest"])
+    for p in model["probes"]:
+        if not p["oom"] or p["role"] != "confirm" or not p["error"]:
+            continue
+        parsed = parse_oom_message(p["error"])
+        use, free, asked = parsed.process_in_use, parsed.free, parsed.requested
+        if use is None or free is None or asked is None:
+            continue
+        estimate = int(p["n"]) * (use + free) / (use + asked)
+        out.append(
+            {
+                "n": int(p["n"]),
+                "in_use": use,
+                "free": free,
+                "requested": asked,
+                "allocated": p["oom_allocated"],
+                "reserved": p["oom_reserved"],
+                "estimate": estimate,
+                "true_largest": truth,
+                "off": estimate / truth - 1.0,
+            }
+        )
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     here = os.path.dirname(os.path.abspath(__file__))
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -226,12 +263,38 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
     )
     print()
+    failed = {name: failures(model) for name, model in models.items()}
+    print(
+        render_table(
+            ["model", "failed at", "in use", "free", "requested", "estimate", "true largest"],
+            [
+                [
+                    name,
+                    str(f["n"]),
+                    format_bytes(f["in_use"]),
+                    format_bytes(f["free"]),
+                    format_bytes(f["requested"]),
+                    f"{f['estimate']:.1f} ({f['off']:+.1%})",
+                    str(f["true_largest"]),
+                ]
+                for name, rows_of in failed.items()
+                for f in rows_of
+            ],
+            title="the confirming steps that ran out of memory, read from their messages",
+        )
+    )
+    print()
     emit(
         f"cudamem.plan's rules replayed over the zoo run on {zoo.get('card', '?')} "
         f"(commit {zoo.get('commit', '?')})",
         ["variant", "steps in all", "most steps", "models > 6 steps", "worst short", "> 3 % short"],
         rows,
-        {"zoo": os.path.relpath(args.zoo), "fidelity": fidelity, "variants": results},
+        {
+            "zoo": os.path.relpath(args.zoo),
+            "fidelity": fidelity,
+            "variants": results,
+            "failures": failed,
+        },
         args.out,
     )
     return results

@@ -72,3 +72,20 @@ def test_the_table_and_json(replay: Any, tmp_path: Any, capsys: Any) -> None:
     assert all(written["fidelity"][name] for name in REPRODUCED)
     text = capsys.readouterr().out
     assert "as landed" in text and "lstm" in text and "NVIDIA H100 80GB HBM3" in text
+
+
+def test_failed_confirming_steps_are_read_from_their_messages(
+    replay: Any, zoo: dict[str, Any]
+) -> None:
+    rows = replay.failures(zoo["checkpointed"])
+    assert [r["n"] for r in rows] == [1465, 1428, 1409]
+    first = rows[0]
+    # "Tried to allocate 22.89 GiB ... of which 18.17 GiB is free ... this process has
+    # 61.00 GiB memory in use": the LM head's output did not fit
+    assert first["requested"] == pytest.approx(22.89 * 2**30, rel=1e-3)
+    assert first["free"] == pytest.approx(18.17 * 2**30, rel=1e-3)
+    assert first["in_use"] == pytest.approx(61.00 * 2**30, rel=1e-3)
+    assert first["estimate"] == pytest.approx(1465 * 79.17 / 83.89, rel=1e-3)
+    assert first["true_largest"] == 1391 and -0.01 < first["off"] < 0
+    # a model none of whose confirming steps failed has no rows
+    assert replay.failures(zoo["decoder"]) == []
