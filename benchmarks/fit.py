@@ -658,6 +658,7 @@ def run_cudamem(name: str, fraction: float) -> dict[str, Any]:
                 "error": p.error,
                 "oom_allocated": p.oom_allocated,
                 "oom_reserved": p.oom_reserved,
+                "oom_requested": p.oom_requested,
             }
             for p in plan.probes
         ],

@@ -11,18 +11,21 @@ from that record:
   with what it measured;
 * any other step (a confirming step at another size, a probe the GPU run did not grow to) runs
   when its batch is at most the true largest and runs out of memory above it; its peak
-  allocated is interpolated between the nearest measured peaks (linear in the batch).
+  allocated is interpolated between the nearest measured peaks (linear in the batch). One
+  that runs out of memory within 0.5 % of a batch where the GPU's did carries what that
+  one reserved and asked for when it failed, scaled to its batch; any other carries
+  neither.
 
 What it cannot know: a confirming step runs after other steps, not from an empty cache as the
 true largest's plain steps did, and the true largest moves by a few samples from run to run.
-The ``as landed`` row therefore says whether the replay of today's constants ran the same
+The replay of the rules the GPU run ran (``RECORDED``) therefore says whether it ran the same
 steps as the GPU did (same count, the out-of-memory steps at the same places in the order);
 where it does not, the replay of that model says little about the other variants.
 
 Beside the variants, ``failures`` reads each confirming step that ran out of memory on the GPU:
-its message (what the process had in use, what was free, what it tried to allocate) and what it
+its message (what the process had in use, what was free, what it tried to allocate), what it
 reserved, and the batch that would have left room for that request had both grown with the
-batch, ``n × (in use + free) / (in use + requested)``, against the true largest.
+batch (the plan's ``_room``), against the true largest.
 
 Usage: ``python benchmarks/fit_replay.py [--zoo benchmarks/results/fit-zoo.json]
 [--out benchmarks/results/fit-replay.json]``. No GPU; about a second.
@@ -46,7 +49,7 @@ from _common import emit
 
 from cudamem.base.format import format_bytes
 from cudamem.fit import _steps
-from cudamem.fit._terms import terms_for
+from cudamem.fit._terms import HEADROOM, terms_for
 from cudamem.fit.memory_plan import Probe
 from cudamem.ledger.oom import parse_oom_message
 from cudamem.render.text import render_table
@@ -55,6 +58,7 @@ from cudamem.render.text import render_table
 #: ``cudamem/fit/_steps.py``'s docstring.
 VARIANTS: dict[str, dict[str, float]] = {
     "as landed": {},
+    "no room read": {"READ_ROOM": False},
     "bracket 2.5 %": {"BRACKET": 0.025},
     "bracket 3 %": {"BRACKET": 0.03},
     "step down 10 %": {"STEP_DOWN": 0.10},
@@ -63,6 +67,14 @@ VARIANTS: dict[str, dict[str, float]] = {
     "prior allowance 2 %": {"ALLOWANCE": 0.02},
     "prior allowance 0.5 %": {"ALLOWANCE": 0.005},
 }
+
+#: The rules the GPU run in the record ran (its commit predates ``READ_ROOM``): the
+#: replay of these is the one that should run the steps the GPU did.
+RECORDED = "no room read"
+
+#: How far (a share of the batch) a replayed failure may be from one of the GPU run's and
+#: still take its reserved bytes and request, scaled.
+NEAR = 0.005
 
 #: The default probes of ``cudamem.plan`` (``sizes=(4, 8)``) and its first check.
 SCHEDULE = (4, 8)
@@ -101,6 +113,13 @@ class Truth:
         self._ns = sorted(measured)
         self._peaks = measured
         self._used: set[int] = set()
+        #: What the GPU's confirming steps that ran out of memory reserved and asked for
+        #: when they failed, by batch.
+        self._failed: dict[int, tuple[int | None, int | None]] = {
+            int(p["n"]): (p.get("oom_reserved"), requested(p))
+            for p in self.recorded
+            if p["oom"] and p["role"] == "confirm"
+        }
 
     def allocated(self, n: int) -> int:
         """The peak allocated at ``n``: measured, or linear between the nearest measured."""
@@ -113,6 +132,20 @@ class Truth:
         slope = (self._peaks[b] - self._peaks[a]) / (b - a)
         return round(self._peaks[a] + slope * (n - a))
 
+    def failed_near(self, n: int) -> tuple[int | None, int | None]:
+        """What a confirming step of the GPU run that failed within ``NEAR`` of batch ``n``
+        reserved and asked for when it failed, scaled to ``n``; ``(None, None)`` where none
+        did (the replay's line puts a step a few samples from where the GPU's did)."""
+        near = [m for m in self._failed if abs(m - n) <= NEAR * m]
+        if not near:
+            return None, None
+        m = min(near, key=lambda m: abs(m - n))
+        reserved, asked = self._failed[m]
+        return (
+            None if reserved is None else round(reserved * n / m),
+            None if asked is None else round(asked * n / m),
+        )
+
     def run(self, size: _steps.Size, role: str, profile: bool) -> Probe:
         """The step ``search`` asks for: the GPU run's where it made the same one."""
         for i, p in enumerate(self.recorded):
@@ -121,20 +154,22 @@ class Truth:
             replayable = role != "confirm" and p["role"] == role and p["n"] == size.n
             if replayable and i not in self._used:
                 self._used.add(i)
-                return Probe(
-                    size.n,
-                    None,
-                    role,
-                    p["allocated"],
-                    p["reserved"],
-                    0,
-                    p["seconds"],
-                    p["oom"],
-                    p["error"],
-                    p["retries"],
-                )
+                return probe(p)
         if size.n > self.true_largest:
-            return Probe(size.n, None, role, None, None, 0, 0.0, True, "replayed: out of memory")
+            reserved, asked = self.failed_near(size.n)
+            return Probe(
+                size.n,
+                None,
+                role,
+                None,
+                None,
+                0,
+                0.0,
+                True,
+                "replayed: out of memory",
+                oom_reserved=reserved,
+                oom_requested=asked,
+            )
         allocated = self.allocated(size.n)
         # near the limit the allocator freed its cache (one retry); far below it, not
         near = allocated > 0.5 * self.available
@@ -186,34 +221,64 @@ def same_as_recorded(model: Mapping[str, Any], result: Mapping[str, Any]) -> boo
     ]
 
 
+def requested(step: Mapping[str, Any]) -> int | None:
+    """What a recorded step that ran out of memory asked for: its ``oom_requested`` (zoo runs
+    since the plan records it), else read from its message."""
+    if step.get("oom_requested") is not None:
+        return int(step["oom_requested"])
+    return parse_oom_message(step["error"]).requested if step.get("error") else None
+
+
 def failures(model: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """Each confirming step of ``model``'s GPU run that ran out of memory, with its message's
-    bytes and ``estimate``: the batch at which what the process had in use and the request
-    that failed, both grown in proportion to the batch, fill what it had (in use + free)."""
-    out = []
+    """Each confirming step of ``model``'s GPU run that ran out of memory: its message's bytes
+    (in use, free, requested), what it reserved, and ``room``, the batch the plan's rule
+    (``cudamem.fit._steps._room``) reads from it, with the line through the GPU run's probes
+    and checks, against the true largest."""
+    fitted = [probe(p) for p in model["probes"] if not p["oom"] and p["role"] in ("probe", "check")]
+    fixed = _steps.fit_lines(fitted, terms_for(1)).allocated.fixed
+    usable = int(model["available"]) - HEADROOM
     truth = int(model["true_largest"])
+    out = []
     for p in model["probes"]:
         if not p["oom"] or p["role"] != "confirm" or not p["error"]:
             continue
         parsed = parse_oom_message(p["error"])
-        use, free, asked = parsed.process_in_use, parsed.free, parsed.requested
-        if use is None or free is None or asked is None:
+        room = _steps._room(probe(p), fixed, usable)
+        if room is None:
             continue
-        estimate = int(p["n"]) * (use + free) / (use + asked)
         out.append(
             {
                 "n": int(p["n"]),
-                "in_use": use,
-                "free": free,
-                "requested": asked,
+                "in_use": parsed.process_in_use,
+                "free": parsed.free,
+                "requested": requested(p),
                 "allocated": p["oom_allocated"],
                 "reserved": p["oom_reserved"],
-                "estimate": estimate,
+                "room": room,
                 "true_largest": truth,
-                "off": estimate / truth - 1.0,
+                "off": room / truth - 1.0,
             }
         )
     return out
+
+
+def probe(step: Mapping[str, Any]) -> Probe:
+    """A recorded step as the plan's ``Probe``."""
+    return Probe(
+        int(step["n"]),
+        None,
+        step["role"],
+        step["allocated"],
+        step["reserved"],
+        0,
+        step["seconds"],
+        step["oom"],
+        step["error"],
+        step["retries"],
+        oom_allocated=step.get("oom_allocated"),
+        oom_reserved=step.get("oom_reserved"),
+        oom_requested=requested(step) if step["oom"] else None,
+    )
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -243,8 +308,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 ", ".join(over_3) or "-",
             ]
         )
-    landed = results["as landed"]["models"]
-    fidelity = {name: same_as_recorded(models[name], landed[name]) for name in models}
+    recorded = results[RECORDED]["models"]
+    fidelity = {name: same_as_recorded(models[name], recorded[name]) for name in models}
     print(
         render_table(
             ["model", *VARIANTS],
@@ -259,14 +324,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 for name in models
             ],
             title="steps run / short of the true largest, a column a variant "
-            "(* the replay of today's rules differs from the GPU run)",
+            f"(* the replay of the rules the GPU ran, {RECORDED!r}, differs from its run)",
         )
     )
     print()
     failed = {name: failures(model) for name, model in models.items()}
     print(
         render_table(
-            ["model", "failed at", "in use", "free", "requested", "estimate", "true largest"],
+            [
+                "model",
+                "failed at",
+                "in use",
+                "free",
+                "requested",
+                "reserved",
+                "room",
+                "true largest",
+            ],
             [
                 [
                     name,
@@ -274,7 +348,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     format_bytes(f["in_use"]),
                     format_bytes(f["free"]),
                     format_bytes(f["requested"]),
-                    f"{f['estimate']:.1f} ({f['off']:+.1%})",
+                    format_bytes(f["reserved"]),
+                    f"{f['room']:.1f} ({f['off']:+.1%})",
                     str(f["true_largest"]),
                 ]
                 for name, rows_of in failed.items()

@@ -23,7 +23,17 @@ The rules, each a constant below:
   ``CONFIRM_CLOSE`` (1 %) more fits, another runs there. One that runs out of memory is
   recorded and the next runs ``STEP_DOWN`` (5 %) lower (or lower still where the line,
   with the allowance the failed step proved too small, says so); once one ran and one
-  failed more than ``BRACKET`` (1.5 %) apart, the next runs halfway between. Until one
+  failed more than ``BRACKET`` (1.5 %) apart, the next runs halfway between.
+* **Room for the request that failed.** A step that ran out of memory says how much: what
+  it had reserved when it failed (the allocator had given back its cache) and the request
+  that failed (the message's "Tried to allocate"). Their parts beyond the line's fixed part
+  grown with the batch, the batch that leaves room for that request (``_room``) bounds the
+  answer: the next step runs no higher than ``AIM_BELOW`` (1 %) under it, and a step that
+  ran within ``BRACKET`` of it ends the search. On the zoo the failed request was often
+  one large tensor (an LM head's output, 16 to 23 GiB) with 18 GiB free, and that batch
+  lay within 0.7 % of the true largest from eight of nine failures; the UNet's first
+  failure (+6.3 %, a cache fragmented by many mid-sized tensors) is why it only ever
+  lowers the next step, never raises it. Until one
   fails, each aims at the prior allowance: a step that ran bounds the allowance from
   above only, and aiming at that bound asks nothing new (a vision transformer stopped
   2.7 % short that way). ``MAX_CONFIRMS`` (6) at most, within ``MAX_STEPS``. The last
@@ -59,11 +69,13 @@ from ._terms import ALLOWANCE, HEADROOM, Line, Point, fit, largest_under, relati
 from .memory_plan import LINEAR_TOLERANCE, LineCheck, Probe
 
 __all__ = [
+    "AIM_BELOW",
     "BRACKET",
     "CONFIRM_CLOSE",
     "GROWTH",
     "MAX_CONFIRMS",
     "MAX_STEPS",
+    "READ_ROOM",
     "RESOLVED_SHARE",
     "SAFE_SHARE",
     "STEP_DOWN",
@@ -83,6 +95,10 @@ MAX_CONFIRMS = 6
 CONFIRM_CLOSE = 0.01
 STEP_DOWN = 0.05
 BRACKET = 0.015
+AIM_BELOW = 0.01
+#: Whether a failed step's request bounds the next (``_room``); off, the search the zoo
+#: record of ``benchmarks/results/fit-zoo.json`` ran (``benchmarks/fit_replay.py`` replays both).
+READ_ROOM = True
 
 
 class Size(NamedTuple):
@@ -379,10 +395,17 @@ def _confirm(
         oom = steps.smallest_oom
         ran = steps.largest_ran
         confirms = [p for p in steps.ran if p.role == "confirm"]
+        bound = _bound(out.lines, steps.ran, available - HEADROOM)
         if oom is not None and any(not p.oom for p in confirms):
-            if oom - ran <= max(1, BRACKET * oom):
+            # the smaller of the step that failed and the room its request needed
+            top = oom if bound is None else min(oom, bound)
+            if top - ran <= max(1, BRACKET * top):
                 return
-            target = (ran + oom) // 2
+            target = (ran + top) // 2
+            if top < oom:
+                target = max(target, math.floor(top * (1 - AIM_BELOW)))
+            if target <= ran:
+                return
         else:
             # Steps that ran bound the allowance from above only: aim at the prior within
             # that bound, so that the next step tests more than the last one proved.
@@ -392,6 +415,8 @@ def _confirm(
             target = largest_under(_required_by(out.lines, aim), available)
             if oom is not None:
                 target = min(target, math.floor(oom * (1 - STEP_DOWN)), oom - 1)
+            if bound is not None:
+                target = min(target, math.floor(bound * (1 - AIM_BELOW)))
             if most is not None:
                 target = min(target, most)
             if target <= ran * (1 + CONFIRM_CLOSE):
@@ -403,6 +428,31 @@ def _confirm(
             out.fitted.append(c)
             out.lines = fit_lines(out.fitted, terms)
         out.allowance = _allowance(out.lines, steps.ran, available)
+
+
+def _room(step: Probe, fixed: float, usable: int) -> float | None:
+    """The batch at which ``step``, a step that ran out of memory, would have had room for
+    the request that failed: what it had reserved when it failed and that request, their
+    parts beyond ``fixed`` grown in proportion to the batch, fill ``usable``. ``None``
+    where the step did not fail or either is unknown."""
+    if not step.oom or step.oom_reserved is None or not step.oom_requested:
+        return None
+    fixed = min(max(0.0, fixed), float(step.oom_reserved))
+    need = step.oom_reserved + step.oom_requested - fixed
+    if usable <= fixed or need <= 0:
+        return None
+    return step.n * (usable - fixed) / need
+
+
+def _bound(lines: Lines, ran: Sequence[Probe], usable: int) -> int | None:
+    """The smallest ``_room`` of the confirming steps that ran out of memory (``None``
+    where none says, or ``READ_ROOM`` is off): no larger batch is worth a step."""
+    if not READ_ROOM:
+        return None
+    fixed = lines.allocated.fixed
+    rooms = [_room(p, fixed, usable) for p in ran if p.role == "confirm"]
+    known = [r for r in rooms if r is not None]
+    return math.floor(min(known)) if known else None
 
 
 def _kept_share(step: Probe) -> float:

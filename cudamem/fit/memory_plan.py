@@ -94,6 +94,8 @@ class Probe:
     #: and retried: reserved over allocated is what it could not give back), or ``None``.
     oom_allocated: int | None = None
     oom_reserved: int | None = None
+    #: The request that failed (the out-of-memory message's "Tried to allocate"), or ``None``.
+    oom_requested: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,6 +40,7 @@ from ..allocator.device_arg import DeviceLike, resolve_device
 from ..base.args import check_bool, check_int
 from ..base.format import plural
 from ..ledger.free_space import Fragmentation
+from ..ledger.oom import parse_oom_message
 from ..ledger.oom_guard import caught_oom
 from ..ledger.reading import fragmentation
 from ..modules.profile import ModuleProfile
@@ -446,6 +447,7 @@ class _Runner:
             caught_oom(device, since)  # the plan's, not the user's: no verdict speaks of it
             text = str(exc)
             error = text.splitlines()[0][:200] if text else type(exc).__name__
+            requested = parse_oom_message(text).requested
             # The frames of the failed step hold its tensors: clear them, drop the
             # exception (``except ... as`` unbinds it), and collect before the next step.
             traceback.clear_frames(exc.__traceback__)
@@ -470,6 +472,7 @@ class _Runner:
                 after.alloc_retries - before.alloc_retries,
                 oom_allocated=at_oom.allocated,
                 oom_reserved=at_oom.reserved,
+                oom_requested=requested,
             )
         else:
             peak = span.peak_total if span.peak_total is not None else after.peak_allocated

@@ -69,6 +69,8 @@ def _probe_row(p: Probe, plan: MemoryPlan) -> list[str]:
                 f", {format_bytes(p.oom_reserved)} reserved" if p.oom_reserved is not None else ""
             )
             note = f"{format_bytes(p.oom_allocated)} allocated{reserved} when it failed"
+            if p.oom_requested:
+                note += f", asking for {format_bytes(p.oom_requested)}"
         return [p.role, str(p.n), length, "out of memory", "", format_duration(p.seconds), note]
     note = ""
     check = plan.check

@@ -325,7 +325,12 @@ def test_a_confirming_step_out_of_memory_is_caught_and_the_answer_shrinks(fake: 
     assert confirms[0].oom and confirms[0].error is not None
     assert confirms[0].oom_allocated == 800 * MiB  # the model and the optimizer state
     assert confirms[0].oom_reserved is not None
-    row = f"800.0 MiB allocated, {format_bytes(confirms[0].oom_reserved)} reserved when it failed"
+    # the request that failed, read from the message: the step's activations, in one piece
+    assert confirms[0].oom_requested == pytest.approx(linear(confirms[0].n), abs=0.01 * MiB)
+    row = (
+        f"800.0 MiB allocated, {format_bytes(confirms[0].oom_reserved)} reserved when it failed,"
+        f" asking for {format_bytes(confirms[0].oom_requested)}"
+    )
     assert row in str(plan)
     assert not confirms[1].oom and confirms[1].n == int(confirms[0].n * 0.95)
     assert len(plan.probes) <= 10

@@ -6,10 +6,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+from cudamem.fit import _steps
 from cudamem.fit._steps import (
+    AIM_BELOW,
     GROWTH,
     MAX_STEPS,
     RESOLVED_SHARE,
+    STEP_DOWN,
     Size,
     fit_lines,
     search,
@@ -198,3 +201,102 @@ def test_without_a_ceiling_the_last_step_keeps_stepping_down() -> None:
     # the ceiling's step ran just under the limit; 5 % lower still failed
     assert card.sizes[-1] < card.largest() + 1 <= tight.sizes[-1] <= int(tight.sizes[-2] * 0.95)
     assert max(p.n for p in out.fitted) == 16
+
+
+class HeadCard:
+    """A step whose last request is one large tensor (an LM head's output, ``head`` bytes a
+    sample) after ``fixed`` bytes and ``body`` a sample, of which the allocator strands
+    ``stranded`` more: it fails when what it reserved plus that request passes ``memory``,
+    and says so as PyTorch does (reserved when it failed, the request that failed)."""
+
+    def __init__(self, fixed: int, body: int, head: int, stranded: float, memory: int):
+        self.fixed, self.body, self.head = fixed, body, head
+        self.stranded, self.memory = stranded, memory
+        self.sizes: list[int] = []
+
+    def reserved_before_head(self, n: int) -> int:
+        return round((self.fixed + self.body * n) * (1 + self.stranded))
+
+    def fits(self, n: int) -> bool:
+        return self.reserved_before_head(n) + self.head * n <= self.memory
+
+    def largest(self) -> int:
+        n = 1
+        while self.fits(n + 1):
+            n += 1
+        return n
+
+    def __call__(self, size: Size, role: str, profile: bool) -> Probe:
+        n = size.n
+        self.sizes.append(n)
+        peak = self.fixed + (self.body + self.head) * n
+        if not self.fits(n):
+            asked = self.head * n
+            return Probe(
+                n,
+                None,
+                role,
+                None,
+                None,
+                0,
+                0.0,
+                True,
+                f"CUDA out of memory. Tried to allocate {asked / MiB:.2f} MiB.",
+                1,
+                oom_allocated=self.fixed + self.body * n,
+                oom_reserved=self.reserved_before_head(n),
+                oom_requested=asked,
+            )
+        reserved = self.reserved_before_head(n) + self.head * n
+        return Probe(n, None, role, peak, reserved, 0, 0.0, False, None, 1)
+
+
+def test_the_request_that_failed_bounds_the_next_step() -> None:
+    """The checkpointed transformer of the zoo: its first confirming step fails on the LM
+    head's output (22.9 GiB asked, 18.2 GiB left). Reserved plus that request, grown with
+    the batch, say where the request fits: the next step aims 1 % under it (below the 5 %
+    step down), runs, and ends the search within ``BRACKET`` of that bound."""
+    card = HeadCard(2 * GiB, 40 * MiB, 16 * MiB, 0.2, 80 * GiB)
+    out = run(card)
+    confirms = card.sizes[4:]
+    truth = card.largest()
+    assert confirms[0] > truth and not card.fits(confirms[0])
+    # the room: (usable - fixed) over (reserved + requested - fixed), scaled to the batch
+    usable = 80 * GiB - 64 * MiB
+    need = card.reserved_before_head(confirms[0]) + card.head * confirms[0] - 2 * GiB
+    room = int(confirms[0] * (usable - 2 * GiB) / need)
+    assert abs(room - truth) <= 0.005 * truth
+    assert confirms[1] == int(room * (1 - AIM_BELOW)) < int(confirms[0] * (1 - STEP_DOWN))
+    assert card.fits(confirms[1]) and len(confirms) == 2  # six steps in all
+    assert truth * 0.97 <= max(p.n for p in out.fitted) <= truth
+
+
+def test_the_room_only_lowers_the_step_after_a_failure() -> None:
+    """A small request that failed on a nearly full card (ResNet-50's 372 MiB): the room is
+    above the 5 % step down, which stays the next step; the climb after it aims 1 % under
+    the room instead of halfway to the step that failed."""
+    card = HeadCard(2 * GiB, 79 * MiB, 1 * MiB, 0.02, 80 * GiB)
+    run(card)
+    confirms = card.sizes[4:]
+    assert not card.fits(confirms[0])
+    assert confirms[1] == int(confirms[0] * (1 - STEP_DOWN)) and card.fits(confirms[1])
+    halfway = (confirms[0] + confirms[1]) // 2
+    assert confirms[2] > halfway and card.fits(confirms[2])
+    assert len(confirms) == 3 and confirms[2] >= card.largest() * 0.985
+
+
+def test_without_reading_the_room_the_search_is_the_one_before() -> None:
+    """``READ_ROOM`` off (the search the zoo record ran): the same failure leads to the 5 %
+    step down and halving, more steps for the same card."""
+    card = HeadCard(2 * GiB, 40 * MiB, 16 * MiB, 0.2, 80 * GiB)
+    run(card)
+    old = HeadCard(2 * GiB, 40 * MiB, 16 * MiB, 0.2, 80 * GiB)
+    saved = _steps.READ_ROOM
+    _steps.READ_ROOM = False
+    try:
+        run(old)
+    finally:
+        _steps.READ_ROOM = saved
+    assert old.sizes[:5] == card.sizes[:5]
+    assert old.sizes[5] == int(old.sizes[4] * (1 - STEP_DOWN)) != card.sizes[5]
+    assert len(old.sizes) > len(card.sizes)
