@@ -242,16 +242,17 @@ def failures(model: Mapping[str, Any]) -> list[dict[str, Any]]:
     for p in model["probes"]:
         if not p["oom"] or p["role"] != "confirm" or not p["error"]:
             continue
-        parsed = parse_oom_message(p["error"])
-        room = _steps._room(probe(p), fixed, usable)
+        step = probe(p)
+        room = _steps._room(step, fixed, usable)
         if room is None:
             continue
+        parsed = parse_oom_message(p["error"])
         out.append(
             {
-                "n": int(p["n"]),
+                "n": step.n,
                 "in_use": parsed.process_in_use,
                 "free": parsed.free,
-                "requested": requested(p),
+                "requested": step.oom_requested,
                 "allocated": p["oom_allocated"],
                 "reserved": p["oom_reserved"],
                 "room": room,

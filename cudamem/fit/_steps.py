@@ -404,8 +404,6 @@ def _confirm(
             target = (ran + top) // 2
             if top < oom:
                 target = max(target, math.floor(top * (1 - AIM_BELOW)))
-            if target <= ran:
-                return
         else:
             # Steps that ran bound the allowance from above only: aim at the prior within
             # that bound, so that the next step tests more than the last one proved.
@@ -438,10 +436,9 @@ def _room(step: Probe, fixed: float, usable: int) -> float | None:
     if not step.oom or step.oom_reserved is None or not step.oom_requested:
         return None
     fixed = min(max(0.0, fixed), float(step.oom_reserved))
-    need = step.oom_reserved + step.oom_requested - fixed
-    if usable <= fixed or need <= 0:
+    if usable <= fixed:
         return None
-    return step.n * (usable - fixed) / need
+    return step.n * (usable - fixed) / (step.oom_reserved + step.oom_requested - fixed)
 
 
 def _bound(lines: Lines, ran: Sequence[Probe], usable: int) -> int | None:

@@ -26,6 +26,28 @@ GiB = 1 << 30
 TERMS = terms_for(1)
 
 
+def failed(
+    n: int, role: str, error: str, retries: int, allocated: int, reserved: int, asked: int | None
+) -> Probe:
+    """A step at batch ``n`` that ran out of memory with ``allocated`` and ``reserved`` bytes,
+    asking for ``asked`` more (``None``: its message does not say)."""
+    return Probe(
+        n,
+        None,
+        role,
+        None,
+        None,
+        0,
+        0.0,
+        True,
+        error,
+        retries,
+        oom_allocated=allocated,
+        oom_reserved=reserved,
+        oom_requested=asked,
+    )
+
+
 class Card:
     """Steps of peak ``peak(n)`` on a card of ``memory`` bytes that needs ``stranded`` more
     than it allocates at the limit."""
@@ -41,21 +63,8 @@ class Card:
         self.sizes.append(n)
         peak = self.peak(n)
         if peak * (1 + self.stranded) > self.memory:
-            return Probe(
-                n,
-                None,
-                role,
-                None,
-                None,
-                0,
-                0.0,
-                True,
-                "out of memory",
-                self.retries,
-                (),
-                GiB,
-                round(GiB * (1 + self.stranded)),
-            )
+            reserved = round(GiB * (1 + self.stranded))
+            return failed(n, role, "out of memory", self.retries, GiB, reserved, None)
         reserved = round(peak * (1 + self.stranded))
         return Probe(n, None, role, peak, reserved, 0, 0.0, False, None, self.retries)
 
@@ -232,21 +241,9 @@ class HeadCard:
         peak = self.fixed + (self.body + self.head) * n
         if not self.fits(n):
             asked = self.head * n
-            return Probe(
-                n,
-                None,
-                role,
-                None,
-                None,
-                0,
-                0.0,
-                True,
-                f"CUDA out of memory. Tried to allocate {asked / MiB:.2f} MiB.",
-                1,
-                oom_allocated=self.fixed + self.body * n,
-                oom_reserved=self.reserved_before_head(n),
-                oom_requested=asked,
-            )
+            error = f"CUDA out of memory. Tried to allocate {asked / MiB:.2f} MiB."
+            allocated = self.fixed + self.body * n
+            return failed(n, role, error, 1, allocated, self.reserved_before_head(n), asked)
         reserved = self.reserved_before_head(n) + self.head * n
         return Probe(n, None, role, peak, reserved, 0, 0.0, False, None, 1)
 
