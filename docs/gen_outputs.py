@@ -22,7 +22,9 @@ compares its byte figures as ``<bytes>`` and the workers' pids in their tables a
 Absolute paths of this checkout are written relative to it, so the files do not depend on
 where the docs were built. ``docs/output/environment[-gpu].json`` records where the outputs
 came from (Python and torch versions, NVML, GPUs): a fresh run elsewhere may honestly differ,
-so tests compare the CPU outputs only on a machine like the one that wrote them.
+so tests compare the CPU outputs only on a machine like the one that wrote them. A GPU run
+also writes ``docs/output/card-gpu.txt``, the card and PyTorch as a phrase that the guides
+include beside the GPU outputs, so that the card they name is the one that ran them.
 """
 
 from __future__ import annotations
@@ -160,6 +162,7 @@ print(json.dumps({
     "python": ".".join(platform.python_version_tuple()[:2]),
     "torch": ".".join(torch.__version__.split("+")[0].split(".")[:2]),
     "cuda_devices": torch.cuda.device_count(),
+    "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     "nvml": _nvml.status().available,
 }))
 """
@@ -167,7 +170,7 @@ print(json.dumps({
 
 def environment() -> dict[str, object]:
     """What decides the outputs besides the code: Python and torch (major.minor), the GPUs
-    torch sees (none hidden) and whether NVML answers."""
+    torch sees (none hidden), the first one's name and whether NVML answers."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run(
         [sys.executable, "-c", _ENVIRONMENT],
@@ -184,6 +187,17 @@ def environment() -> dict[str, object]:
 def environment_file(*, gpu: bool) -> Path:
     """``docs/output/environment.json`` (CPU outputs) or ``environment-gpu.json``."""
     return OUTPUT / f"environment{'-gpu' if gpu else ''}.json"
+
+
+def card_file() -> Path:
+    """``docs/output/card-gpu.txt``: the card and PyTorch of the GPU outputs, as a phrase the
+    guides include mid-sentence ("... on an NVIDIA H100 80GB HBM3 with PyTorch 2.11 ...")."""
+    return OUTPUT / "card-gpu.txt"
+
+
+def card_phrase(found: dict[str, object]) -> str:
+    """The text of ``card_file()`` for the environment ``found``."""
+    return f"an {found['gpu']} with PyTorch {found['torch']}\n"
 
 
 def output_file(example: Path, *, gpu: bool) -> Path:
@@ -270,8 +284,11 @@ def main(argv: list[str] | None = None) -> int:
         target.write_text(text, encoding="utf-8")
         print(f"wrote {rel}")
     if not args.check:
-        record = json.dumps(environment(), indent=2, sort_keys=True) + "\n"
+        found = environment()
+        record = json.dumps(found, indent=2, sort_keys=True) + "\n"
         environment_file(gpu=args.gpu).write_text(record, encoding="utf-8")
+        if args.gpu:
+            card_file().write_text(card_phrase(found), encoding="utf-8")
     return 1 if failed else 0
 
 

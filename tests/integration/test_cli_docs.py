@@ -155,6 +155,10 @@ def test_every_included_output_exists_and_comes_from_an_example() -> None:
         if path.startswith("docs/output/figures/"):
             # benchmark figures: docs/gen_figures.py writes them (tests/unit/test_doc_figures.py)
             assert (ROOT / "docs" / "gen_figures.py").is_file()
+        elif target == gen.card_file():
+            # the card the GPU outputs ran on, written with them from environment-gpu.json
+            recorded = json.loads(gen.environment_file(gpu=True).read_text(encoding="utf-8"))
+            assert target.read_text(encoding="utf-8") == gen.card_phrase(recorded)
         else:
             assert target.stem.removesuffix("-gpu") in stems, f"{path}: no docs/examples/ script"
         if section is not None:
@@ -207,3 +211,9 @@ def test_readme_example_is_the_quickstart_example() -> None:
     source = (gen.EXAMPLES / "quickstart.py").read_text(encoding="utf-8")
     body = source.split('"""', 2)[2]  # after the docstring
     assert code(_readme_example()) == code(body)
+
+
+def test_the_card_phrase_names_the_gpu_and_torch() -> None:
+    phrase = gen.card_phrase({"gpu": "NVIDIA H200", "torch": "2.11", "cuda_devices": 1})
+    assert phrase == "an NVIDIA H200 with PyTorch 2.11\n"
+    assert gen.card_file().name == "card-gpu.txt"
