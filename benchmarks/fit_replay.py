@@ -68,9 +68,9 @@ VARIANTS: dict[str, dict[str, float]] = {
     "prior allowance 0.5 %": {"ALLOWANCE": 0.005},
 }
 
-#: The rules the GPU run in the record ran (its commit predates ``READ_ROOM``): the
+#: The rules the GPU run in the record ran (712b113: today's, ``READ_ROOM`` on): the
 #: replay of these is the one that should run the steps the GPU did.
-RECORDED = "no room read"
+RECORDED = "as landed"
 
 #: How far (a share of the batch) a replayed failure may be from one of the GPU run's and
 #: still take its reserved bytes and request, scaled.
