@@ -254,7 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.names and len(chosen) != len(set(args.names)):
         known = ", ".join(p.stem for p in examples())
         parser.error(f"unknown example among {args.names}; examples: {known}")
-    if args.gpu and not environment()["cuda_devices"]:
+    # read once (a Python that imports torch): checked here for --gpu, recorded at the end
+    found = None if args.check else environment()
+    if args.gpu and found is not None and not found["cuda_devices"]:
         parser.error("--gpu needs a CUDA GPU: torch sees none here")
     OUTPUT.mkdir(exist_ok=True)
     failed = 0
@@ -283,8 +285,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         target.write_text(text, encoding="utf-8")
         print(f"wrote {rel}")
-    if not args.check:
-        found = environment()
+    if found is not None:
         record = json.dumps(found, indent=2, sort_keys=True) + "\n"
         environment_file(gpu=args.gpu).write_text(record, encoding="utf-8")
         if args.gpu:
