@@ -22,6 +22,10 @@ The replay of the rules the GPU run ran (``RECORDED``) therefore says whether it
 steps as the GPU did (same count, the out-of-memory steps at the same places in the order);
 where it does not, the replay of that model says little about the other variants.
 
+Each replay also names the batch for the record's smaller budget (``budget_answer``: what
+``largest_for(cap, margin=0)`` names from the replayed plan's line and allowance), against
+the true largest the GPU found under that cap.
+
 Beside the variants, ``failures`` reads each confirming step that ran out of memory on the GPU:
 its message (what the process had in use, what was free, what it tried to allocate), what it
 reserved, and the batch that would have left room for that request had both grown with the
@@ -49,7 +53,7 @@ from _common import emit
 
 from cudamem.base.format import format_bytes
 from cudamem.fit import _steps
-from cudamem.fit._terms import HEADROOM, terms_for
+from cudamem.fit._terms import HEADROOM, UNCONFIRMED, largest_under, required, terms_for
 from cudamem.fit.memory_plan import Probe
 from cudamem.ledger.oom import parse_oom_message
 from cudamem.render.text import render_table
@@ -58,6 +62,7 @@ from cudamem.render.text import render_table
 #: ``cudamem/fit/_steps.py``'s docstring.
 VARIANTS: dict[str, dict[str, float]] = {
     "as landed": {},
+    "room only lowers": {"AIM_AT_ROOM": False},
     "no room read": {"READ_ROOM": False},
     "bracket 2.5 %": {"BRACKET": 0.025},
     "bracket 3 %": {"BRACKET": 0.03},
@@ -68,9 +73,9 @@ VARIANTS: dict[str, dict[str, float]] = {
     "prior allowance 0.5 %": {"ALLOWANCE": 0.005},
 }
 
-#: The rules the GPU run in the record ran (712b113: today's, ``READ_ROOM`` on): the
-#: replay of these is the one that should run the steps the GPU did.
-RECORDED = "as landed"
+#: The rules the GPU run in the record ran (712b113: ``READ_ROOM`` on, ``AIM_AT_ROOM``
+#: off): the replay of these is the one that should run the steps the GPU did.
+RECORDED = "room only lowers"
 
 #: How far (a share of the batch) a replayed failure may be from one of the GPU run's and
 #: still take its reserved bytes and request, scaled.
@@ -190,7 +195,7 @@ def replay(model: Mapping[str, Any], constants: Mapping[str, float]) -> dict[str
         return probe
 
     with rules(constants):
-        _steps.search(
+        outcome = _steps.search(
             run,
             [_steps.Size(n, None) for n in SCHEDULE],
             terms_for(1),
@@ -202,6 +207,7 @@ def replay(model: Mapping[str, Any], constants: Mapping[str, float]) -> dict[str
     ran = [n for n, role, oom in steps if not oom and role != "warm-up"]
     named = max(ran, default=0)
     short = (truth.true_largest - named) / truth.true_largest if truth.true_largest else 0.0
+    under_cap = budget_answer(outcome, model, named)
     return {
         "steps": len(steps),
         "ooms": sum(oom for _, _, oom in steps),
@@ -210,7 +216,24 @@ def replay(model: Mapping[str, Any], constants: Mapping[str, float]) -> dict[str
         "named": named,
         "true_largest": truth.true_largest,
         "short": short,
+        "allowance": outcome.allowance,
+        **under_cap,
     }
+
+
+def budget_answer(outcome: _steps.Outcome, model: Mapping[str, Any], ran: int) -> dict[str, Any]:
+    """What ``largest_for(cap, margin=0)`` names from ``outcome`` for the record's smaller
+    budget (``model["budget"]``: the cap and the true largest under it), as
+    ``MemoryPlan._largest`` does for a budget no step ran at: the line with the allowance,
+    ``UNCONFIRMED`` of the budget in reserve, never past the largest step that ran."""
+    cap = model.get("budget") or {}
+    if outcome.lines is None or "bytes" not in cap:
+        return {}
+    lines = outcome.lines
+    budget = float(cap["bytes"]) * (1 - UNCONFIRMED)
+    named = min(largest_under(lambda n: required(lines.at(n), outcome.allowance), budget), ran)
+    true = int(cap["true_largest"])
+    return {"cap_named": named, "cap_true_largest": true, "cap_short": (true - named) / true}
 
 
 def same_as_recorded(model: Mapping[str, Any], result: Mapping[str, Any]) -> bool:
@@ -299,6 +322,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         worst = max(r["short"] for r in per_model.values())
         most = max(r["steps"] for r in per_model.values())
         over_3 = [name for name, r in per_model.items() if r["short"] > 0.03]
+        capped = [r for r in per_model.values() if "cap_short" in r]
         rows.append(
             [
                 variant,
@@ -307,6 +331,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"{sum(r['steps'] > 6 for r in per_model.values())}",
                 f"{worst:.1%}",
                 ", ".join(over_3) or "-",
+                f"{max((r['cap_short'] for r in capped), default=0.0):.1%}",
+                f"{sum(r['cap_named'] > r['cap_true_largest'] for r in capped)}",
             ]
         )
     recorded = results[RECORDED]["models"]
@@ -363,7 +389,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     emit(
         f"cudamem.plan's rules replayed over the zoo run on {zoo.get('card', '?')} "
         f"(commit {zoo.get('commit', '?')})",
-        ["variant", "steps in all", "most steps", "models > 6 steps", "worst short", "> 3 % short"],
+        [
+            "variant",
+            "steps in all",
+            "most steps",
+            "models > 6 steps",
+            "worst short",
+            "> 3 % short",
+            "cap: worst short",
+            "cap: over",
+        ],
         rows,
         {
             "zoo": os.path.relpath(args.zoo),
