@@ -42,7 +42,8 @@ model each tool, with ``gc.collect()`` and ``empty_cache()`` between:
   the plan has no ``largest_for``), then under ``set_per_process_memory_fraction(0.4)`` a plain
   step at it and the true largest under the cap, found the same way;
 * peers (``--peers``; default decoder, resnet50, mlp): Lightning's binsearch (its defaults, 3
-  steps a trial) and accelerate's ``find_executable_batch_size(starting_batch_size=512)``
+  steps a trial; again with ``max_val`` past twice the true largest where its default 8192
+  stops it short, ``lightning max_val``) and accelerate's ``find_executable_batch_size(starting_batch_size=512)``
   (0.9× after each OOM), each from a fresh model.
 
 Usage: ``python benchmarks/fit.py [--quick] [--models M ...] [--peers M ...] [--skip-peers]
@@ -55,6 +56,7 @@ minutes on an H100 (about half of it Lightning's binsearch), ``--quick`` about 2
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import math
 import os
@@ -765,7 +767,21 @@ def _first(batch: list[int]) -> int:
     return batch[0]
 
 
-def run_lightning(name: str) -> dict[str, Any]:
+#: Lightning's binsearch stops at ``max_val`` (8192 by default, less its 5 % margin): where
+#: the true largest lies past half of it, the run is repeated with ``max_val`` the power of
+#: two past twice the true largest, so that both tools answer the same question.
+LIGHTNING_MAX_VAL = 8192
+
+
+def lightning_max_val(truth: int | None) -> int | None:
+    """The ``max_val`` that lets Lightning's binsearch reach ``truth`` (``None``: its
+    default already does)."""
+    if truth is None or 2 * truth <= LIGHTNING_MAX_VAL:
+        return None
+    return 1 << math.ceil(math.log2(2 * truth))
+
+
+def run_lightning(name: str, max_val: int | None = None) -> dict[str, Any]:
     import lightning.pytorch as pl
     from lightning.pytorch.tuner import Tuner
 
@@ -811,10 +827,18 @@ def run_lightning(name: str) -> dict[str, Any]:
         )
         settle()
         start = time.perf_counter()
-        answer = Tuner(trainer).scale_batch_size(module, mode="binsearch")
+        answer = Tuner(trainer).scale_batch_size(
+            module, mode="binsearch", max_val=max_val or LIGHTNING_MAX_VAL
+        )
         seconds = time.perf_counter() - start
     ooms = len([n for n in started if n not in finished])  # a size that never finished
-    return {"answer": answer, "seconds": seconds, "trials": len(started), "ooms": ooms}
+    return {
+        "answer": answer,
+        "seconds": seconds,
+        "trials": len(started),
+        "ooms": ooms,
+        "max_val": max_val or LIGHTNING_MAX_VAL,
+    }
 
 
 # --------------------------------------------------------------------------- main
@@ -911,10 +935,19 @@ def main() -> None:
         rows.append(model_row(name, card, entry))
         if name in peers:
             results: dict[str, Any] = {}
-            for tool, fn in (("lightning", run_lightning), ("accelerate", run_accelerate)):
+            max_val = lightning_max_val(entry.get("true_largest"))
+            tools: list[tuple[str, Callable[[], dict[str, Any]]]] = [
+                ("lightning", functools.partial(run_lightning, name)),
+                ("accelerate", functools.partial(run_accelerate, name)),
+            ]
+            if max_val is not None:
+                tools.insert(
+                    1, ("lightning max_val", functools.partial(run_lightning, name, max_val))
+                )
+            for tool, fn in tools:
                 log(f"[{name}] {tool}")
                 try:
-                    results[tool] = fn(name)
+                    results[tool] = fn()
                 except ImportError as exc:
                     results[tool] = {"error": f"not installed: {exc}"}
                 settle()
@@ -925,7 +958,7 @@ def main() -> None:
                     peer_rows.append([name, tool, r["error"], "", "", "", ""])
                     continue
                 speedup = ""
-                if tool == "lightning" and "seconds" in entry:
+                if tool.startswith("lightning") and "seconds" in entry:
                     r["speedup_of_cudamem"] = r["seconds"] / entry["seconds"]
                     speedup = f"{r['speedup_of_cudamem']:.1f}×"
                 peer_rows.append(

@@ -239,7 +239,7 @@ def budget_answer(outcome: _steps.Outcome, model: Mapping[str, Any], ran: int) -
 def same_as_recorded(model: Mapping[str, Any], result: Mapping[str, Any]) -> bool:
     """Whether a replay ran the steps the GPU run did: as many, the OOMs at the same places."""
     recorded = model["probes"]
-    return result["steps"] == len(recorded) and result["oom_at"] == [
+    return bool(result["steps"] == len(recorded)) and result["oom_at"] == [
         k for k, p in enumerate(recorded) if p["oom"]
     ]
 

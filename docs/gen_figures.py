@@ -350,6 +350,13 @@ _FIT_LABELS = {
     "checkpointed": "checkpointed",
 }
 
+#: The fit guide's names for the peers of ``benchmarks/fit.py``.
+_PEER_LABELS = {
+    "lightning": "Lightning binsearch",
+    "lightning max_val": "Lightning binsearch, `max_val` raised",
+    "accelerate": "accelerate",
+}
+
 
 def _n(value: int | None) -> str:
     return "-" if value is None else f"{value:,}"
@@ -419,7 +426,7 @@ def fit() -> str:
             peers.append(
                 [
                     _FIT_LABELS.get(name, name),
-                    "Lightning binsearch" if tool == "lightning" else "accelerate",
+                    _PEER_LABELS.get(tool, tool),
                     f"{r['seconds']:.1f} s",
                     f"{r['trials']} / {r['ooms']}",
                     _n(r["answer"]),

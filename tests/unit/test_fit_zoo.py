@@ -51,3 +51,12 @@ def test_the_true_largest_is_exact_and_takes_few_steps(fit: Any, limit: int, sta
 
 def test_nothing_fits(fit: Any) -> None:
     assert fit.true_largest(lambda n: False, 40) == 0
+
+
+def test_lightning_runs_again_where_its_default_max_val_stops_it_short(fit: Any) -> None:
+    # the decoder (115) and ResNet-50 (961) lie well inside 8192: the default answers
+    assert fit.lightning_max_val(115) is None and fit.lightning_max_val(4096) is None
+    assert fit.lightning_max_val(None) is None
+    # the MLP (457,472 on an H100): the power of two past twice it
+    assert fit.lightning_max_val(457_472) == 1 << 20
+    assert fit.lightning_max_val(4097) == 16384
