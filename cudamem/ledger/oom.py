@@ -56,6 +56,10 @@ MAX_EVENTS = 32
 
 #: An observer event this recent (seconds) describes the exception being reported.
 EVENT_MAX_AGE = 60.0
+#: How far the live allocator's reserved bytes may stand from the message's (which rounds
+#: to two decimals of its unit) and still be the allocator the message describes.
+SAME_CACHE = 16 << 20
+SAME_CACHE_SHARE = 0.01
 
 
 _SIZE = r"([\d.]+)\s*(bytes|B|KiB|MiB|GiB|TiB)"
@@ -397,16 +401,33 @@ def build_report(
             allocated, reserved, inactive = stats.allocated, stats.reserved, stats.inactive_split
     except Exception as exc:
         notes.append(f"allocator counters unavailable: {exc!r}")
-    if allocated is None and parsed.allocated is not None:
-        allocated = parsed.allocated
-        if parsed.reserved_unallocated is not None:
-            reserved = parsed.allocated + parsed.reserved_unallocated
+    elsewhere = False
+    if parsed.allocated is not None:
+        # The message is the allocator at the failure: its figures first, the live
+        # counters only where it says nothing (and only while they still describe it).
+        said = (
+            None
+            if parsed.reserved_unallocated is None
+            else parsed.allocated + parsed.reserved_unallocated
+        )
+        if said is not None and reserved is not None:
+            elsewhere = abs(reserved - said) > max(SAME_CACHE, SAME_CACHE_SHARE * said)
+            if elsewhere:
+                notes.append(
+                    f"the allocator now holds {format_bytes(reserved)}, not the "
+                    f"{format_bytes(said)} the message states: the figures are the "
+                    "message's (another process, or memory freed since), and the cache's "
+                    "free blocks are not read"
+                )
+        allocated, reserved = parsed.allocated, said
+        if elsewhere or said is None:
+            inactive = None
 
     largest = fragmentation = None
     expandable = False
     stranded: list[StrandedCache] = []
     try:
-        segments = backend.memory_segments(device)
+        segments = None if elsewhere else backend.memory_segments(device)
         if segments is not None:
             expandable = any(s.get("is_expandable") is True for s in segments)
             largest, free_cache = largest_free(segments)

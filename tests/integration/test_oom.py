@@ -47,6 +47,13 @@ FRAG_MESSAGE = (
     "60.00 MiB is reserved by PyTorch but unallocated."
 )
 
+#: The fake allocator of ``test_fragmentation_and_stranded_streams`` as its message says it.
+HERE_MESSAGE = (
+    "CUDA out of memory. Tried to allocate 40.00 MiB. GPU 0 has a total capacity of 79.19 GiB "
+    "of which 0 bytes is free. Of the allocated memory 100.00 MiB is allocated by PyTorch, and "
+    "124.00 MiB is reserved by PyTorch but unallocated."
+)
+
 big_holder: list[torch.Tensor] = []
 
 
@@ -229,12 +236,28 @@ def test_fragmentation_and_stranded_streams(fake: OomFake) -> None:
         segment(0x7F00, [("inactive", 64 * MiB)]),  # a stream with no live block
     ]
     fake.reserved[0] = 100 * MiB + 124 * MiB
-    report = oom_report(make_oom(FRAG_MESSAGE))
+    report = oom_report(make_oom(HERE_MESSAGE))
+    assert (report.allocated, report.reserved) == (100 * MiB, 224 * MiB)
     assert report.largest_free_block == 64 * MiB
     assert report.fragmentation == pytest.approx(1 - 64 / 124)
     assert [(s.stream, s.reserved) for s in report.stranded] == [(0x7F00, 64 * MiB)]
     assert any("cached on 1 stream with no live tensor" in a for a in report.advice)
     assert "stranded cache: 64.0 MiB on stream 0x7f00" in str(report)
+
+
+def test_a_message_from_another_allocator_is_not_mixed_with_this_one(fake: OomFake) -> None:
+    """A message from another process (or before memory was freed): its card and its
+    allocator's figures, never this allocator's reserved bytes or free blocks beside them."""
+    fake.alloc(100 * MiB)
+    fake.segments = [segment(0, [("active_allocated", 20 * MiB), ("inactive", 20 * MiB)])]
+    fake.reserved[0] = 3 * GiB
+    report = oom_report(make_oom(FRAG_MESSAGE))
+    assert report.total == round(139.81 * GiB)
+    assert report.allocated == 139 * GiB and report.reserved == 139 * GiB + 60 * MiB
+    assert report.largest_free_block is None and report.fragmentation is None
+    assert report.inactive_split is None and report.stranded == ()
+    assert any("the allocator now holds 3.0 GiB, not the 139.1 GiB" in n for n in report.notes)
+    assert "3.0 GiB" not in str(report).split("note")[0]
 
 
 def test_fragmentation_advice() -> None:
