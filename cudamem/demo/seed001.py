@@ -412,15 +412,16 @@ def _judge_plain(out: dict[str, Any], device: int) -> tuple[list[Check], list[st
 _STREAM_PER_RUN = """Seed 001: a new torch.cuda.Stream per run on cuda:{device}
 
     cuBLAS keeps a workspace per handle and stream, and empty_cache() never frees it: training
-    on a new stream each run adds that run's workspaces (the forward thread's and autograd's,
-    65 MiB on an H200) to allocated, for good — one run's worth per loop."""
+    on a new stream each run adds that run's workspaces (the forward thread's and autograd's;
+    the first check below prints what they add on this card) to allocated, for good — one
+    run's worth per loop."""
 
 
 _THREAD_PER_RUN = """Seed 001: a new thread per run on cuda:{device}
 
     Each new thread asks cuBLAS for a handle; handles are pooled and handed to the next thread
-    once one ends, so a thread per run adds a workspace (32 MiB on an H200) once, then the
-    level stays flat: not a leak, and no LeakWarning."""
+    once one ends, so a thread per run adds a workspace once (the first check below prints
+    the levels on this card), then the level stays flat: not a leak, and no LeakWarning."""
 
 
 seed001_stream_per_run = _experiment("seed001-stream-per-run", _STREAM_PER_RUN, gpus=1)(
