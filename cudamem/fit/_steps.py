@@ -54,12 +54,11 @@ The rules, each a constant below:
   (1 %) of the peak allocated plus ``HEADROOM`` (64 MiB) until a confirming step ran;
   then the most the confirming steps that ran allow (each fit), never below what one that
   ran out of memory needed more than: the upper end, because another budget's answer
-  (``largest_for``) must run there too, unless a failed step's room lies within
-  ``BRACKET`` above the largest that ran: then what fits that room (the step that ran
-  may stand a percent short of the true largest, and its bound overstates the allowance:
-  the checkpointed model's 8.1 % where 7.0 % fits). On an H100 a decoder LM needs a tenth
-  of a percent, a UNet with BatchNorm 8.6 %, an LSTM 12 %, each about the same share at
-  40 % of the card as at all of it.
+  (``largest_for``) must run there too, and the share it needs there is not the whole
+  card's: on an H100 a decoder LM needs a tenth of a percent, a UNet with BatchNorm 8.7 %
+  and an LSTM 12 % at the whole card and about the same at 40 % of it, but on an H200 the
+  UNet needs 6.5 % at the whole card and 8.8 % at 40 %, and the checkpointed transformer
+  5.0 % and 6.8 %.
 * ``MAX_STEPS`` (10) step executions at most, the warm-up included.
 """
 
@@ -500,11 +499,11 @@ def _allowance(lines: Lines, ran: Sequence[Probe], available: int) -> float:
     """The share of the peak the allocator could not give back at this card's limit, from
     the confirming steps: the most that lets every one that ran fit (in ``available``, and
     in what it reserved where the allocator never freed its cache), never less than what
-    the one that ran out of memory needed more than; where a failed step's room
-    (``_bound``) lies within ``BRACKET`` above the largest that ran, what fits the room
-    instead (the step that ran may stand a percent below the true largest: the
-    checkpointed model's 1369 against 1383 read 8.1 % where 7.0 % fits); ``ALLOWANCE``
-    until a confirming step ran, at least what the failed ones needed."""
+    the one that ran out of memory needed more than; ``ALLOWANCE`` until a confirming step
+    ran, at least what the failed ones needed. The upper end, not what fits a failed
+    step's room: the share a budget of 40 % needs is not the whole card's (an H200's UNet
+    6.5 % there, 8.8 % at 40 %), and the room's allowance named a batch that ran out of
+    memory under that cap."""
     usable = available - HEADROOM
     confirms = [p for p in ran if p.role == "confirm"]
     above = [usable / lines.at(p.n) - 1.0 for p in confirms if not p.oom] + [
@@ -516,11 +515,4 @@ def _allowance(lines: Lines, ran: Sequence[Probe], available: int) -> float:
     low = max(below, default=None)
     if not above:
         return ALLOWANCE if low is None else max(ALLOWANCE, low)
-    most = min(above)
-    # A failed step's room within BRACKET above the largest that ran (the search's end):
-    # the true largest lies between them, and the room says where.
-    top = _bound(lines, ran, usable)
-    largest = max(p.n for p in confirms if not p.oom)
-    if top is not None and largest <= top <= largest + max(1, BRACKET * top):
-        most = min(most, usable / lines.at(top) - 1.0)
-    return max(0.0, most, low or 0.0)
+    return max(0.0, min(above), low or 0.0)

@@ -266,11 +266,11 @@ def test_the_request_that_failed_bounds_the_next_step() -> None:
     assert confirms[1] == int(room * (1 - AIM_BELOW)) < int(confirms[0] * (1 - STEP_DOWN))
     assert card.fits(confirms[1]) and len(confirms) == 2  # six steps in all
     assert truth * 0.97 <= max(p.n for p in out.fitted) <= truth
-    # the allowance is what fits the room, not the most the step that ran allows (it
-    # stands short of the true largest): another budget's answer comes from the room
+    # the allowance is the most the step that ran allows (the upper end: another budget's
+    # answer must run there too), not what fits the room
     assert out.lines is not None
-    assert out.allowance == usable / out.lines.at(room) - 1
-    assert out.allowance < usable / out.lines.at(confirms[1]) - 1
+    assert out.allowance == usable / out.lines.at(confirms[1]) - 1
+    assert out.allowance > usable / out.lines.at(room) - 1
 
 
 def test_after_the_first_failure_the_next_step_aims_under_its_room() -> None:
