@@ -308,7 +308,7 @@ def probe(step: Mapping[str, Any]) -> Probe:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     here = os.path.dirname(os.path.abspath(__file__))
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--zoo", default=os.path.join(here, "results", "fit-zoo.json"))
+    parser.add_argument("--zoo", default=os.path.join(here, "results", "fit-zoo-712b113.json"))
     parser.add_argument("--out", default=os.path.join(here, "results", "fit-replay.json"))
     args = parser.parse_args(argv)
     with open(args.zoo) as fh:

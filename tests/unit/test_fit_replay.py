@@ -14,7 +14,7 @@ from cudamem.fit import _steps
 
 from ..benchmark_import import BENCHMARKS, benchmark
 
-ZOO = os.path.join(BENCHMARKS, "results", "fit-zoo.json")
+ZOO = os.path.join(BENCHMARKS, "results", "fit-zoo-712b113.json")
 #: The models whose GPU run the replay of today's rules reproduces step for step (the MLP's
 #: probes grew from peaks the replay interpolates; ConvNeXt's first confirming step ran
 #: 5 samples under the true largest, where the interpolated line puts it past).
@@ -117,3 +117,18 @@ def test_reading_the_room_over_the_record(replay: Any, zoo: dict[str, Any]) -> N
     before = {name: replay.replay(model, {"READ_ROOM": False}) for name, model in zoo.items()}
     assert all(results[name]["steps"] <= before[name]["steps"] for name in zoo)
     assert before["lstm"]["short"] > 0.03
+
+
+def test_todays_rules_replay_the_latest_record(replay: Any) -> None:
+    """``fit-zoo.json`` (the fit guide's table) merges runs of one H100: the models whose
+    confirming steps failed ran at f197fe5, today's rules, and the replay of those rules
+    runs the steps the GPU ran (the UNet's three failures included)."""
+    with open(os.path.join(BENCHMARKS, "results", "fit-zoo.json")) as fh:
+        latest: dict[str, Any] = json.load(fh)
+    assert {run["commit"] for run in latest["runs"]} == {"712b113", "f197fe5"}
+    for name in ("resnet50", "lstm", "unet", "checkpointed"):
+        model = latest["models"][name]
+        assert model["commit"] == "f197fe5"
+        result = replay.replay(model, replay.VARIANTS["as landed"])
+        assert replay.same_as_recorded(model, result), (name, result)
+    assert replay.replay(latest["models"]["unet"], {})["ooms"] == 3
