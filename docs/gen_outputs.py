@@ -226,15 +226,23 @@ _VARYING = [
 _BYTES = re.compile(r"[-+]?\d+(?:\.\d+)? (?:B|KiB|MiB|GiB|TiB)\b")
 _WORKER_PID = re.compile(r"^(\s*\d+\s+)\d+(?=\s+<bytes>)", re.M)  # worker tables: index, pid
 _MEASURED = re.compile(r"(--8<-- \[start:measured-[^\]]*\])(.*?)(--8<-- \[end:)", re.S)
+#: A worker table's state column (``exited`` / ``running``): whether the watcher's last look
+#: came after a finished loader's workers exited is the OS's timing, as their bytes are.
+_STATE_HEADER = re.compile(r"^(\s*worker\s+pid\b[^\n]*?)\s+state\n(\s*[- ]*?-)\s+-+$", re.M)
+_STATE_CELL = re.compile(r"^(\s*\d+\s+\d+\s[^\n]*?)\s+(?:exited|running)$", re.M)
+
+
+def _measured(section: str) -> str:
+    """A ``measured-`` section's OS figures replaced: bytes, worker pids, worker states."""
+    section = _STATE_CELL.sub(r"\1", _STATE_HEADER.sub(r"\1\n\2", section))
+    return _WORKER_PID.sub(r"\1<pid>", _BYTES.sub("<bytes>", section))
 
 
 def normalise(text: str) -> str:
     """``text`` with what differs between two honest runs (timings, addresses, pids, column
-    widths, the byte figures of ``measured-`` sections) replaced, and nothing else: byte
-    counts, holder paths and counts stay."""
-    text = _MEASURED.sub(
-        lambda m: m[1] + _WORKER_PID.sub(r"\1<pid>", _BYTES.sub("<bytes>", m[2])) + m[3], text
-    )
+    widths, the byte figures and worker states of ``measured-`` sections) replaced, and
+    nothing else: byte counts, holder paths and counts stay."""
+    text = _MEASURED.sub(lambda m: m[1] + _measured(m[2]) + m[3], text)
     for pattern, replacement in _VARYING:
         text = pattern.sub(replacement, text)
     return "\n".join(line.rstrip() for line in text.splitlines()).strip() + "\n"

@@ -124,6 +124,19 @@ def test_normalise_keeps_what_matters() -> None:
     assert n(measured.format("1 B", "1 B", "")) != n(
         measured.format("1 B", "1 B", "").replace("USS", "RSS")
     )
+    # a finished loader's workers: whether the last look saw them exit is the OS's timing
+    table = (
+        "--8<-- [start:measured-r]\n"
+        "    worker    pid  USS first       USS{state_h}\n"
+        "    ------  -----  ---------  --------{state_d}\n"
+        "         0  15679   12.2 MiB  36.7 MiB{state}\n"
+        "--8<-- [end:measured-r]\n"
+    )
+    plain = table.format(state_h="", state_d="", state="")
+    exited = table.format(state_h="  state", state_d="  ------", state="  exited")
+    assert n(plain) == n(exited)
+    assert n(plain) != n(exited.replace("15679   12.2 MiB", "15679   12.2 MiB  1.0 MiB"))
+    assert n(plain.replace("measured-r", "report")) != n(exited.replace("measured-r", "report"))
 
 
 def test_to_snippets_turns_markers_into_sections() -> None:
