@@ -23,8 +23,8 @@ steps as the GPU did (same count, the out-of-memory steps at the same places in 
 where it does not, the replay of that model says little about the other variants.
 
 Each replay also names the batch for the record's smaller budget (``budget_answer``: what
-``largest_for(cap, margin=0)`` names from the replayed plan's line and allowance), against
-the true largest the GPU found under that cap.
+``MemoryPlan.largest_for(cap, margin=0)`` names from the replayed plan), against the true
+largest the GPU found under that cap.
 
 Beside the variants, ``failures`` reads each confirming step that ran out of memory on the GPU:
 its message (what the process had in use, what was free, what it tried to allocate), what it
@@ -43,7 +43,7 @@ import contextlib
 import json
 import os
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -53,8 +53,8 @@ from _common import emit
 
 from cudamem.base.format import format_bytes
 from cudamem.fit import _steps
-from cudamem.fit._terms import HEADROOM, UNCONFIRMED, largest_under, required, terms_for
-from cudamem.fit.memory_plan import Probe
+from cudamem.fit._terms import HEADROOM, terms_for
+from cudamem.fit.memory_plan import MemoryPlan, NotLinearError, Probe
 from cudamem.ledger.oom import parse_oom_message
 from cudamem.render.text import render_table
 
@@ -188,10 +188,12 @@ def replay(model: Mapping[str, Any], constants: Mapping[str, float]) -> dict[str
     how far short of the true largest it is."""
     truth = Truth(model)
     steps: list[tuple[int, str, bool]] = []
+    probes: list[Probe] = []
 
     def run(size: _steps.Size, role: str, profile: bool) -> Probe:
         probe = truth.run(size, role, profile)
         steps.append((size.n, role, probe.oom))
+        probes.append(probe)
         return probe
 
     with rules(constants):
@@ -207,7 +209,7 @@ def replay(model: Mapping[str, Any], constants: Mapping[str, float]) -> dict[str
     ran = [n for n, role, oom in steps if not oom and role != "warm-up"]
     named = max(ran, default=0)
     short = (truth.true_largest - named) / truth.true_largest if truth.true_largest else 0.0
-    under_cap = budget_answer(outcome, model, named)
+    under_cap = budget_answer(outcome, probes, model)
     return {
         "steps": len(steps),
         "ooms": sum(oom for _, _, oom in steps),
@@ -221,17 +223,32 @@ def replay(model: Mapping[str, Any], constants: Mapping[str, float]) -> dict[str
     }
 
 
-def budget_answer(outcome: _steps.Outcome, model: Mapping[str, Any], ran: int) -> dict[str, Any]:
-    """What ``largest_for(cap, margin=0)`` names from ``outcome`` for the record's smaller
-    budget (``model["budget"]``: the cap and the true largest under it), as
-    ``MemoryPlan._largest`` does for a budget no step ran at: the line with the allowance,
-    ``UNCONFIRMED`` of the budget in reserve, never past the largest step that ran."""
+def budget_answer(
+    outcome: _steps.Outcome, probes: Sequence[Probe], model: Mapping[str, Any]
+) -> dict[str, Any]:
+    """What ``largest_for(cap, margin=0)`` names for the record's smaller budget
+    (``model["budget"]``: the cap and the true largest under it), asked of the plan the
+    replayed ``outcome`` and ``probes`` make: ``MemoryPlan`` answers, as on the GPU."""
     cap = model.get("budget") or {}
-    if outcome.lines is None or "bytes" not in cap:
-        return {}
     lines = outcome.lines
-    budget = float(cap["bytes"]) * (1 - UNCONFIRMED)
-    named = min(largest_under(lambda n: required(lines.at(n), outcome.allowance), budget), ran)
+    if lines is None or "bytes" not in cap:
+        return {}
+    plan = MemoryPlan(
+        0,
+        tuple(probes),
+        lines.allocated,
+        lines.reserved,
+        1.0,
+        outcome.check,
+        phase_lines=lines.phases,
+        allowance=outcome.allowance,
+        available=int(model["available"]),
+        confirm=True,
+    )
+    try:
+        named = plan.largest_for(int(cap["bytes"]), margin=0.0).n
+    except NotLinearError:
+        return {}
     true = int(cap["true_largest"])
     return {"cap_named": named, "cap_true_largest": true, "cap_short": (true - named) / true}
 

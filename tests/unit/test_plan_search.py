@@ -292,8 +292,10 @@ class EarlyCard(HeadCard):
     many mid-sized tensors): the first failure says it had reserved ``early`` of what it
     needed, so its room lies past the true largest."""
 
-    def __init__(self, early: float, *args: int | float) -> None:
-        super().__init__(*args)  # type: ignore[arg-type]
+    def __init__(
+        self, early: float, fixed: int, body: int, head: int, stranded: float, memory: int
+    ) -> None:
+        super().__init__(fixed, body, head, stranded, memory)
         self.early = early
         self.failures = 0
 
