@@ -64,7 +64,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -250,10 +250,12 @@ class ViT(nn.Module):
 
 
 class LSTMLM(nn.Module):
-    def __init__(self, vocab: int, embed: int, hidden: int, layers: int) -> None:
+    def __init__(
+        self, vocab: int, embed: int, hidden: int, layers: int, cell: type[nn.RNNBase] = nn.LSTM
+    ) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, embed)
-        self.lstm = nn.LSTM(embed, hidden, layers, batch_first=True)
+        self.lstm = cell(embed, hidden, layers, batch_first=True)
         self.head = nn.Linear(hidden, vocab)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -439,6 +441,76 @@ def _mlp(device: torch.device, small: bool) -> Parts:
     return Parts(model, loss, scaled=True)
 
 
+# Held out: models no rule of ``cudamem.fit._steps`` was tuned on (``--held-out``), from
+# transformers' and timm's own code, to test the rules where they were not fitted.
+
+
+def _gpt2(device: torch.device, small: bool) -> Parts:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    seq = 16 if small else 512
+    if small:
+        config: Any = transformers.GPT2Config(
+            vocab_size=128, n_positions=32, n_embd=64, n_layer=2, n_head=4
+        )
+    else:
+        config = transformers.GPT2Config()  # GPT-2 small: 124 M, vocab 50257, tied head
+    model = transformers.GPT2LMHeadModel(config).to(device)
+    vocab = config.vocab_size
+
+    def loss(n: int) -> torch.Tensor:
+        ids = torch.randint(0, vocab, (n, seq), device=device)
+        with _autocast(device, True):
+            return model(input_ids=ids, labels=ids).loss  # type: ignore[no-any-return]
+
+    return Parts(model, loss)
+
+
+def _t5(device: torch.device, small: bool) -> Parts:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    source, target = (16, 8) if small else (512, 128)
+    if small:
+        config: Any = transformers.T5Config(
+            vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4
+        )
+    else:
+        config = transformers.T5Config()  # t5-small: d 512, 6 + 6 layers, vocab 32128
+    config.pad_token_id = config.decoder_start_token_id = 0  # as t5-small's own config
+    model = transformers.T5ForConditionalGeneration(config).to(device)
+    vocab = config.vocab_size
+
+    def loss(n: int) -> torch.Tensor:
+        ids = torch.randint(0, vocab, (n, source), device=device)
+        labels = torch.randint(0, vocab, (n, target), device=device)
+        return model(input_ids=ids, labels=labels).loss  # type: ignore[no-any-return]
+
+    return Parts(model, loss)
+
+
+def _timm(name: str, tiny: Mapping[str, Any]) -> Callable[[torch.device, bool], Parts]:
+    """timm's ``name`` at 224² (``tiny``: the keyword arguments that shrink it for a smoke
+    step), no weights, bf16 autocast."""
+
+    def make(device: torch.device, small: bool) -> Parts:
+        import timm  # type: ignore[import-not-found, unused-ignore]
+
+        kwargs = dict(tiny) if small else {}
+        image = int(kwargs.pop("image", 224))
+        model = timm.create_model(name, pretrained=False, num_classes=1000, **kwargs).to(device)
+        return Parts(model, _image_loss(model, device, image, 1000, bf16=True))
+
+    return make
+
+
+def _gru(device: torch.device, small: bool) -> Parts:
+    vocab, embed, hidden, seq = (64, 16, 32, 8) if small else (16384, 256, 768, 384)
+    model = LSTMLM(vocab, embed, hidden, 3, cell=nn.GRU).to(device)
+    return Parts(model, _lm_loss(model, device, vocab, seq, bf16=True))
+
+
 @dataclass(frozen=True)
 class Spec:
     label: str
@@ -458,13 +530,37 @@ MODELS: dict[str, Spec] = {
     "mlp": Spec("MLP 6×4096 bf16 + GradScaler", _mlp),
     "checkpointed": Spec("transformer, checkpointed @512", _checkpointed),
 }
+#: Models held out of the rules' tuning: ``--held-out`` runs them (not in the default zoo).
+HELD_OUT: dict[str, Spec] = {
+    "gpt2": Spec("GPT-2 small (transformers) bf16 @512", _gpt2, ("transformers",)),
+    "t5": Spec("T5-small (transformers) 512 -> 128", _t5, ("transformers",)),
+    "efficientnet": Spec(
+        "EfficientNet-B0 (timm) bf16 @224",
+        _timm("efficientnet_b0", {"image": 32, "width_multiplier": 0.25}),
+        ("timm",),
+    ),
+    "swin": Spec(
+        "Swin-T (timm) bf16 @224",
+        _timm(
+            "swin_tiny_patch4_window7_224",
+            {"embed_dim": 16, "depths": (1, 1, 1, 1), "num_heads": (1, 1, 1, 1)},
+        ),
+        ("timm",),
+    ),
+    "gru": Spec("GRU 3×768 bf16 @384", _gru),
+}
 QUICK = ("mlp", "decoder", "convnext")
 PEERS = ("decoder", "resnet50", "mlp")
 
 
 def parts(name: str, device: Device = "cuda", small: bool = False) -> Parts:
     torch.manual_seed(0)
-    return MODELS[name].make(torch.device(device), small)
+    return spec(name).make(torch.device(device), small)
+
+
+def spec(name: str) -> Spec:
+    """The zoo's model ``name``, or a held-out one."""
+    return MODELS[name] if name in MODELS else HELD_OUT[name]
 
 
 def train_step(model: nn.Module, loss: Loss, opt: torch.optim.Optimizer, scaled: bool) -> Step:
@@ -882,7 +978,14 @@ def run_smoke(names: Iterable[str]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--models", nargs="*", choices=list(MODELS), help="only these models")
+    parser.add_argument(
+        "--models", nargs="*", choices=[*MODELS, *HELD_OUT], help="only these models"
+    )
+    parser.add_argument(
+        "--held-out",
+        action="store_true",
+        help=f"the models held out of the rules' tuning: {', '.join(HELD_OUT)}",
+    )
     parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
     parser.add_argument(
         "--peers",
@@ -896,7 +999,9 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/fit-zoo.json")
     parser.add_argument("--smoke", action="store_true", help="one tiny step of each on the CPU")
     args = parser.parse_args()
-    models = args.models or (list(QUICK) if args.quick else list(MODELS))
+    models = args.models or (
+        list(QUICK) if args.quick else list(HELD_OUT) if args.held_out else list(MODELS)
+    )
     if args.smoke:
         run_smoke(models)
         return
@@ -920,8 +1025,8 @@ def main() -> None:
     peer_rows: list[list[str]] = []
     began = time.perf_counter()
     for name in models:
-        log(f"[{name}] {MODELS[name].label}")
-        entry: dict[str, Any] = {"label": MODELS[name].label}
+        log(f"[{name}] {spec(name).label}")
+        entry: dict[str, Any] = {"label": spec(name).label, "held_out": name in HELD_OUT}
         try:
             entry["prime_seconds"] = prime(name)
             entry.update(run_cudamem(name, args.fraction))
