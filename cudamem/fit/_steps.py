@@ -102,8 +102,8 @@ CONFIRM_CLOSE = 0.01
 STEP_DOWN = 0.05
 BRACKET = 0.015
 AIM_BELOW = 0.01
-#: Whether a failed step's request bounds the next (``_room``); off, the search the zoo
-#: record of ``benchmarks/results/fit-zoo.json`` ran (``benchmarks/fit_replay.py`` replays both).
+#: Whether a failed step's request bounds the next (``_room``); off, the search before the
+#: room was read (``benchmarks/fit_replay.py``'s "no room read" variant replays it).
 READ_ROOM = True
 #: Whether the step after the first failure aims under its room even above the 5 % step
 #: down (``_after_failure``); off, the search of the 712b113 zoo record (the room only

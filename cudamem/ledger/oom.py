@@ -419,7 +419,17 @@ def build_report(
                     "message's (another process, or memory freed since), and the cache's "
                     "free blocks are not read"
                 )
-        allocated, reserved = parsed.allocated, said
+        if said is None and reserved is not None:
+            if reserved < parsed.allocated:
+                reserved = None  # less than the message allocated: not the allocator that failed
+            else:
+                notes.append(
+                    "the message states no reserved bytes: the reserved figure is the "
+                    "allocator's now"
+                )
+        else:
+            reserved = said
+        allocated = parsed.allocated
         if elsewhere or said is None:
             inactive = None
 
@@ -457,7 +467,11 @@ def build_report(
 
     non_pytorch = others = None
     if parsed.process_in_use is not None:
-        pt_reserved = (parsed.allocated or 0) + (parsed.reserved_unallocated or 0)
+        pt_reserved = (
+            reserved
+            if parsed.reserved_unallocated is None and reserved is not None
+            else (parsed.allocated or 0) + (parsed.reserved_unallocated or 0)
+        )
         non_pytorch = max(parsed.process_in_use - pt_reserved, 0)
         if parsed.total is not None and parsed.free is not None:
             others = max(parsed.total - parsed.free - parsed.process_in_use, 0)

@@ -260,6 +260,38 @@ def test_a_message_from_another_allocator_is_not_mixed_with_this_one(fake: OomFa
     assert "3.0 GiB" not in str(report).split("note")[0]
 
 
+#: A message that states what PyTorch allocated but not what it reserved (a trimmed or
+#: reworded message: the "reserved by PyTorch but unallocated" clause cut off).
+NO_RESERVED_MESSAGE = (
+    "CUDA out of memory. Tried to allocate 40.00 MiB. GPU 0 has a total capacity of 139.81 GiB "
+    "of which 0 bytes is free. Including non-PyTorch memory, this process has 1.00 GiB memory "
+    "in use. Of the allocated memory 100.00 MiB is allocated by PyTorch."
+)
+
+
+def test_a_message_without_reserved_bytes_keeps_the_allocators_own(fake: OomFake) -> None:
+    """The message's allocated bytes, the live reserved bytes beside them (said so), and the
+    process's non-PyTorch bytes counted against what is reserved, not only allocated."""
+    fake.alloc(100 * MiB)
+    fake.reserved[0] = 224 * MiB
+    report = oom_report(make_oom(NO_RESERVED_MESSAGE))
+    assert (report.allocated, report.reserved) == (100 * MiB, 224 * MiB)
+    assert report.inactive_split is None
+    assert any("states no reserved bytes" in n for n in report.notes)
+    assert report.non_pytorch == 1 * GiB - 224 * MiB
+
+
+def test_a_message_without_reserved_bytes_from_a_larger_allocator_keeps_none(
+    fake: OomFake,
+) -> None:
+    # this allocator reserves less than the message's allocated: another allocator failed
+    fake.alloc(10 * MiB)
+    fake.reserved[0] = 20 * MiB
+    report = oom_report(make_oom(NO_RESERVED_MESSAGE.replace("100.00 MiB is", "2.00 GiB is")))
+    assert report.allocated == 2 * GiB and report.reserved is None
+    assert not any("states no reserved bytes" in n for n in report.notes)
+
+
 def test_fragmentation_advice() -> None:
     advice = _advice(
         requested=40 * MiB,
