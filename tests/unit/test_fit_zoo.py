@@ -35,6 +35,24 @@ def test_one_tiny_step_of_each_model_runs_on_the_cpu(fit: Any, name: str) -> Non
     assert result["params"] > 0 and result["changed"] == result["params"], result
 
 
+HELD_OUT = ("gpt2", "t5", "efficientnet", "swin", "gru")
+
+
+def test_the_held_out_models_are_apart_from_the_zoo(fit: Any) -> None:
+    assert tuple(fit.HELD_OUT) == HELD_OUT
+    assert not set(HELD_OUT) & set(fit.MODELS)
+    assert fit.spec("gpt2") is fit.HELD_OUT["gpt2"] and fit.spec("unet") is fit.MODELS["unet"]
+
+
+@pytest.mark.parametrize("name", HELD_OUT)
+def test_one_tiny_step_of_each_held_out_model_runs_on_the_cpu(fit: Any, name: str) -> None:
+    for package in fit.HELD_OUT[name].needs:
+        pytest.importorskip(package)
+    result = fit.smoke(name)
+    assert result["finite"], result
+    assert result["params"] > 0 and result["changed"] == result["params"], result
+
+
 @pytest.mark.parametrize(("limit", "start"), [(1000, 1000), (1000, 970), (1000, 1200), (17, 3)])
 def test_the_true_largest_is_exact_and_takes_few_steps(fit: Any, limit: int, start: int) -> None:
     tried: list[int] = []
