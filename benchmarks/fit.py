@@ -536,7 +536,7 @@ HELD_OUT: dict[str, Spec] = {
     "t5": Spec("T5-small (transformers) 512 -> 128", _t5, ("transformers",)),
     "efficientnet": Spec(
         "EfficientNet-B0 (timm) bf16 @224",
-        _timm("efficientnet_b0", {"image": 32, "width_multiplier": 0.25}),
+        _timm("efficientnet_b0", {"image": 32}),
         ("timm",),
     ),
     "swin": Spec(

@@ -337,6 +337,8 @@ def scalars() -> str:
 
 #: The zoo run the fit guide quotes (``python benchmarks/fit.py --out ...``).
 FIT_JSON = "fit-zoo.json"
+#: The models held out of the rules' tuning (``python benchmarks/fit.py --held-out``).
+FIT_HELD_OUT_JSON = "fit-held-out.json"
 
 _FIT_LABELS = {
     "decoder": "decoder LM",
@@ -348,6 +350,11 @@ _FIT_LABELS = {
     "unet": "UNet",
     "mlp": "MLP, GradScaler",
     "checkpointed": "checkpointed",
+    "gpt2": "GPT-2 small",
+    "t5": "T5-small",
+    "efficientnet": "EfficientNet-B0",
+    "swin": "Swin-T",
+    "gru": "GRU",
 }
 
 #: The fit guide's names for the peers of ``benchmarks/fit.py``.
@@ -372,9 +379,9 @@ def _yes(value: bool | None) -> str:
     return "-" if value is None else "yes" if value else "ran out"
 
 
-def fit() -> str:
-    data = _load(FIT_JSON)
-    machine = data["machine"]
+def _zoo(data: dict[str, Any]) -> str:
+    """The table of a zoo run: per model, the plan's time, steps, answers, the true largest,
+    and the answer under the smaller budget."""
     rows = []
     for name, m in data["models"].items():
         if "largest_0" not in m:
@@ -398,7 +405,7 @@ def fit() -> str:
             ]
         )
     fraction = f"{data['fraction']:.0%}".replace("%", " %")
-    zoo = _table(
+    return _table(
         [
             "model",
             "plan",
@@ -414,6 +421,12 @@ def fit() -> str:
         ],
         rows,
     )
+
+
+def fit() -> str:
+    data = _load(FIT_JSON)
+    machine = data["machine"]
+    zoo = _zoo(data)
     peers = []
     for name, tools in data.get("peers", {}).items():
         truth = data["models"].get(name, {}).get("true_largest")
@@ -450,7 +463,21 @@ def fit() -> str:
             for commit, models in by_commit.items()
         )
     source = _measured_on(machine, how, FIT_JSON)
-    return _sections({"source": source, "zoo": zoo, "peers": peer_table})
+    held = _load(FIT_HELD_OUT_JSON)
+    held_source = _measured_on(
+        held["machine"],
+        f"at {held['commit']}, TF32 matmuls; `python benchmarks/fit.py --held-out`",
+        FIT_HELD_OUT_JSON,
+    )
+    return _sections(
+        {
+            "source": source,
+            "zoo": zoo,
+            "peers": peer_table,
+            "held-out-source": held_source,
+            "held-out": _zoo(held),
+        }
+    )
 
 
 GENERATORS: dict[str, Callable[[], str]] = {
