@@ -536,7 +536,7 @@ HELD_OUT: dict[str, Spec] = {
     "t5": Spec("T5-small (transformers) 512 -> 128", _t5, ("transformers",)),
     "efficientnet": Spec(
         "EfficientNet-B0 (timm) bf16 @224",
-        _timm("efficientnet_b0", {"image": 32}),
+        _timm("efficientnet_b0", {"image": 64}),
         ("timm",),
     ),
     "swin": Spec(
