@@ -1,0 +1,150 @@
+"""What ``cudamem.plan`` spends on garbage collection beyond its steps, with the heap it
+found frozen after its first full collection (today) and without (``gc.freeze`` not used),
+in a process that imported transformers and lightning (their heap: what a full collection
+walks).
+
+The steps are the fake allocator's of ``tests/fakes.py`` (instant: what is left is the
+plan's own work): a training step whose first call creates 300 MiB of optimizer state (the
+allocated level rises, so the plan runs a second full collection after the warm-up, as on
+the GPU) and whose peak is 1000 MiB + 50 MiB x n. Rounds interleave the two ways; each
+reports the plan's time and the time in full collections after the first, median and range.
+On the GPU the same collections cost the same (they walk the same Python heap): the plan's
+profile there is in ``docs/design.md`` ("Held out, and where the time beyond the steps went").
+
+Usage: ``python benchmarks/plan_gc.py [--rounds 7] [--out benchmarks/results/plan-gc.json]``.
+No GPU; about ten seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from _common import emit, fmt_seconds, median, spread
+
+import cudamem
+from cudamem.allocator import backend as _backend
+from cudamem.fit import planner
+from tests.fakes import FakeAllocator
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+class Card(FakeAllocator):
+    """The fake allocator with a capacity: what its reserved leaves is free."""
+
+    total = 80 * GiB
+
+    def mem_get_info(self, device: int) -> tuple[int, int] | None:
+        return (self.total - self.reserved[device], self.total)
+
+
+def heap() -> dict[str, Any]:
+    """Import what a training process imports (where installed); the heap's size."""
+    imported = []
+    for name in ("transformers", "lightning"):
+        with contextlib.suppress(ImportError):
+            __import__(name)
+            imported.append(name)
+    gc.collect()
+    return {"imported": imported, "objects": len(gc.get_objects())}
+
+
+@contextlib.contextmanager
+def counted_collections() -> Iterator[list[tuple[int, float]]]:
+    """Every ``gc.collect`` call while inside: (generation, seconds)."""
+    real = gc.collect
+    calls: list[tuple[int, float]] = []
+
+    def timed(generation: int = 2) -> int:
+        start = time.perf_counter()
+        found = real(generation)
+        calls.append((generation, time.perf_counter() - start))
+        return found
+
+    gc.collect = timed  # type: ignore[assignment]
+    try:
+        yield calls
+    finally:
+        gc.collect = real  # type: ignore[assignment]
+
+
+def one_plan(frozen: bool) -> tuple[float, float, int]:
+    """(the plan's seconds, seconds in full collections after the first, their count)."""
+    card = Card()
+    made: list[int] = []
+
+    def step(n: int) -> None:
+        if not made:
+            card.alloc(300 * MiB)  # the optimizer state, kept
+            made.append(1)
+        peak = 1000 * MiB + 50 * MiB * n
+        card.alloc(peak)
+        card.free(peak)
+
+    saved = planner._frozen_heap
+    if not frozen:
+        planner._frozen_heap = lambda: contextlib.nullcontext(False)  # type: ignore[assignment]
+    try:
+        with _backend.use(card), counted_collections() as calls:
+            start = time.perf_counter()
+            cudamem.plan(step)
+            seconds = time.perf_counter() - start
+    finally:
+        planner._frozen_heap = saved
+    full = [s for generation, s in calls if generation == 2][1:]
+    return seconds, sum(full), len(full)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--out", default="benchmarks/results/plan-gc.json")
+    args = parser.parse_args(argv)
+    found = heap()
+    ways: dict[str, Callable[[], tuple[float, float, int]]] = {
+        "frozen (today)": lambda: one_plan(True),
+        "not frozen": lambda: one_plan(False),
+    }
+    runs: dict[str, list[tuple[float, float, int]]] = {name: [] for name in ways}
+    for _ in range(args.rounds):
+        for name, way in ways.items():
+            runs[name].append(way())
+    rows, data = [], {}
+    for name, results in runs.items():
+        plan_s = [r[0] for r in results]
+        later = [r[1] for r in results]
+        counts = sorted({r[2] for r in results})
+        rows.append([name, fmt_seconds(plan_s), fmt_seconds(later), ", ".join(map(str, counts))])
+        data[name] = {
+            "plan_seconds": plan_s,
+            "later_full_collection_seconds": later,
+            "median_plan_seconds": median(plan_s),
+            "range_plan_seconds": spread(plan_s),
+            "median_later_full_seconds": median(later),
+            "later_full_collections": counts,
+        }
+    result = {"heap": found, "rounds": args.rounds, "ways": data}
+    emit(
+        f"cudamem.plan's collections beyond its steps ({found['objects']:,} objects; "
+        f"imported: {', '.join(found['imported']) or 'nothing more'})",
+        ["way", "plan (fake steps)", "full collections after the first", "how many"],
+        rows,
+        result,
+        args.out,
+    )
+    return result
+
+
+if __name__ == "__main__":
+    main()
