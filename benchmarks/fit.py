@@ -250,16 +250,18 @@ class ViT(nn.Module):
 
 
 class LSTMLM(nn.Module):
+    """An RNN language model: embedding, ``cell`` (an LSTM, or a GRU), a linear head."""
+
     def __init__(
         self, vocab: int, embed: int, hidden: int, layers: int, cell: type[nn.RNNBase] = nn.LSTM
     ) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, embed)
-        self.lstm = cell(embed, hidden, layers, batch_first=True)
+        self.rnn = cell(embed, hidden, layers, batch_first=True)
         self.head = nn.Linear(hidden, vocab)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        out, _ = self.lstm(self.embed(ids))
+        out, _ = self.rnn(self.embed(ids))
         return self.head(out)
 
 
@@ -373,13 +375,20 @@ def _encoder(device: torch.device, small: bool) -> Parts:
         config = transformers.BertConfig()
     config._attn_implementation = "sdpa"
     model = transformers.BertForMaskedLM(config).to(device)
-    vocab = config.vocab_size
+    return Parts(model, _labelled_loss(model, device, config.vocab_size, seq, bf16=False))
+
+
+def _labelled_loss(
+    model: nn.Module, device: torch.device, vocab: int, seq: int, bf16: bool
+) -> Loss:
+    """A transformers LM's own loss (``labels=`` the input ids) on ``n`` random sequences."""
 
     def loss(n: int) -> torch.Tensor:
         ids = torch.randint(0, vocab, (n, seq), device=device)
-        return model(input_ids=ids, labels=ids).loss  # type: ignore[no-any-return]
+        with _autocast(device, bf16):
+            return model(input_ids=ids, labels=ids).loss  # type: ignore[no-any-return]
 
-    return Parts(model, loss)
+    return loss
 
 
 def _resnet50(device: torch.device, small: bool) -> Parts:
@@ -457,14 +466,7 @@ def _gpt2(device: torch.device, small: bool) -> Parts:
     else:
         config = transformers.GPT2Config()  # GPT-2 small: 124 M, vocab 50257, tied head
     model = transformers.GPT2LMHeadModel(config).to(device)
-    vocab = config.vocab_size
-
-    def loss(n: int) -> torch.Tensor:
-        ids = torch.randint(0, vocab, (n, seq), device=device)
-        with _autocast(device, True):
-            return model(input_ids=ids, labels=ids).loss  # type: ignore[no-any-return]
-
-    return Parts(model, loss)
+    return Parts(model, _labelled_loss(model, device, config.vocab_size, seq, bf16=True))
 
 
 def _t5(device: torch.device, small: bool) -> Parts:
