@@ -627,20 +627,23 @@ def plan(
     if backend.device_count() == 0:
         return _unmeasured_plan("no CUDA device")
     index = backend.current_device() if device is None else resolve_device(device)
-    return _collect(
-        step,
-        backend,
-        index,
-        fitted,
-        probe_lengths,
-        check_size,
-        model,
-        optimizer,
-        restore,
-        modules,
-        confirm,
-        most,
-    )
+    runner = _Runner(step, backend, index, probe_lengths is not None)
+    runner.settle()  # a full collection: the garbage of before the plan, before the freeze
+    start_allocated = backend.read(index).allocated
+    with _frozen_heap():
+        return _collect(
+            runner,
+            start_allocated,
+            fitted,
+            probe_lengths,
+            check_size,
+            model,
+            optimizer,
+            restore,
+            modules,
+            confirm,
+            most,
+        )
 
 
 def _schedule(sizes: tuple[int, ...], lengths: tuple[int, ...] | None) -> list[Size]:
@@ -651,40 +654,6 @@ def _schedule(sizes: tuple[int, ...], lengths: tuple[int, ...] | None) -> list[S
 
 
 def _collect(
-    step: Callable[..., Any],
-    backend: _backend_base.Backend,
-    device: int,
-    sizes: tuple[int, ...],
-    lengths: tuple[int, ...] | None,
-    check_size: Size | None,
-    model: torch.nn.Module | None,
-    optimizer: torch.optim.Optimizer | None,
-    restore: bool,
-    modules: bool,
-    confirm: bool,
-    max_batch: int | None,
-) -> MemoryPlan:
-    length_axis = lengths is not None
-    runner = _Runner(step, backend, device, length_axis)
-    runner.settle()  # a full collection: the garbage of before the plan, before the freeze
-    start_allocated = backend.read(device).allocated
-    with _frozen_heap():
-        return _measure(
-            runner,
-            start_allocated,
-            sizes,
-            lengths,
-            check_size,
-            model,
-            optimizer,
-            restore,
-            modules,
-            confirm,
-            max_batch,
-        )
-
-
-def _measure(
     runner: _Runner,
     start_allocated: int,
     sizes: tuple[int, ...],

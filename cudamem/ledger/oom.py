@@ -467,9 +467,10 @@ def build_report(
 
     non_pytorch = others = None
     if parsed.process_in_use is not None:
+        # ``reserved`` is the message's where it states it, else the live allocator's
         pt_reserved = (
             reserved
-            if parsed.reserved_unallocated is None and reserved is not None
+            if reserved is not None
             else (parsed.allocated or 0) + (parsed.reserved_unallocated or 0)
         )
         non_pytorch = max(parsed.process_in_use - pt_reserved, 0)
