@@ -451,17 +451,7 @@ def fit() -> str:
         ["model", "tool", "time", "trials / OOMs", "answer", "off the true largest", "plan faster"],
         peers,
     )
-    how = "TF32 matmuls; `python benchmarks/fit.py`"
-    runs = data.get("runs") or []
-    if runs:
-        # a record merged from runs of one card: say which model ran at which commit
-        by_commit: dict[str, list[str]] = {}
-        for run in runs:
-            by_commit.setdefault(run["commit"], []).extend(run["models"])
-        how += "; " + "; ".join(
-            f"at {commit}: {' / '.join(_FIT_LABELS.get(m, m) for m in models)}"
-            for commit, models in by_commit.items()
-        )
+    how = f"at {data['commit']}, TF32 matmuls; `python benchmarks/fit.py`"
     source = _measured_on(machine, how, FIT_JSON)
     held = _load(FIT_HELD_OUT_JSON)
     held_source = _measured_on(

@@ -120,15 +120,16 @@ def test_reading_the_room_over_the_record(replay: Any, zoo: dict[str, Any]) -> N
 
 
 def test_todays_rules_replay_the_latest_record(replay: Any) -> None:
-    """``fit-zoo.json`` (the fit guide's table) merges runs of one H100: the models whose
-    confirming steps failed ran at f197fe5, today's rules, and the replay of those rules
-    runs the steps the GPU ran (the UNet's three failures included)."""
+    """``fit-zoo.json`` (the fit guide's table) is one H100 run of today's rules, and their
+    replay runs the steps the GPU ran, failures included, on the seven models whose steps
+    the replay can reproduce: ConvNeXt's and the MLP's lines from interpolated peaks aim a
+    few samples off the GPU's (the module docstring says why the replay cannot match
+    every run)."""
     with open(os.path.join(BENCHMARKS, "results", "fit-zoo.json")) as fh:
         latest: dict[str, Any] = json.load(fh)
-    assert {run["commit"] for run in latest["runs"]} == {"712b113", "f197fe5"}
-    for name in ("resnet50", "lstm", "unet", "checkpointed"):
+    assert "runs" not in latest
+    for name in ("decoder", "encoder", "resnet50", "vit", "lstm", "unet", "checkpointed"):
         model = latest["models"][name]
-        assert model["commit"] == "f197fe5"
         result = replay.replay(model, replay.VARIANTS["as landed"])
         assert replay.same_as_recorded(model, result), (name, result)
     assert replay.replay(latest["models"]["unet"], {})["ooms"] == 3
