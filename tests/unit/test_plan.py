@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import gc
 import json
+import subprocess
+import sys
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -30,7 +32,7 @@ from cudamem.fit._terms import (
     required,
 )
 from cudamem.fit.memory_plan import MemoryPlan, NotLinearError, Probe
-from cudamem.fit.planner import SHAPES_CAUSE
+from cudamem.fit.planner import INTERPRETER_FROZEN, SHAPES_CAUSE
 from cudamem.render.json import to_json
 
 from ..fakes import FakeAllocator
@@ -217,6 +219,42 @@ def test_a_heap_frozen_by_someone_else_stays_as_they_left_it(fake: Device) -> No
         assert theirs // 2 < gc.get_freeze_count() <= theirs
     finally:
         gc.unfreeze()
+
+
+def test_the_interpreters_own_frozen_objects_do_not_stop_the_freeze(
+    fake: Device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # CPython 3.12 keeps its immortal objects in the permanent generation (375 at the start
+    # of 3.12.3): not someone's freeze, so the plan freezes the heap all the same
+    real = gc.get_freeze_count
+    monkeypatch.setattr(gc, "get_freeze_count", lambda: real() + 375)
+    step = Step(fake, linear)
+    tracked: list[int] = []
+
+    def watched(n: int) -> None:
+        tracked.append(len(gc.get_objects()))
+        step(n)
+
+    before = len(gc.get_objects())
+    cudamem.plan(watched)
+    assert len(tracked) == 5 and max(tracked) < before // 2
+    assert real() == 0
+
+
+@pytest.mark.parametrize("freeze", [False, True])
+def test_a_freeze_is_told_from_the_interpreters_own_by_its_size(freeze: bool) -> None:
+    # this interpreter, bare: what it freezes on its own (0 before 3.12, its immortal
+    # objects since) stays under the bound, and a freeze of even its smallest heap exceeds it
+    code = "import gc; gc.freeze(); " if freeze else "import gc; "
+    out = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", code + "print(gc.get_freeze_count())"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    frozen = int(out.stdout)
+    assert (frozen > INTERPRETER_FROZEN) is freeze, frozen
 
 
 def test_garbage_from_before_the_plan_is_collected_before_the_freeze(fake: Device) -> None:
