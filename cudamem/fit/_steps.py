@@ -23,7 +23,7 @@ The rules, each a constant below:
   ``CONFIRM_CLOSE`` (1 %) more fits, another runs there. One that runs out of memory is
   recorded and the next runs ``STEP_DOWN`` (5 %) lower (or lower still where the line,
   with the allowance the failed step proved too small, says so); once one ran and one
-  failed more than ``BRACKET`` (1.5 %) apart, the next runs halfway between.
+  failed more than ``BRACKET`` (2.5 %) apart, the next runs halfway between.
 * **Room for the request that failed.** A step that ran out of memory says how much: what
   it had reserved when it failed (the allocator had given back its cache) and the request
   that failed (the message's "Tried to allocate"). Their parts beyond the line's fixed part
@@ -100,7 +100,7 @@ MAX_STEPS = 10
 MAX_CONFIRMS = 6
 CONFIRM_CLOSE = 0.01
 STEP_DOWN = 0.05
-BRACKET = 0.015
+BRACKET = 0.025
 AIM_BELOW = 0.01
 #: Whether a failed step's request bounds the next (``_room``); off, the search before the
 #: room was read (``benchmarks/fit_replay.py``'s "no room read" variant replays it).

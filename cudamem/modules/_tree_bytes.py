@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["StateBytes", "state_bytes"]
+__all__ = ["StateBytes", "held_bytes", "state_bytes"]
 
 
 class StateBytes(NamedTuple):
@@ -52,6 +52,38 @@ def _own(tensors: Iterable[Any], seen: set[tuple[str, int]]) -> int:
                 seen.add(found[0])
                 total += found[1]
     return total
+
+
+def held_bytes(
+    model: torch.nn.Module | None,
+    optimizers: Sequence[Any],
+    device_type: str,
+    index: int,
+) -> int:
+    """Bytes of the distinct storages on one device (``device_type``, ``index``; a device
+    without an index, ``cpu``, is index 0) among ``model``'s parameters, buffers and
+    gradients and ``optimizers``' parameters, gradients and state tensors: what a training
+    step's model and optimizer hold there between steps."""
+    tensors: list[Any] = []
+    if model is not None:
+        params = list(model.parameters())
+        tensors += params + list(model.buffers()) + [p.grad for p in params]
+    for opt in optimizers:
+        for group in opt.param_groups:
+            params = list(group["params"])
+            tensors += params + [p.grad for p in params]
+        for entry in opt.state.values():
+            tensors += list(entry.values()) if isinstance(entry, dict) else [entry]
+    seen: dict[tuple[str, int], int] = {}
+    for t in tensors:
+        if not isinstance(t, torch.Tensor) or t.device.type != device_type:
+            continue
+        if (t.device.index or 0) != index:
+            continue
+        found = _key(t)
+        if found is not None:
+            seen[found[0]] = found[1]
+    return sum(seen.values())
 
 
 def state_bytes(

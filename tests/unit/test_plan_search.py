@@ -9,6 +9,7 @@ from collections.abc import Callable
 from cudamem.fit import _steps
 from cudamem.fit._steps import (
     AIM_BELOW,
+    BRACKET,
     GROWTH,
     MAX_STEPS,
     RESOLVED_SHARE,
@@ -322,6 +323,31 @@ def test_a_second_failure_steps_down_5_percent_whatever_its_room() -> None:
     assert confirms[2] <= int(confirms[1] * (1 - STEP_DOWN))
     assert len(card.sizes) <= 8
     assert truth * 0.97 <= max(p.n for p in out.fitted) <= truth
+
+
+def test_a_step_that_ran_within_the_bracket_under_the_rooms_ends_the_search() -> None:
+    """The UNet on an H100: two failures, the first's room too high, then a step 5 % down
+    ran 2.1 % under the second's room (1634 against 1670; the truth 1636). Within
+    ``BRACKET`` (2.5 %) the search ends there, seven steps: the answer cannot be more than
+    that short of a room, and a room has never been more than 0.1 % under the truth. At
+    1.5 % the eighth step failed halfway up."""
+    card = EarlyCard(0.96, 2 * GiB, 40 * MiB, 2 * MiB, 0.07, 80 * GiB)
+    out = run(card)
+    confirms = card.sizes[4:]
+    truth = card.largest()
+    assert [card.fits(n) for n in confirms] == [False, False, True]
+    assert len(card.sizes) == 7
+    answer = max(p.n for p in out.fitted)
+    assert answer == confirms[-1] and truth * 0.975 <= answer <= truth
+    assert BRACKET == 0.025
+    saved = _steps.BRACKET
+    _steps.BRACKET = 0.015
+    try:
+        narrow = EarlyCard(0.96, 2 * GiB, 40 * MiB, 2 * MiB, 0.07, 80 * GiB)
+        run(narrow)
+    finally:
+        _steps.BRACKET = saved
+    assert narrow.sizes[:7] == card.sizes and len(narrow.sizes) == 8
 
 
 def test_without_reading_the_room_the_search_is_the_one_before() -> None:
