@@ -132,4 +132,7 @@ def test_todays_rules_replay_the_latest_record(replay: Any) -> None:
         model = latest["models"][name]
         result = replay.replay(model, replay.VARIANTS["as landed"])
         assert replay.same_as_recorded(model, result), (name, result)
-    assert replay.replay(latest["models"]["unet"], {})["ooms"] == 3
+    # the UNet: two failures, then a step 2.1 % under the second's room ends it (BRACKET)
+    unet = replay.replay(latest["models"]["unet"], {})
+    assert (unet["steps"], unet["ooms"]) == (7, 2)
+    assert replay.replay(latest["models"]["unet"], {"BRACKET": 0.015})["steps"] == 8
