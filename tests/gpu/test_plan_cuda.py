@@ -26,6 +26,8 @@ from cudamem.fit.memory_plan import MemoryPlan
 from cudamem.fit.planner import UNACCOUNTED_SHARE
 from cudamem.modules._tree_bytes import held_bytes
 
+from ..gc_calls import counted_collections
+
 pytestmark = pytest.mark.cuda
 
 MiB = 1 << 20
@@ -223,18 +225,6 @@ class _Cycle:
         self.me = self
 
 
-def _full_collections(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    generations: list[int] = []
-    real = gc.collect
-
-    def counting(generation: int = 2) -> int:
-        generations.append(generation)
-        return real(generation)
-
-    monkeypatch.setattr(gc, "collect", counting)
-    return generations
-
-
 def test_the_full_collection_at_the_start_runs_only_where_garbage_could_hold_memory(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -249,7 +239,7 @@ def test_the_full_collection_at_the_start_runs_only_where_garbage_could_hold_mem
     held = held_bytes(model, (opt,), "cuda", torch.cuda.current_device())
     unaccounted = torch.cuda.memory_allocated() - held
     assert 0 <= unaccounted <= UNACCOUNTED_SHARE * total, unaccounted  # nothing else lives
-    generations = _full_collections(monkeypatch)
+    generations = counted_collections(monkeypatch)
     plan = cudamem.plan(step, sizes=(512, 1024), confirm=False, model=model, optimizer=opt)
     # young collections before the warm-up and the first probe; the full one after the
     # warm-up made AdamW's state
@@ -262,7 +252,7 @@ def test_the_full_collection_at_the_start_runs_only_where_garbage_could_hold_mem
     gc.collect()  # aged to the oldest generation
     parked.clear()
     before = torch.cuda.memory_allocated()
-    generations = _full_collections(monkeypatch)
+    generations = counted_collections(monkeypatch)
     plan = cudamem.plan(step, sizes=(512, 1024), confirm=False, model=model, optimizer=opt)
     assert generations[:2] == [1, 2], generations  # the young ones, then the whole heap
     assert plan.probes[0].baseline <= before - garbage

@@ -37,6 +37,7 @@ from cudamem.modules._tree_bytes import held_bytes
 from cudamem.render.json import to_json
 
 from ..fakes import FakeAllocator
+from ..gc_calls import counted_collections
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -131,16 +132,12 @@ class _Held:
         self.fake.free(self.nbytes)
 
 
-def _count_full_collections(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    generations: list[int] = []
-    real = gc.collect
-
-    def counting(generation: int = 2) -> int:
-        generations.append(generation)
-        return real(generation)
-
-    monkeypatch.setattr(gc, "collect", counting)
-    return generations
+def _old_garbage(fake: FakeAllocator, nbytes: int) -> None:
+    """``nbytes`` allocated on ``fake`` by a cycle aged to the oldest generation, then
+    dropped: garbage only a full collection frees."""
+    parked = [_Held(fake, nbytes)]
+    gc.collect()
+    parked.clear()
 
 
 def test_a_clean_step_costs_one_full_collection_per_level(
@@ -149,7 +146,7 @@ def test_a_clean_step_costs_one_full_collection_per_level(
     # A full collection walks the whole heap (100-200 ms with transformers imported): the
     # plan runs one before the first step and one after it (its optimizer state raised the
     # level), and only the young generations around the other steps.
-    generations = _count_full_collections(monkeypatch)
+    generations = counted_collections(monkeypatch)
     plan = cudamem.plan(Step(fake, linear))
     assert len(plan.probes) == 5
     assert generations.count(2) == 2
@@ -159,7 +156,7 @@ def test_a_clean_step_costs_one_full_collection_per_level(
 def test_bytes_left_in_an_old_cycle_are_collected_before_the_next_step(
     fake: Device, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    generations = _count_full_collections(monkeypatch)
+    generations = counted_collections(monkeypatch)
     step = Step(fake, linear)
     parked: list[_Held] = []
 
@@ -261,9 +258,7 @@ def test_a_freeze_is_told_from_the_interpreters_own_by_its_size(freeze: bool) ->
 def test_garbage_from_before_the_plan_is_collected_before_the_freeze(fake: Device) -> None:
     # an old cycle holding 700 MiB when the plan starts: collected by the first, full,
     # collection, not frozen with the heap (it would stand in every step's fixed part)
-    parked = [_Held(fake, 700 * MiB)]
-    gc.collect()  # aged to the oldest generation
-    parked.clear()
+    _old_garbage(fake, 700 * MiB)
     assert fake.allocated[0] == 700 * MiB
     plan = cudamem.plan(Step(fake, linear))
     assert plan.probes[0].baseline == 0
@@ -286,57 +281,36 @@ def _model_on(device: Device) -> tuple[nn.Module, torch.optim.Optimizer, int]:
     return model, optimizer, nbytes
 
 
-@pytest.mark.parametrize("extra", [0, 10 * MiB])
-def test_a_model_that_accounts_for_the_allocated_bytes_skips_the_full_collection_at_the_start(
-    extra: int, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("live", "garbage", "full", "kept"),
+    [
+        (0, 0, 1, 0),
+        (10 * MiB, 0, 1, 10 * MiB),  # a batch, cuBLAS's workspace
+        (0, 100 * MiB, 1, 100 * MiB),  # under 0.5 % of the card: waits for the plan's end
+        (0, 2 * GiB, 2, 0),  # past it: collected before the first step
+    ],
+    ids=["nothing", "live 10 MiB", "garbage 100 MiB", "garbage 2 GiB"],
+)
+def test_the_full_collection_at_the_start_runs_where_the_model_leaves_bytes_unexplained(
+    live: int, garbage: int, full: int, kept: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The model's and the optimizer's tensors hold all the allocated bytes but a few MiB
-    # (a batch, cuBLAS's workspace): no garbage could hold more, so the plan does not walk
-    # the whole heap before it freezes it; one full collection remains, after the warm-up.
+    # Beside the model's and the optimizer's tensors the 140 GiB card holds ``live`` bytes
+    # and ``garbage`` in an old cycle. Where they stay under 0.5 % of the card (717 MiB) no
+    # garbage could hold more, and the plan does not walk the whole heap before it freezes
+    # it (one full collection remains: after the warm-up made the optimizer state); garbage
+    # under that stands in the fixed part and is collected after the plan.
     device = HostDevice()
     with _backend.use(device):
         model, optimizer, nbytes = _model_on(device)
-        device.alloc(extra)
-        generations = _count_full_collections(monkeypatch)
+        device.alloc(live)
+        _old_garbage(device, garbage)
+        generations = counted_collections(monkeypatch)
         plan = cudamem.plan(Step(device, linear), model=model, optimizer=optimizer)
-    assert generations.count(2) == 1
-    assert plan.probes[0].baseline == nbytes + extra
-    assert plan.fixed == nbytes + extra + 1300 * MiB and plan.per_sample() == 50 * MiB
-
-
-def test_garbage_past_what_the_model_accounts_for_is_collected_at_the_start(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # 2 GiB in an old cycle: more than 0.5 % of the 140 GiB card beside the model's bytes
-    device = HostDevice()
-    with _backend.use(device):
-        model, optimizer, nbytes = _model_on(device)
-        parked = [_Held(device, 2 * GiB)]
-        gc.collect()  # aged to the oldest generation
-        parked.clear()
-        generations = _count_full_collections(monkeypatch)
-        plan = cudamem.plan(Step(device, linear), model=model, optimizer=optimizer)
-    assert generations.count(2) == 2
-    assert plan.probes[0].baseline == nbytes
-    assert plan.fixed == nbytes + 1300 * MiB
-
-
-def test_garbage_under_the_limit_waits_for_the_end_of_the_plan(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # 100 MiB in an old cycle, under the 717 MiB limit: frozen with the heap, it stands in
-    # the fixed part (the answer a few samples short) and is collected after the plan
-    device = HostDevice()
-    with _backend.use(device):
-        model, optimizer, nbytes = _model_on(device)
-        parked = [_Held(device, 100 * MiB)]
+        assert generations.count(2) == full
+        assert plan.probes[0].baseline == nbytes + kept
+        assert plan.fixed == nbytes + kept + 1300 * MiB and plan.per_sample() == 50 * MiB
         gc.collect()
-        parked.clear()
-        plan = cudamem.plan(Step(device, linear), model=model, optimizer=optimizer)
-        assert plan.probes[0].baseline == nbytes + 100 * MiB
-        assert plan.fixed == nbytes + 100 * MiB + 1300 * MiB
-        gc.collect()
-        assert device.allocated[0] == nbytes + 300 * MiB  # the model and its state
+        assert device.allocated[0] == nbytes + live + 300 * MiB  # the model and its state
 
 
 def test_the_bytes_a_model_and_optimizer_hold_count_each_storage_once_on_its_device() -> None:
