@@ -1,6 +1,7 @@
-"""``benchmarks/plan_gc.py`` on the CPU: both ways run a plan with one full collection after
-the first (the warm-up's optimizer state raises the level), and the planner's freeze is put
-back whichever way ran."""
+"""``benchmarks/plan_gc.py`` on the CPU: every way runs a plan with one full collection after
+the first step (the warm-up's optimizer state raises the level), one at the start unless the
+model given accounts for the allocated bytes, and the planner's freeze is put back whichever
+way ran."""
 
 from __future__ import annotations
 
@@ -20,11 +21,15 @@ def plan_gc() -> Iterator[Any]:
         yield module
 
 
-@pytest.mark.parametrize("frozen", [True, False])
-def test_each_way_runs_one_later_full_collection(plan_gc: Any, frozen: bool) -> None:
+@pytest.mark.parametrize(("frozen", "with_model"), [(True, True), (True, False), (False, False)])
+def test_each_way_runs_one_later_full_collection(
+    plan_gc: Any, frozen: bool, with_model: bool
+) -> None:
+    # a model whose tensors account for the allocated bytes: no full collection at the start
     real = planner._frozen_heap
-    seconds, later, count = plan_gc.one_plan(frozen)
-    assert count == 1 and seconds > 0 and later >= 0
+    plan = plan_gc.one_plan(frozen, with_model=with_model)
+    assert plan.later_count == 1 and plan.seconds > 0 and plan.later_full >= 0
+    assert (plan.start_full == 0) is with_model
     assert planner._frozen_heap is real
 
 
