@@ -74,16 +74,14 @@ def held_bytes(
             tensors += params + [p.grad for p in params]
         for entry in opt.state.values():
             tensors += list(entry.values()) if isinstance(entry, dict) else [entry]
-    seen: dict[tuple[str, int], int] = {}
-    for t in tensors:
-        if not isinstance(t, torch.Tensor) or t.device.type != device_type:
-            continue
-        if (t.device.index or 0) != index:
-            continue
-        found = _key(t)
-        if found is not None:
-            seen[found[0]] = found[1]
-    return sum(seen.values())
+    on_device = [
+        t
+        for t in tensors
+        if isinstance(t, torch.Tensor)
+        and t.device.type == device_type
+        and (t.device.index or 0) == index
+    ]
+    return _own(on_device, set())
 
 
 def state_bytes(
