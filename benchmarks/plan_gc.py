@@ -3,7 +3,7 @@ imported transformers and lightning (their heap: what a full collection walks), 
 
 * ``model= given (today)``: ``plan(step, model=, optimizer=)``, whose tensors account for
   the allocated bytes: no full collection at the start (``UNACCOUNTED_SHARE`` in
-  ``cudamem/fit/planner.py``), the heap frozen;
+  ``cudamem/fit/_runner.py``), the heap frozen;
 * ``no model= (today)``: ``plan(step)``: the full collection at the start, then the heap
   frozen;
 * ``not frozen``: ``plan(step)`` with ``gc.freeze`` not used (the plan before 48faac4).
@@ -119,9 +119,9 @@ def one_plan(frozen: bool, with_model: bool = False) -> Plan:
 
     model = torch.nn.Linear(1024, 1024) if with_model else None
     optimizer = torch.optim.AdamW(model.parameters()) if model is not None else None
-    saved = planner._frozen_heap
+    saved = planner.frozen_heap
     if not frozen:
-        planner._frozen_heap = lambda: contextlib.nullcontext(False)  # type: ignore[assignment]
+        planner.frozen_heap = lambda: contextlib.nullcontext(False)  # type: ignore[assignment]
     try:
         with _backend.use(card), counted_collections() as calls:
             if model is not None:
@@ -130,7 +130,7 @@ def one_plan(frozen: bool, with_model: bool = False) -> Plan:
             cudamem.plan(step, model=model, optimizer=optimizer)
             seconds = time.perf_counter() - start
     finally:
-        planner._frozen_heap = saved
+        planner.frozen_heap = saved
     first = began[0] if began else len(calls)
     start_full = sum(s for generation, s in calls[:first] if generation == 2)
     later = [s for generation, s in calls[first:] if generation == 2]

@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 import cudamem
+from cudamem.fit._runner import UNACCOUNTED_SHARE
 from cudamem.fit.memory_plan import MemoryPlan
-from cudamem.fit.planner import UNACCOUNTED_SHARE
 from cudamem.modules._tree_bytes import held_bytes
 
 from ..gc_calls import counted_collections

@@ -22,6 +22,7 @@ import cudamem
 from cudamem.allocator import backend as _backend
 from cudamem.allocator.stats import AllocatorStats
 from cudamem.base.format import format_bytes
+from cudamem.fit._runner import INTERPRETER_FROZEN
 from cudamem.fit._terms import (
     ALLOWANCE,
     HEADROOM,
@@ -32,7 +33,7 @@ from cudamem.fit._terms import (
     required,
 )
 from cudamem.fit.memory_plan import MemoryPlan, NotLinearError, Probe
-from cudamem.fit.planner import INTERPRETER_FROZEN, SHAPES_CAUSE
+from cudamem.fit.planner import SHAPES_CAUSE
 from cudamem.modules._tree_bytes import held_bytes
 from cudamem.render.json import to_json
 

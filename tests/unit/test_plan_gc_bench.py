@@ -26,11 +26,11 @@ def test_each_way_runs_one_later_full_collection(
     plan_gc: Any, frozen: bool, with_model: bool
 ) -> None:
     # a model whose tensors account for the allocated bytes: no full collection at the start
-    real = planner._frozen_heap
+    real = planner.frozen_heap
     plan = plan_gc.one_plan(frozen, with_model=with_model)
     assert plan.later_count == 1 and plan.seconds > 0 and plan.later_full >= 0
     assert (plan.start_full == 0) is with_model
-    assert planner._frozen_heap is real
+    assert planner.frozen_heap is real
 
 
 def test_the_collections_are_counted_and_gc_put_back(plan_gc: Any) -> None:
