@@ -451,12 +451,12 @@ def fit() -> str:
         ["model", "tool", "time", "trials / OOMs", "answer", "off the true largest", "plan faster"],
         peers,
     )
-    how = f"at {data['commit']}, TF32 matmuls; `python benchmarks/fit.py`"
+    how = f"at {str(data['commit'])[:7]}, TF32 matmuls; `python benchmarks/fit.py`"
     source = _measured_on(machine, how, FIT_JSON)
     held = _load(FIT_HELD_OUT_JSON)
     held_source = _measured_on(
         held["machine"],
-        f"at {held['commit']}, TF32 matmuls; `python benchmarks/fit.py --held-out`",
+        f"at {str(held['commit'])[:7]}, TF32 matmuls; `python benchmarks/fit.py --held-out`",
         FIT_HELD_OUT_JSON,
     )
     return _sections(
