@@ -52,13 +52,11 @@ class Card(FakeAllocator):
     """The fake allocator with a capacity: what its reserved leaves is free. Its storages
     are the host's, so that a CPU model's tensors are on it."""
 
+    storages = "cpu"
     total = 80 * GiB
 
     def mem_get_info(self, device: int) -> tuple[int, int] | None:
         return (self.total - self.reserved[device], self.total)
-
-    def storage_device_type(self) -> str:
-        return "cpu"
 
 
 def heap() -> dict[str, Any]:

@@ -25,6 +25,10 @@ _B = TypeVar("_B", bound=Backend)
 
 
 class FakeAllocator(Backend):
+    #: The torch device type whose storages the census looks for (``storage_device_type``):
+    #: ``"cpu"`` where real CPU tensors stand for the fake GPU's.
+    storages = "cuda"
+
     def __init__(self, devices: int = 1, contexts: tuple[int, ...] = (0,)) -> None:
         self.count = devices
         self.contexts = set(contexts)
@@ -57,6 +61,9 @@ class FakeAllocator(Backend):
                 self.reserved[device] = self.allocated[device]
 
     # -- Backend -----------------------------------------------------------------------
+    def storage_device_type(self) -> str:
+        return self.storages
+
     def device_count(self) -> int:
         return self.count
 
@@ -127,11 +134,10 @@ class CpuStorageBackend(FakeAllocator):
     Each read is a census (a heap walk): fine for a handful of spans, not for a hot loop.
     """
 
+    storages = "cpu"
+
     def __init__(self) -> None:
         super().__init__(devices=1, contexts=(0,))
-
-    def storage_device_type(self) -> str:
-        return "cpu"
 
     def read(self, device: int) -> AllocatorStats:
         from cudamem.holders.census import live_storage_keys

@@ -50,8 +50,7 @@ def deep_census(monkeypatch: pytest.MonkeyPatch) -> None:
 class CpuFake(FakeAllocator):
     """The fake GPU, whose storages the census looks for on the CPU."""
 
-    def storage_device_type(self) -> str:
-        return "cpu"
+    storages = "cpu"
 
 
 def nested(t: torch.Tensor, depth: int) -> list[Any]:

@@ -157,8 +157,7 @@ def test_snapshot_diff_of_dumped_files(tmp_path: Path) -> None:
     """Two dump_snapshot() files of a fake GPU whose blocks are real CPU tensors."""
 
     class Fake(FakeAllocator):
-        def storage_device_type(self) -> str:
-            return "cpu"
+        storages = "cpu"
 
         def history_snapshot(self) -> dict[str, Any]:
             blocks = [t.untyped_storage() for t in loss_history]

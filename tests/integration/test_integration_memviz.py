@@ -65,14 +65,13 @@ def segment(device: int, blocks: list[tuple[int, int, str]], stream: int = 0) ->
 class SnapshotFake(FakeAllocator):
     """A fake GPU whose snapshot is built by the test, over real CPU tensors."""
 
+    storages = "cpu"
+
     def __init__(self) -> None:
         super().__init__()
         self.snapshot: dict[str, Any] | None = None
         self.observers: list[Callable[[int, int, int, int], None]] = []
         self.history: list[bool] = []
-
-    def storage_device_type(self) -> str:
-        return "cpu"
 
     def history_snapshot(self) -> dict[str, Any] | None:
         return copy.deepcopy(self.snapshot)

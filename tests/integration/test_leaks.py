@@ -50,13 +50,12 @@ X = torch.randn(256, 1024, requires_grad=True)  # 1 MiB of float32 per activatio
 class CpuFake(FakeAllocator):
     """The fake GPU, whose storages the census looks for on the CPU."""
 
+    storages = "cpu"
+
     def __init__(self, devices: int = 1, contexts: tuple[int, ...] = (0,)) -> None:
         super().__init__(devices, contexts)
         #: Real CPU storages standing for the level (``torch.empty``: pages never touched).
         self.kept: list[torch.Tensor] = []
-
-    def storage_device_type(self) -> str:
-        return "cpu"
 
     def set_level(self, level: int, *, keep: bool = True) -> None:
         """Move the level; ``keep``: real storages hold it (what a leak of tensors looks

@@ -44,8 +44,7 @@ left: list[Any] = []
 class CpuFake(FakeAllocator):
     """The fake GPU, whose storages the census looks for on the CPU."""
 
-    def storage_device_type(self) -> str:
-        return "cpu"
+    storages = "cpu"
 
 
 @pytest.fixture

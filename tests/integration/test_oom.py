@@ -60,15 +60,14 @@ big_holder: list[torch.Tensor] = []
 class OomFake(FakeAllocator):
     """A fake GPU with snapshot segments, an observer seam and history recording."""
 
+    storages = "cpu"
+
     def __init__(self) -> None:
         super().__init__(devices=1, contexts=(0,))
         self.segments: list[dict[str, Any]] = []
         self.observers: list[Callable[[int, int, int, int], None]] = []
         self.history: list[tuple[bool, int]] = []
         self.recording = False
-
-    def storage_device_type(self) -> str:
-        return "cpu"
 
     def memory_segments(self, device: int) -> list[dict[str, Any]] | None:
         return self.segments

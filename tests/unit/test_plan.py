@@ -269,8 +269,7 @@ def test_garbage_from_before_the_plan_is_collected_before_the_freeze(fake: Devic
 class HostDevice(Device):
     """The fake device whose storages are the host's: a CPU model's tensors are on it."""
 
-    def storage_device_type(self) -> str:
-        return "cpu"
+    storages = "cpu"
 
 
 def _model_on(device: Device) -> tuple[nn.Module, torch.optim.Optimizer, int]:

@@ -45,12 +45,11 @@ def fake() -> Iterator[FakeAllocator]:
 class KeepingFake(FakeAllocator):
     """A fake GPU whose growth real CPU storages explain (a warning needs survivors)."""
 
+    storages = "cpu"
+
     def __init__(self) -> None:
         super().__init__(devices=2, contexts=(0,))
         self.kept: list[torch.Tensor] = []
-
-    def storage_device_type(self) -> str:
-        return "cpu"
 
     def keep(self, nbytes: int) -> None:
         self.alloc(nbytes)
