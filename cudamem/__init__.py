@@ -16,8 +16,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from .allocator.snapshot import UnsafeSnapshotError, load_snapshot
+from .growth._capture import leaks
 from .growth.compare import diff
-from .growth.detector import configure_leaks, leak_settings, leaks
+from .growth.detector import configure_leaks, leak_settings
 from .growth.settings import LeakWarning
 from .holders.census import live_tensors, unaccounted
 from .holders.finder import find_graph_holders, who_holds

@@ -10,8 +10,8 @@ from typing import Any
 from ..allocator import backend as _backend
 from ..allocator import backend_base as _backend_base
 from ..allocator.stats import device_name
+from ..growth._trend import theil_sen
 from ..growth.detector import _detector as detector
-from ..growth.detector import theil_sen
 from ..ledger import nvml as _nvml
 from ..ledger.device import LedgerLine
 from ..ledger.reading import explain

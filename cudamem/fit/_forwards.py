@@ -17,6 +17,7 @@ from torch.nn.modules.module import (
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..allocator import backend_base as _backend_base
+from ..modules._tree_bytes import distinct_bytes
 from ..modules.profile import ModuleProfile
 from ..spans.span import close_quiet, open_quiet
 from ._terms import ModuleCost
@@ -33,17 +34,11 @@ __all__ = [
 ]
 
 
-def output_bytes(value: Any, seen: set[int], depth: int = 0) -> int:
+def output_bytes(value: Any, seen: set[tuple[str, int]], depth: int = 0) -> int:
+    """Bytes of the distinct storages of the tensors in ``value``, a module's output: a
+    tensor, or dicts, lists and tuples of them nested five deep at most."""
     if isinstance(value, torch.Tensor):
-        try:
-            storage = value.untyped_storage()
-            key = storage.data_ptr()
-        except Exception:
-            return 0
-        if key in seen:
-            return 0
-        seen.add(key)
-        return int(storage.nbytes())
+        return distinct_bytes((value,), seen)
     if depth > 4:
         return 0
     if isinstance(value, dict):

@@ -1,6 +1,7 @@
 """Which steps ``cudamem.plan`` runs, and the line through them: plain numbers and rules, no
 torch. ``search`` calls ``run(size, role, profile)`` for each step it wants and reads the
-``Probe`` it returns; ``plan.py`` runs the steps on the device.
+``Probe`` it returns; ``planner.py`` calls it, and ``_runner.py`` runs the steps on the
+device.
 
 The rules, each a constant below:
 
@@ -176,7 +177,7 @@ def variable_share(lines: Lines, step: Probe) -> float:
 
 @dataclass
 class Outcome:
-    """What the search ran and concluded (mutable while it runs; ``plan.py`` turns it into
+    """What the search ran and concluded (mutable while it runs; ``planner.py`` turns it into
     the frozen ``MemoryPlan``)."""
 
     #: The steps the line runs through.

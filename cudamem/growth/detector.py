@@ -35,42 +35,37 @@ The warning repeats only when the picture changes: other holders, or a per-call 
 ``rate_change`` times higher or lower than the one last reported (a rate change starts a new
 window, so the new rate is measured on its own).
 
-**What a span left behind.** ``track(..., leaks=True)`` snapshots the live storages at entry
-and exit; ``span.leaks`` lists those created inside and alive at exit, with holders, and
-``leaks`` (``cudamem.leaks(since=span)``) lists those of them still alive now (the same
-storages, not whatever the allocator has put at their addresses since).
+This module keeps the series and their state machine, and the span hooks that feed them.
+Beside it, one job each: the slope (``_trend``), a span's capture of the storages it
+created (``_capture``: also ``leaks=True``'s report), what explains a growth
+(``_explained``: holders, cuBLAS workspaces) and the telling of it (``_warn``: the hooks
+integrations add, the ``LeakWarning``).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import sys
 import threading
-import warnings
 from collections import deque
-from collections.abc import Callable, Iterable
 from dataclasses import fields, replace
 from typing import TYPE_CHECKING, Any
 
-from ..allocator import backend as _backend
-from ..base.format import format_bytes, plural
-from ..base.frames import is_library_file
-from ..holders import census
+from ..base.format import format_bytes
 from ..holders.census import StorageSnapshot
-from ..holders.culprits import NO_HOLDER, Culprit, group_culprits, held_shapes
-from ..spans.leftovers import LeakReport
-from ..spans.span import MemorySpan
+from ..holders.culprits import Culprit
 from ..spans.state import add_entry_hook, add_exit_hook
+from . import _trend
+from ._capture import begin, end
+from ._explained import name_culprits, workspace_notes
+from ._warn import emit
 from .report import Growth
-
-if TYPE_CHECKING:
-    from ..holders.census import LiveStorage
-    from ..spans.raw import RawSpan
-
 from .settings import LeakSettings, LeakWarning, _validate
 
-__all__ = ["configure_leaks", "leak_settings", "leaks"]
+if TYPE_CHECKING:
+    from ..spans.raw import RawSpan
+
+__all__ = ["configure_leaks", "leak_settings"]
 
 
 logger = logging.getLogger("cudamem.leaks")
@@ -78,14 +73,6 @@ logger = logging.getLogger("cudamem.leaks")
 
 #: Distinct span names watched; further names are not watched (bounded memory).
 MAX_SERIES = 1000
-
-
-#: Storage keys kept per capture (the largest); a span creating more is summarised.
-MAX_KEYS = 100_000
-
-
-#: Storages listed in a ``LeakReport`` (the largest; totals count all of them).
-MAX_LISTED = 50
 
 
 #: Consecutive calls looked at for survivors before a slope they do not explain is let go.
@@ -122,149 +109,12 @@ def configure_leaks(**changes: Any) -> LeakSettings:
     return new
 
 
-def _leak_report(
-    name: str, checked: str, found: Iterable[LiveStorage], notes: list[str]
-) -> LeakReport:
-    found = sorted(found, key=census.listing_order)
-    return LeakReport(
-        span=name,
-        checked=checked,
-        count=len(found),
-        nbytes=sum(s.nbytes for s in found),
-        storages=tuple(found[:MAX_LISTED]),
-        culprits=tuple(group_culprits(found)),
-        notes=tuple(notes),
-    )
-
-
-class _Capture:
-    """Storages a span created that were alive at its exit (weak references: nothing kept
-    alive, and a storage freed since is not mistaken for whatever took its address)."""
-
-    __slots__ = ("name", "notes", "refs", "report")
-
-    def __init__(self, name: str, refs: StorageSnapshot, notes: list[str]) -> None:
-        self.name = name
-        self.refs = refs
-        self.notes = notes
-        self.report: LeakReport | None = None
-
-
-def _cap_note(total: int) -> str:
-    return f"{plural(total, 'new storage')}; only the largest {MAX_KEYS} are followed"
-
-
-def _failed(name: str, notes: list[str]) -> _Capture:
-    capture = _Capture(name, StorageSnapshot(), notes)
-    capture.report = LeakReport(name, "at exit", 0, 0, (), (), tuple(notes))
-    return capture
-
-
-def begin(name: str) -> StorageSnapshot | None:
-    """Span entry (``leaks=True`` or a capture armed by the detector): every live storage.
-
-    Every device: a span's report names host storages too; the detector keeps only those
-    of the allocator it watches.
-    """
-    try:
-        return census.live_refs(None)
-    except Exception as exc:  # the census must never break the user's step
-        logger.debug("cudamem: storage snapshot at entry of %r failed: %r", name, exc)
-        return None
-
-
-def end(name: str, start: StorageSnapshot | None, *, explicit: bool) -> _Capture | None:
-    """Span exit: the storages created inside and alive now; the report when ``explicit``.
-
-    Returns the capture only when ``explicit`` (``leaks=True``): the detector keeps its own.
-    """
-    notes: list[str] = []
-    try:
-        if start is None:
-            if not explicit:
-                return None
-            notes.append(
-                "the census failed at entry (see the cudamem.leaks debug log): "
-                "storages not enumerated"
-            )
-            return _failed(name, notes)
-        watched = _backend.get().storage_device_type()
-        if not explicit:  # the detector's capture: no holders yet
-            new = census.live_refs(None).new_since(start).largest(MAX_KEYS)
-            _detector.captured(name, new.on(watched))
-            return None
-        # One census: what is new since the entry, with holders (the largest MAX_KEYS).
-        found, total = census.storages_since(start, limit=MAX_KEYS)
-        if total > MAX_KEYS:
-            notes.append(_cap_note(total))
-        new = StorageSnapshot({s.ref: (s.device, s.nbytes) for s in found if s.ref is not None})
-        _detector.captured(name, new.on(watched))
-        capture = _Capture(name, new, notes)
-        capture.report = _leak_report(name, "at exit", found, list(notes))
-        return capture
-    except Exception as exc:
-        logger.debug("cudamem: storage snapshot at exit of %r failed: %r", name, exc)
-        if not explicit:
-            return None
-        notes.append(f"leak capture failed: {type(exc).__name__}: {exc}")
-        return _failed(name, notes)
-
-
-def leaks(since: MemorySpan) -> LeakReport:
-    """The storages created during ``since`` that are still alive now, with holders.
-
-    ``since`` must be a closed span run with ``leaks=True`` (that records which storages
-    existed at its entry and exit; without it there is nothing to compare against)::
-
-        with cudamem.track("val", leaks=True) as span:
-            run_validation()
-        ...
-        print(cudamem.leaks(since=span))
-
-    The same storages, by identity: one freed since is gone from the answer even when the
-    allocator has put a new one at its address.
-    """
-    if not isinstance(since, MemorySpan):
-        raise TypeError(f"since must be a MemorySpan, not {type(since).__name__}")
-    capture = since._leak_capture()
-    found = capture.refs.storages(holders=True)
-    return _leak_report(capture.name, "now", found, list(capture.notes))
-
-
-def theil_sen(levels: tuple[int, ...] | list[int]) -> float:
-    """Median of pairwise slopes of equally spaced ``levels`` (bytes per call)."""
-    slopes = sorted(
-        (levels[j] - levels[i]) / (j - i)
-        for i in range(len(levels))
-        for j in range(i + 1, len(levels))
-    )
-    if not slopes:
-        return 0.0
-    mid = len(slopes) // 2
-    return float(slopes[mid]) if len(slopes) % 2 else (slopes[mid - 1] + slopes[mid]) / 2
-
-
 _WATCH, _ARMED, _PENDING, _CHECKING, _LEAKING = range(5)
 
 
 #: Span names whose next call the detector wants captured. Replaced, never mutated, so the
 #: entry hook reads it without a lock.
 _armed: frozenset[str] = frozenset()
-
-
-def _trimmed(s: _Series) -> tuple[int, ...]:
-    """The window's levels from the call before its first rise on (flat calls before a leak
-    began would drag the slope down)."""
-    levels = tuple(s.levels)
-    for i, rose in enumerate(s.rises):
-        if rose:
-            # rises[i] is the change from levels[offset + i] to the next level.
-            return levels[len(levels) - len(s.rises) - 1 + i :]
-    return levels
-
-
-def _rate(s: _Series) -> float:
-    return theil_sen(_trimmed(s))
 
 
 class _Series:
@@ -445,7 +295,14 @@ class _Detector:
         """One call of the series; caller holds ``lock``."""
         try:
             if self._count(name, s, level, own, settings):
-                due.append((s.pending or StorageSnapshot(), _trimmed(s), s.calls, settings))
+                due.append(
+                    (
+                        s.pending or StorageSnapshot(),
+                        _trend.trimmed(s.levels, s.rises),
+                        s.calls,
+                        settings,
+                    )
+                )
                 s.pending, s.phase = None, _CHECKING
         finally:
             s.steady = bool(s.levels) and s.phase == _WATCH and True not in s.rises
@@ -482,7 +339,10 @@ class _Detector:
         if s.phase == _CHECKING:
             return None  # another thread is looking at this series' survivors
         rises = sum(s.rises)
-        sustained = rises >= settings.min_rises and _rate(s) >= settings.min_bytes_per_call
+        sustained = (
+            rises >= settings.min_rises
+            and _trend.rate(s.levels, s.rises) >= settings.min_bytes_per_call
+        )
         if s.phase == _ARMED:
             s.armed_exits += 1
             if s.captured is not None:
@@ -502,7 +362,7 @@ class _Detector:
             if not sustained:
                 s.phase = _WATCH  # the leak stopped; a new episode warns only if it differs
                 return None
-            rate = _rate(s)
+            rate = _trend.rate(s.levels, s.rises)
             ratio = rate / s.checked_rate if s.checked_rate > 0 else math.inf
             if ratio >= settings.rate_change or ratio <= 1 / settings.rate_change:
                 # A new regime: measure it on a window of its own, from this level on.
@@ -546,7 +406,7 @@ class _Detector:
         calls: int,
         settings: LeakSettings,
     ) -> None:
-        rate = theil_sen(levels)
+        rate = _trend.theil_sen(levels)
         try:
             # The cheap test first: do the captured call's storages still exist?
             retained = pending.alive().nbytes
@@ -556,7 +416,7 @@ class _Detector:
         notes: list[str] = []
         if retained < settings.min_explained * rate:
             # No tensor explains it; piling cuBLAS workspaces (held by no tensor) still can.
-            notes = _workspace_notes()
+            notes = workspace_notes()
             if not notes:
                 self._unexplained(name, rate, retained, settings)
                 return
@@ -567,7 +427,7 @@ class _Detector:
         culprits: list[Culprit] = []
         if not notes:
             try:
-                culprits = _name_culprits(pending, notes)
+                culprits = name_culprits(pending, notes, settings.min_bytes_per_call)
             except Exception as exc:  # never into the user's step
                 notes.append(f"naming the culprits failed: {type(exc).__name__}: {exc}")
         growth = Growth(
@@ -592,138 +452,13 @@ class _Detector:
                     return  # the same picture: said already
             s.warned = signature
             self.findings.append(growth)
-        _emit(growth)
-
-
-def _name_culprits(pending: StorageSnapshot, notes: list[str]) -> list[Culprit]:
-    """Culprits for the storages a captured call left alive, with container totals.
-
-    The containers are named from the survivors, by a holder search of their own: what
-    else lives on the device (in a long process, storages an earlier step or test left
-    behind, hanging off structures of hundreds of thousands of objects) cannot use up that
-    search's limits. Each container is then totalled over every live storage it holds
-    through paths of the survivors' shapes (``culprits.held_shapes``): "loss_history: 10
-    tensors, 40 MiB" rather than the one captured call's share, and never what the same
-    entries reach that no call made (the model a kept traceback's frame holds through its
-    closure: it was there before the loop, and a captured call would have left none of
-    it). When the search over every storage stopped at a limit before it reached a
-    container, that container keeps the survivors' figures and a note says so.
-    """
-    device_type = _backend.get().storage_device_type()
-    survivors = pending.storages(holders=True)
-    named = group_culprits(survivors)
-    shapes = held_shapes(survivors)
-    totals: dict[str, Culprit] = {}
-    stopped: set[str] = set()
-    if shapes:
-        everything = census.live_storages(device_type, holders=True)
-        totals = {c.holder: c for c in group_culprits(everything, like=shapes)}
-        stopped = {s.holders.stopped for s in everything if s.holders and s.holders.stopped}
-    culprits = []
-    for c in named:
-        total = totals.get(c.holder)
-        if c.holder != NO_HOLDER and total is not None and total.nbytes >= c.nbytes:
-            culprits.append(total)
-            continue
-        culprits.append(c)
-        if c.holder != NO_HOLDER and stopped:
-            notes.append(
-                f"{c.holder}: the storages this call left only; the holder search over every "
-                f"storage (for the totals) stopped at its {'/'.join(sorted(stopped))} limit"
-            )
-    # A group holding less in all than the smallest growth counted per call is not where the
-    # growth goes (a framework's latest logged scalar, say): name it only if nothing else is.
-    floor = _settings.min_bytes_per_call
-    culprits = [c for c in culprits if c.nbytes >= floor] or culprits
-    culprits.sort(key=lambda c: c.nbytes, reverse=True)
-    return culprits
-
-
-#: cuBLAS workspaces of a training step: one for the forward thread, one for autograd's.
-STEP_WORKSPACES = 2
-
-
-def _cublas_workspaces() -> list[tuple[int, int, int]]:
-    """``(device, bytes, count)`` of the cuBLAS workspaces on each device with a context (the
-    census's split of allocated memory: blocks of the workspace size no tensor lives in)."""
-    out = []
-    for device in _backend.get().initialized_devices():
-        try:
-            split = census.unaccounted(device)
-        except Exception:
-            continue
-        if split.cublas_workspaces:
-            out.append((device, int(split.cublas_workspaces), int(split.workspace_count)))
-    return out
-
-
-def _workspace_notes() -> list[str]:
-    """Growth no storage accounts for, when cuBLAS workspaces pile up: name them."""
-    try:
-        if _backend.get().storage_device_type() != "cuda":
-            return []
-        piles = _cublas_workspaces()
-    except Exception as exc:  # never into the user's step
-        logger.debug("cudamem: reading the cuBLAS workspaces failed: %r", exc)
-        return []
-    return [
-        f"{format_bytes(nbytes)} of the allocated memory on cuda:{device} is {count} cuBLAS "
-        "workspaces held by no tensor: cuBLAS keeps one per handle and stream (a training "
-        "step uses two), so a new torch.cuda.Stream per call adds more every call; reuse one "
-        "stream, or cudamem.release(clear_cublas=True) frees them"
-        for device, nbytes, count in piles
-        if count > STEP_WORKSPACES
-    ]
+        emit(growth)
 
 
 _detector = _Detector()
 
 
 _series_get = _detector.series.get
-
-
-def _stacklevel() -> int:
-    """The stack level of the first frame outside cudamem and torch: the user's ``with``, or
-    the user's ``optimizer.step()`` when ``cudamem run`` closed the span from torch's hook."""
-    frame = sys._getframe(1)
-    level = 1
-    while frame is not None and is_library_file(frame.f_code.co_filename):
-        frame = frame.f_back  # type: ignore[assignment]
-        level += 1
-    return level
-
-
-#: Called with every ``Growth`` about to be warned about (integrations count culprits
-#: and dump snapshots there). Replaced, never mutated.
-_growth_hooks: tuple[Callable[[Growth], None], ...] = ()
-
-
-def add_growth_hook(hook: Callable[[Growth], None]) -> None:
-    """Call ``hook(growth)`` before each ``LeakWarning`` (errors are swallowed)."""
-    global _growth_hooks
-    if hook not in _growth_hooks:
-        _growth_hooks = (*_growth_hooks, hook)
-
-
-def remove_growth_hook(hook: Callable[[Growth], None]) -> None:
-    """Undo ``add_growth_hook``."""
-    global _growth_hooks
-    _growth_hooks = tuple(h for h in _growth_hooks if h is not hook)
-
-
-def _emit(growth: Growth) -> None:
-    """One warning, and the same text to logging when anyone listens."""
-    for hook in _growth_hooks:
-        try:
-            hook(growth)
-        except Exception as exc:  # an integration's hook must not stop the warning
-            logger.debug("cudamem: growth hook %r failed: %r", hook, exc)
-    text = str(growth)
-    warnings.warn(LeakWarning(text, growth), stacklevel=_stacklevel())
-    # Only when logging is configured: Python's last-resort handler would otherwise print
-    # the same text a second time under the warning.
-    if logger.hasHandlers():
-        logger.warning(text)
 
 
 #: Where the capture of a span lives in ``RawSpan.extras`` (``MemorySpan.leaks`` reads it).
@@ -749,7 +484,9 @@ def _on_span_exit(span: RawSpan) -> None:
     raised: an aborted call's level says nothing about growth)."""
     extras = span.extras
     if extras is not None and _START in extras:
-        extras[_CAPTURE] = end(span.name, extras.pop(_START), explicit=span.leaks)
+        extras[_CAPTURE] = end(
+            span.name, extras.pop(_START), explicit=span.leaks, captured=_detector.captured
+        )
     if span.exception is None and span.after:
         settings = _settings
         if settings.enabled:

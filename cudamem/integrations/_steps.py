@@ -37,7 +37,8 @@ from typing import TYPE_CHECKING, Any
 
 from ..allocator import backend as _backend
 from ..base.args import check_bool, check_int
-from ..growth.detector import add_growth_hook, leak_settings, remove_growth_hook
+from ..growth._warn import add_growth_hook, remove_growth_hook
+from ..growth.detector import leak_settings
 from ..modules.profiler import ModuleProfiler, track_modules
 from ..spans.span import MemorySpan, StepSpan
 from ._cpu import CpuStorageBackend

@@ -42,7 +42,7 @@ from ..allocator import backend_base as _backend_base
 from ..allocator.snapshot import CONTAINER_KEY, HOLDER_FILENAME, LIVE_STATES, NOTE_FILENAME
 from ..base.args import check_bool
 from ..base.present import Presented
-from ..growth.detector import add_growth_hook, remove_growth_hook
+from ..growth._warn import add_growth_hook, remove_growth_hook
 from ..holders import census
 
 if TYPE_CHECKING:

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["StateBytes", "held_bytes", "state_bytes"]
+__all__ = ["StateBytes", "distinct_bytes", "held_bytes", "state_bytes"]
 
 
 class StateBytes(NamedTuple):
@@ -43,7 +43,10 @@ def _key(t: torch.Tensor) -> tuple[tuple[str, int], int] | None:
     return (str(t.device), ptr), nbytes
 
 
-def _own(tensors: Iterable[Any], seen: set[tuple[str, int]]) -> int:
+def distinct_bytes(tensors: Iterable[Any], seen: set[tuple[str, int]]) -> int:
+    """Bytes of the storages behind ``tensors`` not in ``seen`` (their identities, added):
+    each storage once, however many tensors view it; non-tensors and storages without
+    real memory count 0."""
     total = 0
     for t in tensors:
         if isinstance(t, torch.Tensor):
@@ -81,7 +84,7 @@ def held_bytes(
         and t.device.type == device_type
         and (t.device.index or 0) == index
     ]
-    return _own(on_device, set())
+    return distinct_bytes(on_device, set())
 
 
 def state_bytes(
@@ -103,10 +106,10 @@ def state_bytes(
                 if entry:
                     opt.extend(entry.values())
         own[name] = [
-            _own(params, seen["p"]),
-            _own(module._buffers.values(), seen["b"]),
-            _own(grads, seen["g"]),
-            _own(opt, seen["o"]),
+            distinct_bytes(params, seen["p"]),
+            distinct_bytes(module._buffers.values(), seen["b"]),
+            distinct_bytes(grads, seen["g"]),
+            distinct_bytes(opt, seen["o"]),
         ]
     totals = {name: list(v) for name, v in own.items()}
     for name, _, parent in reversed(modules):  # children before parents

@@ -26,7 +26,8 @@ import torch
 import cudamem
 from cudamem.allocator import backend as _backend
 from cudamem.base.data import to_data
-from cudamem.growth.detector import _WATCH, _detector, theil_sen
+from cudamem.growth._trend import theil_sen
+from cudamem.growth.detector import _WATCH, _detector
 from cudamem.growth.settings import LeakSettings, LeakWarning
 from cudamem.holders import census
 from cudamem.holders.census import LiveStorage
@@ -774,7 +775,9 @@ def test_growth_no_storage_explains_names_piling_cublas_workspaces(
     # A new torch.cuda.Stream per call: +65 MiB of workspaces each call, no tensor at all.
     gpu = FakeAllocator(devices=1, contexts=(0,))  # its storages are CUDA ones: none here
     piles = [(0, 325 * MiB, 10)]
-    monkeypatch.setattr(sys.modules["cudamem.growth.detector"], "_cublas_workspaces", lambda: piles)
+    monkeypatch.setattr(
+        sys.modules["cudamem.growth._explained"], "cublas_workspaces", lambda: piles
+    )
     cudamem.configure_leaks()
     with _backend.use(gpu), warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")

@@ -22,6 +22,7 @@ import cudamem
 from cudamem.allocator import backend as _backend
 from cudamem.allocator.stats import AllocatorStats
 from cudamem.base.format import format_bytes
+from cudamem.fit._forwards import output_bytes
 from cudamem.fit._runner import INTERPRETER_FROZEN
 from cudamem.fit._terms import (
     ALLOWANCE,
@@ -333,6 +334,25 @@ def test_the_bytes_a_model_and_optimizer_hold_count_each_storage_once_on_its_dev
     assert held_bytes(None, (optimizer,), "cpu", 0) == expected - buffers
     assert held_bytes(model, (optimizer,), "cuda", 0) == 0
     assert held_bytes(model, (optimizer,), "cpu", 1) == 0
+
+
+def test_a_modules_output_bytes_count_each_storage_once_in_containers_five_deep() -> None:
+    x = torch.zeros(256)  # 1 KiB
+    y = torch.zeros(64, dtype=torch.float64)  # 512 B
+    view = x[10:20]  # x's storage: counted with x, once
+    assert output_bytes(x, set()) == 1024
+    assert output_bytes((x, view, x.view(16, 16)), set()) == 1024
+    assert output_bytes({"logits": x, "extra": [y, (view, "text", None)]}, set()) == 1536
+    seen: set[tuple[str, int]] = set()
+    assert output_bytes(x, seen) == 1024
+    assert output_bytes([x, y], seen) == 512  # x counted by the call before
+    deep: Any = y
+    for _ in range(5):
+        deep = [deep]
+    assert output_bytes(deep, set()) == 512  # y inside five lists
+    assert output_bytes([deep], set()) == 0  # six: past the walk
+    assert output_bytes(torch.zeros(8, device="meta"), set()) == 0  # no memory of its own
+    assert output_bytes(torch.zeros(0), set()) == 0
 
 
 def test_a_linear_step_is_fitted_from_four_steps_and_confirmed_by_a_fifth(fake: Device) -> None:
