@@ -20,8 +20,9 @@ from .growth._capture import leaks
 from .growth.compare import diff
 from .growth.detector import configure_leaks, leak_settings
 from .growth.settings import LeakWarning
-from .holders.census import live_tensors, unaccounted
+from .holders.census import live_tensors
 from .holders.finder import find_graph_holders, who_holds
+from .holders.unaccounted import unaccounted
 from .host.copy import to_host
 from .host.workers import HostMemoryWarning
 from .ledger.memviz import dump_snapshot

@@ -15,9 +15,10 @@ import pytest
 from cudamem.allocator.cache_split import CacheSplit, PrivatePool
 from cudamem.allocator.stats import AllocatorStats
 from cudamem.growth.report import Growth
-from cudamem.holders.census import Census, LiveStorage, Unaccounted
+from cudamem.holders.census import Census, LiveStorage
 from cudamem.holders.culprits import Culprit
 from cudamem.holders.finder import GraphHolder, GraphHolders, Holder, Holders
+from cudamem.holders.unaccounted import Unaccounted
 from cudamem.ledger.device import DeviceLedger, Explanation, LedgerLine
 from cudamem.ledger.nvml import DeviceMemory, GpuProcess, NvmlDevice, NvmlStatus
 from cudamem.ledger.oom import OomReport, StrandedCache

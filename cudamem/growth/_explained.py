@@ -11,6 +11,7 @@ from ..base.format import format_bytes
 from ..holders import census
 from ..holders.census import StorageSnapshot
 from ..holders.culprits import NO_HOLDER, Culprit, group_culprits, held_shapes
+from ..holders.unaccounted import unaccounted
 
 __all__ = ["STEP_WORKSPACES", "cublas_workspaces", "name_culprits", "workspace_notes"]
 
@@ -72,7 +73,7 @@ def cublas_workspaces() -> list[tuple[int, int, int]]:
     out = []
     for device in _backend.get().initialized_devices():
         try:
-            split = census.unaccounted(device)
+            split = unaccounted(device)
         except Exception:
             continue
         if split.cublas_workspaces:

@@ -5,27 +5,22 @@ one. Bytes come from ``untyped_storage().nbytes()`` (never numel × element size
 misreads views and non-contiguous tensors). Storages come from two places: tensor objects
 gc tracks, and tensors saved inside autograd graphs (which may have no Python object at all).
 
-``unaccounted(device)`` sets the allocator's ``allocated`` bytes against the census. With the
-allocator's snapshot it works per block: every active block is attributed to the storages
-that live inside it (so allocator rounding is attributed too), and blocks no storage lives in
-are cuBLAS workspaces when they match PyTorch's workspace size rule, else unknown.
+What the allocator holds beyond the storages is ``unaccounted.py``'s: it sets the
+allocator's ``allocated`` bytes against this census, block by block.
 """
 
 from __future__ import annotations
 
-import bisect
 import gc
 import sys
 import time
-from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Container, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 
-from ..allocator import backend as _backend
 from ..allocator.device_arg import DeviceLike, resolve_device
-from ..allocator.snapshot import Block, allocated_blocks
 from ..base.format import format_bytes, plural
 from ..base.frames import own_frame
 from ..base.present import Presented
@@ -40,18 +35,17 @@ from ._storages import StorageRef, matches_type, ref_of
 from .finder import Holders, find_holders
 
 __all__ = [
+    "Acc",
     "Census",
     "LiveStorage",
     "StorageSnapshot",
-    "Unaccounted",
-    "ledger_view",
+    "gather",
     "listing_order",
     "live_refs",
     "live_storage_keys",
     "live_storages",
     "live_tensors",
     "storages_since",
-    "unaccounted",
 ]
 
 
@@ -255,33 +249,14 @@ class StorageSnapshot(Mapping[StorageRef, tuple[str, int]]):
         return _census(None, holders, self, sys._getframe(1))[0].storages
 
 
-@dataclass(frozen=True, slots=True)
-class Unaccounted(Presented):
-    """A device's allocated bytes, split by what holds them. Bytes are ints."""
-
-    device: int
-    #: The allocator's ``allocated_bytes`` now.
-    allocated: int
-    #: Bytes of storages a Python tensor object refers to.
-    python: int
-    #: Bytes of storages only autograd graphs hold (saved tensors with no Python object).
-    autograd: int
-    #: Bytes of cuBLAS/cuBLASLt workspaces (one per handle and stream).
-    cublas_workspaces: int
-    workspace_count: int
-    #: The rest: no live storage found in it (saved tensors with no Python object at all,
-    #: C++ extensions, blocks freed on another stream but not yet reusable).
-    unknown: int
-    #: ``snapshot`` (per allocator block) or ``counters`` (storage bytes against the total).
-    method: str
-    notes: tuple[str, ...] = ()
-
-
 # --------------------------------------------------------------------------- collection
 
 
 @dataclass
-class _Acc:
+class Acc:
+    """One storage's figures while ``gather`` collects them (``first``, a tensor on it, and
+    ``ref`` are released before a census returns)."""
+
     nbytes: int
     dtype: str
     shape: tuple[int, ...]
@@ -293,9 +268,9 @@ class _Acc:
 
 
 @_heap.gc_paused()
-def _gather(
+def gather(
     device: str | None, scan: list[Any] | None = None, refs: bool = False, counts: bool = True
-) -> tuple[dict[StorageKey, _Acc], list[str]]:
+) -> tuple[dict[StorageKey, Acc], list[str]]:
     """Every live storage (of ``device``) once; ``refs``: with its ``StorageRef``;
     ``scan`` receives the tensor list, the graph walk, the heap snapshot and its edge cache
     (``_search.Prepared``), for a holder search to start from instead of scanning the heap
@@ -345,9 +320,9 @@ def _gather_from(
     heap: list[Any] | None = None,
     counts: bool = True,
     edges: Any = None,
-) -> tuple[dict[StorageKey, _Acc], list[str]]:
+) -> tuple[dict[StorageKey, Acc], list[str]]:
     notes: list[str] = []
-    acc: dict[StorageKey, _Acc] = {}
+    acc: dict[StorageKey, Acc] = {}
     key_of: dict[int, StorageKey] = {}  # id(tensor) → its storage (reused below)
     for t in tensors:
         info = _autograd.storage_of(t)
@@ -360,7 +335,7 @@ def _gather_from(
         dtype, shape, numel = _autograd.describe_tensor(t)
         a = acc.get(key)
         if a is None:
-            acc[key] = _Acc(nbytes, dtype, shape, numel, 1, False, t, ref_of(t) if refs else None)
+            acc[key] = Acc(nbytes, dtype, shape, numel, 1, False, t, ref_of(t) if refs else None)
         else:
             a.tensors += 1
             a.nbytes = max(a.nbytes, nbytes)
@@ -375,12 +350,12 @@ def _gather_from(
         a = acc.get(key)
         if a is None:
             dtype, shape, numel = walk.saved_meta.get(key, ("?", (), 0))
-            acc[key] = _Acc(nbytes, dtype, shape, numel, 0, True, None, walk_refs.get(key))
+            acc[key] = Acc(nbytes, dtype, shape, numel, 0, True, None, walk_refs.get(key))
         else:
             a.saved = True
     for _owner, _label, key, nbytes in walk.grads:
         if (device is None or _autograd.key_device(key) == device) and key not in acc:
-            acc[key] = _Acc(nbytes, "?", (), 0, 0, False, None, walk_refs.get(key))
+            acc[key] = Acc(nbytes, "?", (), 0, 0, False, None, walk_refs.get(key))
     if counts:
         _discount_preserved(tensors, key_of, owners, walk, acc, heap, edges)
     if walk.truncated:
@@ -403,7 +378,7 @@ def _discount_preserved(
     key_of: dict[int, StorageKey],
     owners: list[Any],
     walk: _autograd.GraphWalk,
-    acc: dict[StorageKey, _Acc],
+    acc: dict[StorageKey, Acc],
     heap: list[Any] | None = None,
     edges: Any = None,
 ) -> None:
@@ -444,7 +419,7 @@ def _discount_preserved(
         referrers = _heap.referrers(objs, heap=heap, edges=edges)
         ours.add(id(referrers))
         for r in referrers:
-            if id(r) in ours or type(r) is _Acc:
+            if id(r) in ours or type(r) is Acc:
                 continue
             if type(r) is types.FrameType and own_frame(r):
                 continue
@@ -468,7 +443,7 @@ def _discount_preserved(
     cands.clear()
 
 
-def _label(a: _Acc, key: StorageKey) -> str:
+def _label(a: Acc, key: StorageKey) -> str:
     shape = ", ".join(map(str, a.shape))
     what = "Tensor" if a.tensors else "Saved tensor"
     return f"{what} {a.dtype}[{shape}] on {_autograd.key_device(key)}"
@@ -488,7 +463,7 @@ def live_storage_keys(device_type: str | None = None) -> dict[tuple[str, int], i
     """``(device, data_ptr) → bytes`` of every live storage on devices of ``device_type``
     (``'cuda'``, ``'cpu'``, ``None`` for all): addresses at one instant, for totals. To
     compare two instants, use ``live_refs``."""
-    acc, _ = _gather(None, counts=False)
+    acc, _ = gather(None, counts=False)
     out: dict[tuple[str, int], int] = {}
     for key, a in acc.items():
         if device_type is None or key[0] == device_type:
@@ -506,7 +481,7 @@ def live_refs(device_type: str | None = None) -> StorageSnapshot:
     in another exactly when it is the same storage, wherever the allocator put the others.
     Keeps nothing alive; the refs are released with the snapshot.
     """
-    acc, _ = _gather(None, refs=True, counts=False)
+    acc, _ = gather(None, refs=True, counts=False)
     out: dict[StorageRef, tuple[str, int]] = {}
     for key, a in acc.items():
         if a.ref is not None and (device_type is None or key[0] == device_type):
@@ -567,7 +542,7 @@ def _census(
     real training process's heap)."""
     t0 = time.perf_counter()
     scan: list[Any] = []
-    acc, notes = _gather(device, scan if holders else None, refs=True)
+    acc, notes = gather(device, scan if holders else None, refs=True)
     keys = sorted(acc, key=lambda k: (-acc[k].nbytes, k))
     if device_type is not None:
         keys = [k for k in keys if k[0] == device_type]
@@ -627,139 +602,3 @@ def _census(
     for a in acc.values():
         a.first = a.ref = None
     return Census(storages, tuple(notes), time.perf_counter() - t0), total
-
-
-def unaccounted(device: DeviceLike = "cuda") -> Unaccounted:
-    """The allocator's allocated bytes on ``device``, split by what holds them.
-
-    Storages a Python tensor refers to, storages only autograd graphs hold, cuBLAS workspaces,
-    and the rest as unknown. Reads only a device that already has a CUDA context.
-    """
-    return ledger_view(device)[0]
-
-
-def ledger_view(
-    device: DeviceLike = "cuda",
-    *,
-    segments: Sequence[Any] | None = None,
-    allocated: int | None = None,
-) -> tuple[Unaccounted, frozenset[int]]:
-    """``unaccounted`` and the ``data_ptr`` of every live storage on ``device``, from one
-    heap scan (``explain()`` needs both).
-
-    ``segments`` are snapshot segments to attribute instead of reading them now (the ledger
-    reads one snapshot for everything and leaves out the private pools it reports apart);
-    ``allocated`` is the figure they add up to (default: the allocator's counter).
-    """
-    index = resolve_device(device)
-    backend = _backend.get()
-    notes: list[str] = []
-    stats = backend.read(index)
-    if allocated is not None:
-        stats = stats._replace(allocated=allocated)
-    acc, gather_notes = _gather(f"cuda:{index}")
-    for a in acc.values():
-        a.first = None
-    notes.extend(gather_notes)
-    addresses = frozenset(k[2] for k in acc)
-    if segments is None:
-        segments = backend.memory_segments(index)
-    blocks = None if segments is None else allocated_blocks(segments)
-    sizes = backend.cublas_workspace_sizes(index)
-    if blocks is None:
-        python = sum(a.nbytes for a in acc.values() if a.tensors > 0)
-        autograd = sum(a.nbytes for a in acc.values() if a.tensors == 0)
-        notes.append("no allocator snapshot: cuBLAS workspaces are counted as unknown")
-        split = Unaccounted(
-            index,
-            stats.allocated,
-            python,
-            autograd,
-            0,
-            0,
-            max(0, stats.allocated - python - autograd),
-            "counters",
-            tuple(notes),
-        )
-        return split, addresses
-    return _classify_blocks(index, stats.allocated, blocks, acc, sizes, notes), addresses
-
-
-def _classify_blocks(
-    index: int,
-    allocated: int,
-    blocks: Sequence[Block],
-    acc: dict[StorageKey, _Acc],
-    workspace_sizes: tuple[int, ...],
-    notes: list[str],
-) -> Unaccounted:
-    """Attribute each active block to the storages inside it, or to a cuBLAS workspace.
-
-    cuBLAS workspaces are allocated by ``CublasHandlePool.cpp`` through the caching allocator
-    (``getChosenWorkspaceSize()`` bytes per (handle, stream), and ``getCUDABlasLtWorkspace``
-    for cuBLASLt) and no tensor ever refers to them, so no live storage points into their
-    block. PyTorch exposes neither their addresses nor their size to Python, so a block is a
-    workspace when (1) the allocator recorded its allocation stack (memory history on) and a
-    frame names the workspace functions, or (2) no storage lives in it and its requested size
-    is exactly the workspace size PyTorch chooses for this GPU (see
-    ``cudamem.allocator.torch_backend.TorchBackend.cublas_workspace_sizes``).
-    """
-    ordered = sorted(blocks, key=lambda b: b.address)
-    starts = [b.address for b in ordered]
-    python_blocks: set[int] = set()
-    saved_blocks: set[int] = set()
-    for key, a in acc.items():
-        ptr = key[2]
-        pos = bisect.bisect_right(starts, ptr) - 1
-        if pos < 0:
-            continue
-        block = ordered[pos]
-        if ptr >= block.address + block.size:
-            continue
-        (python_blocks if a.tensors > 0 else saved_blocks).add(block.address)
-    python = autograd = workspaces = count = unknown = 0
-    by_size = 0
-    for b in ordered:
-        if b.address in python_blocks:
-            python += b.size
-        elif b.address in saved_blocks:
-            autograd += b.size
-        elif _is_workspace(b, workspace_sizes):
-            workspaces += b.size
-            count += 1
-            if not b.frames:
-                by_size += 1
-        else:
-            unknown += b.size
-    covered = python + autograd + workspaces + unknown
-    if covered != allocated:
-        notes.append(
-            f"allocator blocks add up to {covered} B, allocated is {allocated} B "
-            "(allocations between the two reads, or blocks pending free)"
-        )
-        unknown = max(0, unknown + allocated - covered)
-    if by_size:
-        notes.append(
-            f"{plural(by_size, 'workspace')} recognised by size "
-            f"({', '.join(map(str, workspace_sizes))} B)"
-            "; torch.cuda.memory._record_memory_history() makes this certain"
-        )
-    return Unaccounted(
-        index, allocated, python, autograd, workspaces, count, unknown, "snapshot", tuple(notes)
-    )
-
-
-_WORKSPACE_FRAMES = (
-    "CublasHandlePool",
-    "getCurrentCUDABlasHandle",
-    "getCUDABlasLtWorkspace",
-    "setWorkspaceForHandle",
-    "getNewWorkspace",
-    "allocateCUDABlasWorkspace",
-)
-
-
-def _is_workspace(block: Block, sizes: tuple[int, ...]) -> bool:
-    if block.frames:
-        return any(w in f.name for f in block.frames for w in _WORKSPACE_FRAMES)
-    return block.requested in sizes

@@ -19,7 +19,7 @@ from ..allocator.snapshot import has_private_pools, segment_pool_id
 from ..allocator.stats import AllocatorStats, device_name
 from ..base.args import check_bool
 from ..base.format import plural
-from ..holders import census
+from ..holders.unaccounted import ledger_view
 from ..host import ledger as host_ledger
 from ..host.ledger import HostLedger
 from . import nvml as _nvml
@@ -81,7 +81,7 @@ def _ledger_inputs(device: int, stats: AllocatorStats) -> _Inputs:
     outside = None if segments is None else [s for s in segments if segment_pool_id(s) not in held]
     total = stats.allocated - (cache.pools_allocated if cache is not None else 0)
     try:
-        u, addresses = census.ledger_view(device, segments=outside, allocated=total)
+        u, addresses = ledger_view(device, segments=outside, allocated=total)
     except Exception:
         return _Inputs(cache, None, frag)
     if segments is not None:

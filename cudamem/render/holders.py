@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from ..base.format import format_bytes, plural
 from ..base.present import renders
-from ..holders.census import Census, LiveStorage, Unaccounted
+from ..holders.census import Census, LiveStorage
 from ..holders.finder import GraphHolder, GraphHolders, Holder, Holders
+from ..holders.unaccounted import Unaccounted
 from .text import render_table
 
 __all__ = [

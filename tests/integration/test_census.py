@@ -13,7 +13,8 @@ from cudamem.allocator import backend as _backend
 from cudamem.allocator.snapshot import Block, Frame, allocated_blocks
 from cudamem.holders import census
 from cudamem.holders._storages import ref_of
-from cudamem.holders.census import Census, LiveStorage, _classify_blocks
+from cudamem.holders.census import Census, LiveStorage
+from cudamem.holders.unaccounted import classify_blocks
 from cudamem.render.json import to_json
 from tests.fakes import FakeAllocator
 
@@ -168,8 +169,8 @@ def test_active_blocks_from_snapshot_segments() -> None:
     ]
 
 
-def _acc(ptr: int, nbytes: int, tensors: int) -> tuple[tuple[str, int, int], census._Acc]:
-    return ("cuda", 0, ptr), census._Acc(nbytes, "float32", (1,), 1, tensors, tensors == 0, None)
+def _acc(ptr: int, nbytes: int, tensors: int) -> tuple[tuple[str, int, int], census.Acc]:
+    return ("cuda", 0, ptr), census.Acc(nbytes, "float32", (1,), 1, tensors, tensors == 0, None)
 
 
 def test_classify_blocks() -> None:
@@ -183,7 +184,7 @@ def test_classify_blocks() -> None:
     ]
     acc = dict([_acc(0, 4 * MiB, 1), _acc(10 * MiB + 512, 1000, 0)])
     allocated = sum(b.size for b in blocks)
-    u = _classify_blocks(0, allocated, blocks, acc, (ws, MiB), [])
+    u = classify_blocks(0, allocated, blocks, acc, (ws, MiB), [])
     assert (u.python, u.autograd, u.cublas_workspaces, u.workspace_count, u.unknown) == (
         4 * MiB,
         2 * MiB,
