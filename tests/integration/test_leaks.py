@@ -26,7 +26,7 @@ import torch
 import cudamem
 from cudamem.allocator import backend as _backend
 from cudamem.base.data import to_data
-from cudamem.growth._trend import theil_sen
+from cudamem.growth._trend import rate, theil_sen, trimmed
 from cudamem.growth.detector import _WATCH, _detector
 from cudamem.growth.settings import LeakSettings, LeakWarning
 from cudamem.holders import census
@@ -117,6 +117,18 @@ def test_theil_sen_is_robust_to_one_outlier() -> None:
     assert theil_sen([0, 4, 8, 100, 16, 20]) == 4
     assert theil_sen([5, 5, 5, 5, 5]) == 0
     assert theil_sen([7]) == 0
+
+
+def test_the_slope_is_measured_from_the_call_before_the_first_rise() -> None:
+    # five levels, four changes: flat, flat, +10 (a rise), +10 (a rise)
+    levels, rises = deque([10, 10, 10, 20, 30]), deque([False, False, True, True])
+    assert trimmed(levels, rises) == (10, 20, 30)
+    assert rate(levels, rises) == 10  # the flat calls before the leak would halve it
+    assert theil_sen(levels) == 5
+    # the first rise only: a flat call after it stays in the window
+    assert trimmed([0, 0, 10, 10], [False, True, False]) == (0, 10, 10)
+    assert trimmed([4, 4, 4], [False, False]) == (4, 4, 4)  # no rise: the whole window
+    assert rate([4, 4, 4], [False, False]) == 0
 
 
 def test_warmup_step_is_not_a_leak(fake: CpuFake) -> None:
