@@ -339,10 +339,9 @@ class _Detector:
         if s.phase == _CHECKING:
             return None  # another thread is looking at this series' survivors
         rises = sum(s.rises)
-        sustained = (
-            rises >= settings.min_rises
-            and _trend.rate(s.levels, s.rises) >= settings.min_bytes_per_call
-        )
+        # The slope only where enough rises make it matter (it sorts ~120 pairwise slopes).
+        rate = _trend.rate(s.levels, s.rises) if rises >= settings.min_rises else 0.0
+        sustained = rises >= settings.min_rises and rate >= settings.min_bytes_per_call
         if s.phase == _ARMED:
             s.armed_exits += 1
             if s.captured is not None:
@@ -362,7 +361,6 @@ class _Detector:
             if not sustained:
                 s.phase = _WATCH  # the leak stopped; a new episode warns only if it differs
                 return None
-            rate = _trend.rate(s.levels, s.rises)
             ratio = rate / s.checked_rate if s.checked_rate > 0 else math.inf
             if ratio >= settings.rate_change or ratio <= 1 / settings.rate_change:
                 # A new regime: measure it on a window of its own, from this level on.

@@ -198,6 +198,25 @@ def test_ongoing_leak_is_reported_once(fake: CpuFake) -> None:
     assert len(found) == 1
 
 
+def test_a_leaking_series_measures_its_slope_once_per_call(
+    fake: CpuFake, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cudamem.growth import _trend
+
+    slopes: list[int] = []
+
+    def counted(levels: Any, rises: Any) -> float:
+        slopes.append(len(levels))
+        return rate(levels, rises)
+
+    monkeypatch.setattr(_trend, "rate", counted)
+    found = run_levels(fake, [i * 4 * MiB for i in range(40)])
+    assert [w.growth.per_call for w in found if w.growth] == [4 * MiB]
+    # every call past the first few judges the slope, and only once: a second reading in
+    # the leaking phase would double the count
+    assert 0 < len(slopes) <= 40
+
+
 def test_spans_that_raise_are_not_judged(fake: CpuFake) -> None:
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
