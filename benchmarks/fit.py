@@ -514,6 +514,65 @@ def _gru(device: torch.device, small: bool) -> Parts:
     return Parts(model, _lm_loss(model, device, vocab, seq, bf16=True))
 
 
+def _moe(device: torch.device, small: bool) -> Parts:
+    """A Mixtral-style mixture of experts from transformers' own code: 8 experts a layer,
+    2 per token, grouped-query attention; how many tokens each expert gets depends on the
+    router, so the per-sample bytes are the routing's, not a fixed shape's."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    seq = 16 if small else 512
+    dims: dict[str, Any] = (
+        {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
+        | {"num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4}
+        if small
+        else {"vocab_size": 32000, "hidden_size": 768, "intermediate_size": 1536}
+        | {"num_hidden_layers": 4, "num_attention_heads": 12, "num_key_value_heads": 4}
+        | {"num_local_experts": 8}
+    )
+    config: Any = transformers.MixtralConfig(
+        num_experts_per_tok=2, max_position_embeddings=2 * seq, **dims
+    )
+    config._attn_implementation = "sdpa"
+    model = transformers.MixtralForCausalLM(config).to(device)
+    return Parts(model, _labelled_loss(model, device, config.vocab_size, seq, bf16=True))
+
+
+def _wav2vec2(device: torch.device, small: bool) -> Parts:
+    """wav2vec 2.0 base with a CTC head, from transformers' own code: a 7-layer convolution
+    over raw 16 kHz audio (4 s, 64,000 samples a clip), then 12 transformer layers; 50
+    labels a clip."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    samples, labels = (1600, 10) if small else (64000, 50)
+    if small:
+        config: Any = transformers.Wav2Vec2Config(
+            vocab_size=32,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            conv_dim=(16, 16),
+            conv_kernel=(10, 3),
+            conv_stride=(5, 2),
+            num_conv_pos_embeddings=16,
+            num_conv_pos_embedding_groups=2,
+        )
+    else:
+        config = transformers.Wav2Vec2Config(vocab_size=32)
+    model = transformers.Wav2Vec2ForCTC(config).to(device)
+    vocab = config.vocab_size
+
+    def loss(n: int) -> torch.Tensor:
+        audio = torch.randn(n, samples, device=device)
+        targets = torch.randint(1, vocab, (n, labels), device=device)  # 0 is CTC's blank
+        with _autocast(device, True):
+            return model(input_values=audio, labels=targets).loss  # type: ignore[no-any-return]
+
+    return Parts(model, loss)
+
+
 @dataclass(frozen=True)
 class Spec:
     label: str
@@ -551,6 +610,13 @@ HELD_OUT: dict[str, Spec] = {
         ("timm",),
     ),
     "gru": Spec("GRU 3×768 bf16 @384", _gru),
+    "moe": Spec("Mixtral-style MoE 8×2 (transformers) bf16 @512", _moe, ("transformers",)),
+    "wav2vec2": Spec(
+        "wav2vec 2.0 base, CTC (transformers) bf16, 4 s", _wav2vec2, ("transformers",)
+    ),
+    "mobilenetv3": Spec(
+        "MobileNetV3-L (timm) bf16 @224", _timm("mobilenetv3_large_100", {"image": 64}), ("timm",)
+    ),
 }
 QUICK = ("mlp", "decoder", "convnext")
 PEERS = ("decoder", "resnet50", "mlp")

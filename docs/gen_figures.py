@@ -355,6 +355,9 @@ _FIT_LABELS = {
     "efficientnet": "EfficientNet-B0",
     "swin": "Swin-T",
     "gru": "GRU",
+    "moe": "MoE (Mixtral-style)",
+    "wav2vec2": "wav2vec 2.0",
+    "mobilenetv3": "MobileNetV3-L",
 }
 
 #: The fit guide's names for the peers of ``benchmarks/fit.py``.
