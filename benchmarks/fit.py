@@ -47,7 +47,7 @@ model each tool, with ``gc.collect()`` and ``empty_cache()`` between:
   (0.9× after each OOM), each from a fresh model.
 
 Usage: ``python benchmarks/fit.py [--quick] [--models M ...] [--peers M ...] [--skip-peers]
-[--out benchmarks/results/fit-zoo.json]``; ``--held-out`` runs the five models held out of the
+[--out benchmarks/results/fit-zoo.json]``; ``--held-out`` runs the eight models held out of the
 rules' tuning instead of the zoo (``--out benchmarks/results/fit-held-out.json``); ``--smoke`` runs one step of each model at n=2 on
 the CPU at tiny sizes (what ``tests/unit/test_fit_zoo.py`` runs). The JSON is written after
 each model (a run cut short keeps what it measured). The whole run is meant to take under 8
