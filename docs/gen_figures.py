@@ -388,7 +388,9 @@ def _zoo(data: dict[str, Any]) -> str:
     rows = []
     for name, m in data["models"].items():
         if "largest_0" not in m:
-            rows.append([_FIT_LABELS.get(name, name), m.get("error_message", "failed")] + [""] * 9)
+            # the message's first clause: the JSON keeps 120 characters of it
+            why = str(m.get("error_message", "failed")).split(";")[0]
+            rows.append([_FIT_LABELS.get(name, name), f"no answer: {why}"] + [""] * 9)
             continue
         b = m["budget"]
         worst = m.get("worst_peak_error")
