@@ -358,10 +358,17 @@ def _checkpointed(device: torch.device, small: bool) -> Parts:
     return Parts(model, _lm_loss(model, device, vocab, seq, bf16=False))
 
 
-def _encoder(device: torch.device, small: bool) -> Parts:
+def _transformers() -> Any:
+    """The ``transformers`` package, its warnings silenced (models from configs, no
+    weights: it would warn about every one)."""
     import transformers
 
     transformers.logging.set_verbosity_error()
+    return transformers
+
+
+def _encoder(device: torch.device, small: bool) -> Parts:
+    transformers = _transformers()
     seq = 16 if small else 512
     if small:
         config: Any = transformers.BertConfig(
@@ -456,9 +463,7 @@ def _mlp(device: torch.device, small: bool) -> Parts:
 
 
 def _gpt2(device: torch.device, small: bool) -> Parts:
-    import transformers
-
-    transformers.logging.set_verbosity_error()
+    transformers = _transformers()
     seq = 16 if small else 512
     if small:
         config: Any = transformers.GPT2Config(
@@ -471,9 +476,7 @@ def _gpt2(device: torch.device, small: bool) -> Parts:
 
 
 def _t5(device: torch.device, small: bool) -> Parts:
-    import transformers
-
-    transformers.logging.set_verbosity_error()
+    transformers = _transformers()
     source, target = (16, 8) if small else (512, 128)
     if small:
         config: Any = transformers.T5Config(
@@ -518,20 +521,21 @@ def _moe(device: torch.device, small: bool) -> Parts:
     """A Mixtral-style mixture of experts from transformers' own code: 8 experts a layer,
     2 per token, grouped-query attention; how many tokens each expert gets depends on the
     router, so the per-sample bytes are the routing's, not a fixed shape's."""
-    import transformers
-
-    transformers.logging.set_verbosity_error()
+    transformers = _transformers()
     seq = 16 if small else 512
-    dims: dict[str, Any] = (
-        {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
-        | {"num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4}
-        if small
-        else {"vocab_size": 32000, "hidden_size": 768, "intermediate_size": 1536}
-        | {"num_hidden_layers": 4, "num_attention_heads": 12, "num_key_value_heads": 4}
-        | {"num_local_experts": 8}
+    vocab, d, ff, layers, heads, kv, experts = (
+        (128, 32, 64, 2, 4, 2, 4) if small else (32000, 768, 1536, 4, 12, 4, 8)
     )
-    config: Any = transformers.MixtralConfig(
-        num_experts_per_tok=2, max_position_embeddings=2 * seq, **dims
+    config = transformers.MixtralConfig(
+        vocab_size=vocab,
+        hidden_size=d,
+        intermediate_size=ff,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        num_local_experts=experts,
+        num_experts_per_tok=2,
+        max_position_embeddings=2 * seq,
     )
     config._attn_implementation = "sdpa"
     model = transformers.MixtralForCausalLM(config).to(device)
@@ -542,9 +546,7 @@ def _wav2vec2(device: torch.device, small: bool) -> Parts:
     """wav2vec 2.0 base with a CTC head, from transformers' own code: a 7-layer convolution
     over raw 16 kHz audio (4 s, 64,000 samples a clip), then 12 transformer layers; 50
     labels a clip."""
-    import transformers
-
-    transformers.logging.set_verbosity_error()
+    transformers = _transformers()
     samples, labels = (1600, 10) if small else (64000, 50)
     if small:
         config: Any = transformers.Wav2Vec2Config(

@@ -26,6 +26,7 @@ import torch
 import cudamem
 from cudamem.allocator import backend as _backend
 from cudamem.base.data import to_data
+from cudamem.growth import _trend
 from cudamem.growth._trend import rate, theil_sen, trimmed
 from cudamem.growth.detector import _WATCH, _detector
 from cudamem.growth.settings import LeakSettings, LeakWarning
@@ -201,8 +202,6 @@ def test_ongoing_leak_is_reported_once(fake: CpuFake) -> None:
 def test_a_leaking_series_measures_its_slope_once_per_call(
     fake: CpuFake, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from cudamem.growth import _trend
-
     slopes: list[int] = []
 
     def counted(levels: Any, rises: Any) -> float:
