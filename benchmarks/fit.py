@@ -575,6 +575,19 @@ def _wav2vec2(device: torch.device, small: bool) -> Parts:
     return Parts(model, loss)
 
 
+def _compiled(device: torch.device, small: bool) -> Parts:
+    """A 4-layer decoder LM (the zoo's blocks) under ``torch.compile`` as users call it (no
+    arguments: inductor on the GPU; ``aot_eager`` for the CPU's smoke step): a new batch
+    size recompiles once (then the batch is dynamic), and inside the compiled graph the
+    modules' hooks do not run."""
+    vocab, d, layers, heads, kv, seq = (
+        (128, 64, 2, 4, 2, 16) if small else (32000, 1024, 4, 16, 4, 1024)
+    )
+    base = LM(vocab, d, layers, heads, kv, checkpointed=False).to(device)
+    model: Any = torch.compile(base, backend="aot_eager" if small else "inductor")
+    return Parts(model, _lm_loss(model, device, vocab, seq, bf16=True))
+
+
 @dataclass(frozen=True)
 class Spec:
     label: str
@@ -619,6 +632,7 @@ HELD_OUT: dict[str, Spec] = {
     "mobilenetv3": Spec(
         "MobileNetV3-L (timm) bf16 @224", _timm("mobilenetv3_large_100", {"image": 64}), ("timm",)
     ),
+    "compiled": Spec("decoder LM 4 layers, torch.compile, bf16 @1024", _compiled),
 }
 QUICK = ("mlp", "decoder", "convnext")
 PEERS = ("decoder", "resnet50", "mlp")

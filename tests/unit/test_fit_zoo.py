@@ -26,7 +26,17 @@ def test_the_zoo_is_the_nine_models(fit: Any) -> None:
     assert set(fit.QUICK) <= set(NAMES) and set(fit.PEERS) <= set(NAMES)
 
 
-HELD_OUT = ("gpt2", "t5", "efficientnet", "swin", "gru", "moe", "wav2vec2", "mobilenetv3")
+HELD_OUT = (
+    "gpt2",
+    "t5",
+    "efficientnet",
+    "swin",
+    "gru",
+    "moe",
+    "wav2vec2",
+    "mobilenetv3",
+    "compiled",
+)
 
 
 @pytest.mark.parametrize("name", NAMES + HELD_OUT)
