@@ -344,11 +344,13 @@ def _image_loss(
     return loss
 
 
-def _decoder(device: torch.device, small: bool) -> Parts:
-    vocab, d, layers, heads, kv, seq = (
-        (128, 64, 2, 4, 2, 16) if small else (32000, 1024, 8, 16, 4, 1024)
-    )
-    model = LM(vocab, d, layers, heads, kv, checkpointed=False).to(device)
+def _decoder(
+    device: torch.device, small: bool, *, layers: int = 8, compiled: bool = False
+) -> Parts:
+    vocab, d, heads, kv, seq = (128, 64, 4, 2, 16) if small else (32000, 1024, 16, 4, 1024)
+    model: Any = LM(vocab, d, 2 if small else layers, heads, kv, checkpointed=False).to(device)
+    if compiled:
+        model = torch.compile(model, backend="aot_eager" if small else "inductor")
     return Parts(model, _lm_loss(model, device, vocab, seq, bf16=True))
 
 
@@ -576,16 +578,11 @@ def _wav2vec2(device: torch.device, small: bool) -> Parts:
 
 
 def _compiled(device: torch.device, small: bool) -> Parts:
-    """A 4-layer decoder LM (the zoo's blocks) under ``torch.compile`` as users call it (no
+    """The zoo's decoder LM with 4 layers, under ``torch.compile`` as users call it (no
     arguments: inductor on the GPU; ``aot_eager`` for the CPU's smoke step): a new batch
     size recompiles once (then the batch is dynamic), and inside the compiled graph the
     modules' hooks do not run."""
-    vocab, d, layers, heads, kv, seq = (
-        (128, 64, 2, 4, 2, 16) if small else (32000, 1024, 4, 16, 4, 1024)
-    )
-    base = LM(vocab, d, layers, heads, kv, checkpointed=False).to(device)
-    model: Any = torch.compile(base, backend="aot_eager" if small else "inductor")
-    return Parts(model, _lm_loss(model, device, vocab, seq, bf16=True))
+    return _decoder(device, small, layers=4, compiled=True)
 
 
 @dataclass(frozen=True)
