@@ -163,3 +163,70 @@ def test_the_record_knows_every_group_and_benchmark_that_ci_gpu_runs() -> None:
     # every pytest file a group names exists
     for path in re.findall(r"tests/[\w/]+\.py", script):
         assert (ROOT / path).is_file(), path
+
+
+def _fake_device(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    """A copy of the repository's ``.ci/`` and ``cudamem/`` with a Python that says a GPU is
+    there and passes every pytest group, and an ``nvidia-smi`` that names a card."""
+    repo = tmp_path / "repo"
+    shutil.copytree(ROOT / ".ci", repo / ".ci")
+    shutil.copytree(
+        ROOT / "cudamem", repo / "cudamem", ignore=shutil.ignore_patterns("__pycache__", "*.so")
+    )
+    (repo / "benchmarks" / "results").mkdir(parents=True)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    python = bin_dir / "python"
+    python.write_text(
+        "#!/bin/bash\n"
+        'case "$*" in\n'
+        f'  *gpu_record.py*) exec {sys.executable} "$@" ;;\n'
+        '  *"-m pytest"*) echo "3 passed in 1.00s" ;;\n'
+        "esac\n"
+        "exit 0\n"
+    )
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text("#!/bin/bash\necho 'Fake H100 80GB HBM3, 580.1, 81559 MiB'\n")
+    for f in (python, smi):
+        f.chmod(0o755)
+    env = {"PYTHON": str(python), "PATH": f"{bin_dir}:/usr/bin:/bin", "GPU_COMMIT": "f" * 40}
+    return repo, env
+
+
+def _ci_gpu(repo: Path, out: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["bash", str(repo / ".ci" / "gpu"), str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+
+
+def test_ci_gpu_in_two_parts_writes_one_record_of_every_group(tmp_path: Path) -> None:
+    repo, env = _fake_device(tmp_path)
+    keep = tmp_path / "keep"
+    env = {**env, "CI_GPU_KEEP": str(keep)}
+    first = _ci_gpu(repo, tmp_path / "out1", {**env, "CI_GPU_PART": "1"})
+    assert first.returncode == 0, first.stderr
+    kept = {p.stem for p in (keep / "logs").glob("*.rc")}
+    assert {"plan", "trust", "docs", "modules", "build_reader"} <= kept
+    assert not kept & {"ledger", "expandable-ledger", "span_overhead"}  # part 2's
+    assert not (repo / "benchmarks" / "results" / "gpu-verified.json").exists()
+
+    second = _ci_gpu(repo, tmp_path / "out2", {**env, "CI_GPU_PART": "2"})
+    assert second.returncode in (0, 1), second.stderr  # the fake reader is not active
+    record = json.loads((repo / "benchmarks" / "results" / "gpu-verified.json").read_text())
+    assert record["card"]["name"] == "Fake H100 80GB HBM3"
+    groups = record["groups"]
+    for name in ("plan", "trust", "docs", "ledger", "expandable-ledger"):
+        assert groups[name]["rc"] == 0 and groups[name]["passed"] == 3, name
+    assert record["cudamem_tree"] == rec.tree_id(repo / "cudamem")
+
+
+def test_ci_gpu_part_2_without_part_1_refuses(tmp_path: Path) -> None:
+    repo, env = _fake_device(tmp_path)
+    env = {**env, "CI_GPU_KEEP": str(tmp_path / "nothing"), "CI_GPU_PART": "2"}
+    done = _ci_gpu(repo, tmp_path / "out", env)
+    assert done.returncode == 2 and "part 2 found no part 1" in done.stderr
+    assert not (repo / "benchmarks" / "results" / "gpu-verified.json").exists()
