@@ -8,6 +8,7 @@ import json
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 from types import ModuleType
 
@@ -213,6 +214,11 @@ def test_ci_gpu_in_two_parts_writes_one_record_of_every_group(tmp_path: Path) ->
     assert {"plan", "trust", "docs", "modules", "build_reader"} <= kept
     assert not kept & {"ledger", "expandable-ledger", "span_overhead"}  # part 2's
     assert not (repo / "benchmarks" / "results" / "gpu-verified.json").exists()
+    # what comes back from the device: the summary and the logs packed, not 26 loose files
+    out1 = sorted(p.name for p in (tmp_path / "out1").iterdir())
+    assert out1 == ["logs.tar.gz", "summary.txt"]
+    with tarfile.open(tmp_path / "out1" / "logs.tar.gz") as packed:
+        assert "logs/plan.rc" in packed.getnames() and "logs/trust.rc" in packed.getnames()
 
     second = _ci_gpu(repo, tmp_path / "out2", {**env, "CI_GPU_PART": "2"})
     assert second.returncode in (0, 1), second.stderr  # the fake reader is not active
@@ -222,6 +228,8 @@ def test_ci_gpu_in_two_parts_writes_one_record_of_every_group(tmp_path: Path) ->
     for name in ("plan", "trust", "docs", "ledger", "expandable-ledger"):
         assert groups[name]["rc"] == 0 and groups[name]["passed"] == 3, name
     assert record["cudamem_tree"] == rec.tree_id(repo / "cudamem")
+    out2 = sorted(p.name for p in (tmp_path / "out2").iterdir())
+    assert out2 == ["gpu-verified.json", "results.tar.gz", "summary.txt"]
 
 
 def test_ci_gpu_part_2_without_part_1_refuses(tmp_path: Path) -> None:
